@@ -1,0 +1,17 @@
+"""pagedkv's paged KV memory core: pure Python (no torch), shared by the engine, the simulator,
+the sizing tool and the property tests."""
+
+from pagedkv.memory.block import Block
+from pagedkv.memory.block_pool import BlockPool
+from pagedkv.memory.errors import IntegrityError, OutOfBlocksError
+from pagedkv.memory.eviction import EVICTION_POLICIES, make_eviction_policy
+from pagedkv.memory.free_queue import FreeBlockQueue
+from pagedkv.memory.kv_cache_manager import CopyPair, KVCacheManager
+from pagedkv.memory.prefix_hash import chain_hashes, root_hash
+from pagedkv.memory.stats import KVStats
+
+__all__ = [
+    "Block", "BlockPool", "CopyPair", "EVICTION_POLICIES", "FreeBlockQueue", "IntegrityError",
+    "KVCacheManager", "KVStats", "OutOfBlocksError", "chain_hashes", "make_eviction_policy",
+    "root_hash",
+]

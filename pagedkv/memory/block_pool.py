@@ -1,0 +1,153 @@
+"""The block pool: every physical block, the free queue and the prefix-cache hash index.
+
+A block is in exactly one of three states::
+
+    used          ref_count > 0              referenced by block tables (and pins)
+    cached-free   ref_count == 0, hashed     in the free queue, reusable by a prefix hit
+    empty-free    ref_count == 0, no hash    in the free queue, at its head
+
+Allocation takes the eviction policy's victim from the free queue; if that block is cached its
+hash leaves the index (an eviction). A prefix hit on a cached-free block pulls it out of the
+middle of the queue in O(1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pagedkv.memory.block import Block
+from pagedkv.memory.errors import IntegrityError, OutOfBlocksError
+from pagedkv.memory.eviction import EvictionPolicy, LRUPolicy
+from pagedkv.memory.free_queue import FreeBlockQueue
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, *, name: str = "device",
+                 eviction_policy: EvictionPolicy | None = None) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self.name = name
+        self.blocks = [Block(block_id=i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[bytes, Block] = {}  # block hash -> the block holding that prefix
+        self.policy = eviction_policy or LRUPolicy()
+        self._lru = isinstance(self.policy, LRUPolicy)
+        self.clock = 0
+        self.evictions = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        """Blocks an allocation can take now (empty-free plus cached-free)."""
+        return len(self.free_queue)
+
+    def allocate(self, n: int) -> list[Block]:
+        """Take ``n`` blocks with ref count 1, or raise OutOfBlocksError and take none."""
+        if n > len(self.free_queue):
+            raise OutOfBlocksError(n, len(self.free_queue), self.name)
+        queue = self.free_queue
+        out: list[Block] = []
+        for _ in range(n):
+            block = queue.popleft() if self._lru else self._pop_victim()
+            if block.block_hash is not None:
+                del self.cached[block.block_hash]
+                block.block_hash = None
+                self.evictions += 1
+            block.ref_count = 1
+            out.append(block)
+        return out
+
+    def _pop_victim(self) -> Block:
+        block = self.policy.choose(self.free_queue, self.clock)
+        self.free_queue.remove(block)
+        return block
+
+    def touch(self, block: Block) -> None:
+        """Take one more reference (a prefix hit or a fork); revives a cached-free block."""
+        if block.ref_count == 0:
+            self.free_queue.remove(block)
+        block.ref_count += 1
+        if block.block_hash is not None:
+            block.uses += 1
+
+    def free(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference from each block, in the given order (first freed = evicted first).
+
+        Blocks that reach ref count 0 join the free queue: cached ones at the tail (kept as long
+        as possible), empty ones at the head (reused first, losing nothing).
+        """
+        self.clock += 1
+        now = self.clock
+        queue = self.free_queue
+        for block in blocks:
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    queue.appendleft(block)
+                else:
+                    block.last_used = now
+                    queue.append(block)
+            elif block.ref_count < 0:
+                raise IntegrityError(f"{self.name} {block} freed more often than referenced")
+
+    def lookup(self, block_hash: bytes) -> Block | None:
+        return self.cached.get(block_hash)
+
+    def cache(self, block: Block, block_hash: bytes) -> bool:
+        """Register a full, computed block under its hash. False if another block has it."""
+        if block_hash in self.cached or block.block_hash is not None:
+            return False
+        self.clock += 1
+        block.block_hash = block_hash
+        block.cached_at = block.last_used = self.clock
+        block.uses = 1
+        self.cached[block_hash] = block
+        return True
+
+    def evict_cached(self, max_blocks: int | None = None) -> int:
+        """Drop cached-free blocks' hashes (their KV is forgotten); returns how many."""
+        victims = [b for b in self.free_queue if b.block_hash is not None]
+        if max_blocks is not None:
+            victims = victims[:max_blocks]
+        for block in victims:
+            del self.cached[block.block_hash]  # type: ignore[arg-type]
+            block.block_hash = None
+            # Empty blocks belong at the head of the queue.
+            self.free_queue.remove(block)
+            self.free_queue.appendleft(block)
+        self.evictions += len(victims)
+        return len(victims)
+
+    def check_integrity(self) -> None:
+        """Free queue links, ref counts and the hash index agree with each other."""
+        seen = 0
+        prev = self.free_queue._head
+        for block in self.free_queue:
+            if block.prev is not prev:
+                raise IntegrityError(f"{self.name} free queue broken link at {block}")
+            if block.ref_count != 0:
+                raise IntegrityError(f"{self.name} {block} is in the free queue but referenced")
+            prev = block
+            seen += 1
+        if seen != len(self.free_queue):
+            raise IntegrityError(f"{self.name} free queue size {len(self.free_queue)} != {seen} linked")
+        used = 0
+        for block in self.blocks:
+            if block.ref_count < 0:
+                raise IntegrityError(f"{self.name} {block} has a negative ref count")
+            in_queue = block.prev is not None
+            if (block.ref_count == 0) != in_queue:
+                raise IntegrityError(f"{self.name} {block}: free={block.ref_count == 0} but "
+                                     f"in_queue={in_queue}")
+            used += block.ref_count > 0
+            if block.block_hash is not None and self.cached.get(block.block_hash) is not block:
+                raise IntegrityError(f"{self.name} {block} has a hash the index does not map to it")
+        for block_hash, block in self.cached.items():
+            if block.block_hash != block_hash:
+                raise IntegrityError(f"{self.name} index maps a hash to {block}, which holds another")
+        if used + len(self.free_queue) != len(self.blocks):
+            raise IntegrityError(f"{self.name} used {used} + free {len(self.free_queue)} != "
+                                 f"total {len(self.blocks)}")

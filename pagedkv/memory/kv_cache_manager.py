@@ -1,0 +1,398 @@
+"""Per-sequence block tables over a device block pool and a host (swap) pool.
+
+A sequence's tokens, and what the manager knows of them::
+
+    token ids:    [ t0 t1 ... | ... | ...                          ]
+    block table:  [ b7        | b2  | b9        ]   logical block i -> physical table[i]
+                   <--- cached ---><- computed -><- new (slots reserved, KV not written) ->
+                   full blocks     num_computed   allocate_slots() covers num_computed + n
+
+- ``allocate_prompt`` registers a sequence, reuses the cached prefix blocks its prompt hashes to
+  (never the block holding the last prompt token: that token must be computed to get logits) and
+  reserves slots for the first chunk.
+- ``allocate_slots`` grows a table for the next chunk or decode token; a write into a block shared
+  with a fork copies it first (copy-on-write) and returns the ``(src, dst)`` copy for the runner.
+- ``mark_computed`` records written KV; only then do full blocks enter the prefix cache, so a
+  block is never served to another request before its KV exists.
+- ``swap_out`` / ``swap_in`` move whole sequences between the pools, returning block copy pairs.
+
+Every allocation is transactional: it raises ``OutOfBlocksError`` before changing anything.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+
+from pagedkv.memory.block_pool import BlockPool
+from pagedkv.memory.errors import IntegrityError, OutOfBlocksError
+from pagedkv.memory.eviction import make_eviction_policy
+from pagedkv.memory.prefix_hash import chain_hashes, root_hash
+from pagedkv.memory.stats import KVStats
+
+CopyPair = tuple[int, int]  # (source block id, destination block id)
+
+
+@dataclass(slots=True)
+class SeqState:
+    seq_id: Hashable
+    token_ids: list[int]
+    root: bytes  # parent hash of block 0: carries the tenant salt and adapter id
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks, chained
+    num_cached_blocks: int = 0  # leading blocks already offered to the prefix cache
+    on_host: bool = False
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Block tables, prefix caching, forks and swapping for many sequences.
+
+    Args:
+        num_blocks: device blocks in the pool.
+        block_size: token slots per block.
+        num_host_blocks: blocks in the host (swap) pool; 0 disables swapping.
+        enable_prefix_caching: reuse full computed blocks across sequences by hash.
+        eviction_policy: "lru" (default), "fifo" or "lrc"; see ``pagedkv.memory.eviction``.
+        watermark: fraction of device blocks a new prompt must leave free, so running
+            sequences can keep growing without immediate preemption (avoids thrash).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, *, num_host_blocks: int = 0,
+                 enable_prefix_caching: bool = True, eviction_policy: str = "lru",
+                 watermark: float = 0.0, lrc_alpha: float = 0.7, lrc_beta: float = 0.3) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
+        if num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        kwargs = {"alpha": lrc_alpha, "beta": lrc_beta} if eviction_policy == "lrc" else {}
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, eviction_policy=make_eviction_policy(eviction_policy, **kwargs))
+        self.host_pool = BlockPool(num_host_blocks, name="host")
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.seqs: dict[Hashable, SeqState] = {}
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.cow_copies = 0
+        self.swapped_out_blocks = 0
+        self.swapped_in_blocks = 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Device blocks an allocation can take now (free plus evictable cached)."""
+        return self.pool.num_free
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= self.pool.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` slots."""
+        return _cdiv(num_tokens, self.block_size)
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """The sequence's block table (live list: do not modify)."""
+        return self.seqs[seq_id].block_table
+
+    def num_computed(self, seq_id: Hashable) -> int:
+        return self.seqs[seq_id].num_computed
+
+    def is_swapped(self, seq_id: Hashable) -> bool:
+        return self.seqs[seq_id].on_host
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self.seqs
+
+    # ------------------------------------------------------------------ allocation
+    def allocate_prompt(self, seq_id: Hashable, token_ids: list[int], num_new_tokens: int | None = None,
+                        *, salt: str | None = None, adapter_id: str | None = None) -> int:
+        """Register a sequence, reuse its cached prefix and reserve slots for its first chunk.
+
+        Reserves slots for ``num_new_tokens`` tokens after the cached prefix (default and
+        maximum: the rest of the prompt). Returns how many prompt tokens are already cached
+        (a multiple of the block size, at most ``len(token_ids) - 1``). New prompts must leave
+        the watermark free. Raises OutOfBlocksError (changing nothing) when blocks run out and
+        ValueError for an empty prompt or a known ``seq_id``.
+        """
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id!r} is already allocated")
+        if not token_ids:
+            raise ValueError("cannot allocate an empty prompt")
+        B = self.block_size
+        seq = SeqState(seq_id, list(token_ids), root_hash(salt, adapter_id))
+        pool = self.pool
+        hits = []
+        if self.enable_prefix_caching:
+            self._hash_full_blocks(seq)
+            # The block holding the last prompt token is never a hit: it must be computed.
+            for block_hash in seq.block_hashes[:(len(token_ids) - 1) // B]:
+                block = pool.lookup(block_hash)
+                if block is None:
+                    break
+                hits.append(block)
+        num_cached = len(hits) * B
+        remaining = len(token_ids) - num_cached
+        num_new = remaining if num_new_tokens is None else max(1, min(num_new_tokens, remaining))
+        need = _cdiv(num_cached + num_new, B) - len(hits)
+        revived = sum(1 for b in hits if b.ref_count == 0)
+        available = pool.num_free - revived - self.watermark_blocks
+        if need > available:
+            raise OutOfBlocksError(need, max(available, 0))
+        for block in hits:
+            pool.touch(block)
+        seq.block_table = [b.block_id for b in hits] + [b.block_id for b in pool.allocate(need)]
+        seq.num_computed = num_cached
+        seq.num_cached_blocks = len(hits)
+        self.seqs[seq_id] = seq
+        if self.enable_prefix_caching:
+            self.prefix_query_tokens += len(token_ids)
+            self.prefix_hit_tokens += num_cached
+        return num_cached
+
+    def allocate_slots(self, seq_id: Hashable, num_new_tokens: int) -> list[CopyPair]:
+        """Make room for ``num_new_tokens`` more computed tokens; returns copy-on-write pairs.
+
+        Any block that will receive writes and is shared (ref count > 1) is replaced by a fresh
+        block; when it already holds computed tokens the ``(src, dst)`` copy is returned and must
+        be done before this step's KV is written. Raises OutOfBlocksError, changing nothing.
+        """
+        seq = self.seqs[seq_id]
+        if seq.on_host:
+            raise ValueError(f"sequence {seq_id!r} is swapped out; swap it in first")
+        B = self.block_size
+        table = seq.block_table
+        start = seq.num_computed
+        first = start // B
+        last = _cdiv(start + num_new_tokens, B)  # exclusive
+        missing = last - len(table)
+        blocks = self.pool.blocks
+        shared = [i for i in range(first, min(last, len(table))) if blocks[table[i]].ref_count > 1]
+        total = max(missing, 0) + len(shared)
+        if total == 0:
+            return []
+        if total > self.pool.num_free:
+            raise OutOfBlocksError(total, self.pool.num_free)
+        fresh = self.pool.allocate(total)
+        copies: list[CopyPair] = []
+        for i, new in zip(shared, fresh):
+            old = blocks[table[i]]
+            if i * B < start:  # holds computed tokens to carry over
+                copies.append((old.block_id, new.block_id))
+            table[i] = new.block_id
+            self.pool.free((old,))
+        table.extend(b.block_id for b in fresh[len(shared):])
+        self.cow_copies += len(copies)
+        return copies
+
+    def append_tokens(self, seq_id: Hashable, token_ids: Iterable[int]) -> None:
+        """Record tokens generated for the sequence (bookkeeping only, allocates nothing)."""
+        self.seqs[seq_id].token_ids.extend(token_ids)
+
+    def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Record that the KV of ``num_tokens`` more tokens is written.
+
+        Blocks that this makes full join the prefix cache (if enabled).
+        """
+        seq = self.seqs[seq_id]
+        n = seq.num_computed + num_tokens
+        if num_tokens < 0 or n > len(seq.token_ids) or n > len(seq.block_table) * self.block_size:
+            raise ValueError(f"sequence {seq_id!r}: cannot mark {num_tokens} more tokens computed "
+                             f"({seq.num_computed} computed, {len(seq.token_ids)} known, "
+                             f"{len(seq.block_table) * self.block_size} slots)")
+        seq.num_computed = n
+        if self.enable_prefix_caching and n // self.block_size > seq.num_cached_blocks:
+            self._cache_full_blocks(seq)
+
+    def _hash_full_blocks(self, seq: SeqState) -> None:
+        B = self.block_size
+        done = len(seq.block_hashes)
+        full = len(seq.token_ids) // B
+        if full > done:
+            parent = seq.block_hashes[-1] if done else seq.root
+            seq.block_hashes.extend(chain_hashes(parent, seq.token_ids, B, done, full))
+
+    def _cache_full_blocks(self, seq: SeqState) -> None:
+        full = seq.num_computed // self.block_size
+        self._hash_full_blocks(seq)
+        blocks = self.pool.blocks
+        for i in range(seq.num_cached_blocks, full):
+            self.pool.cache(blocks[seq.block_table[i]], seq.block_hashes[i])
+        seq.num_cached_blocks = full
+
+    # ------------------------------------------------------------------ forks and freeing
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Make ``child_id`` share every block of ``parent_id`` (ref counts, no copy)."""
+        if child_id in self.seqs:
+            raise ValueError(f"sequence {child_id!r} is already allocated")
+        parent = self.seqs[parent_id]
+        if parent.on_host:
+            raise ValueError(f"sequence {parent_id!r} is swapped out; swap it in before forking")
+        child = SeqState(child_id, list(parent.token_ids), parent.root, list(parent.block_table),
+                         parent.num_computed, list(parent.block_hashes), parent.num_cached_blocks)
+        blocks = self.pool.blocks
+        for block_id in child.block_table:
+            self.pool.touch(blocks[block_id])
+        self.seqs[child_id] = child
+
+    def free(self, seq_id: Hashable) -> None:
+        """Release a sequence's blocks. Its last block is freed first, so under LRU a cached
+        prefix chain is evicted from its tail and its shared head survives longest."""
+        seq = self.seqs.pop(seq_id)
+        pool = self.host_pool if seq.on_host else self.pool
+        blocks = pool.blocks
+        pool.free(blocks[i] for i in reversed(seq.block_table))
+
+    def evict_cached(self, max_blocks: int | None = None) -> int:
+        """Forget cached-free prefix blocks (all, or up to ``max_blocks``); returns the count."""
+        return self.pool.evict_cached(max_blocks)
+
+    def pin(self, block_id: int) -> None:
+        """Keep a used block (e.g. a system prompt's cached prefix) from ever being evicted."""
+        block = self.pool.blocks[block_id]
+        if block.pinned:
+            return
+        if block.ref_count == 0:
+            raise ValueError(f"only a used block can be pinned; {block} is free")
+        block.pinned = True
+        self.pool.touch(block)
+
+    def unpin(self, block_id: int) -> None:
+        block = self.pool.blocks[block_id]
+        if block.pinned:
+            block.pinned = False
+            self.pool.free((block,))
+
+    # ------------------------------------------------------------------ swapping
+    def swap_out(self, seq_ids: Iterable[Hashable]) -> list[CopyPair]:
+        """Move sequences' blocks to the host pool; returns ``(device, host)`` copy pairs.
+
+        Blocks shared among the given sequences are copied once and stay shared on the host.
+        Raises OutOfBlocksError (pool "host"), changing nothing, when the host pool is full.
+        """
+        seqs = self._resident(seq_ids, on_host=False)
+        mapping = self._remap(seqs, self.pool, self.host_pool)
+        self.swapped_out_blocks += len(mapping)
+        return list(mapping.items())
+
+    def swap_in(self, seq_ids: Iterable[Hashable]) -> list[CopyPair]:
+        """Bring swapped sequences back to device blocks; returns ``(host, device)`` copy pairs.
+
+        Raises OutOfBlocksError, changing nothing, when the device pool lacks the blocks.
+        """
+        seqs = self._resident(seq_ids, on_host=True)
+        mapping = self._remap(seqs, self.host_pool, self.pool)
+        self.swapped_in_blocks += len(mapping)
+        for seq in seqs:
+            seq.num_cached_blocks = 0
+            if self.enable_prefix_caching:
+                self._cache_full_blocks(seq)
+        return list(mapping.items())
+
+    def _resident(self, seq_ids: Iterable[Hashable], *, on_host: bool) -> list[SeqState]:
+        seqs = [self.seqs[s] for s in dict.fromkeys(seq_ids)]
+        for seq in seqs:
+            if seq.on_host != on_host:
+                where = "swapped out" if seq.on_host else "on the device"
+                raise ValueError(f"sequence {seq.seq_id!r} is already {where}")
+        return seqs
+
+    def _remap(self, seqs: list[SeqState], src: BlockPool, dst: BlockPool) -> dict[int, int]:
+        refs = Counter(b for seq in seqs for b in seq.block_table)
+        if len(refs) > dst.num_free:
+            raise OutOfBlocksError(len(refs), dst.num_free, dst.name)
+        mapping = {}
+        for src_id, block in zip(refs, dst.allocate(len(refs))):
+            block.ref_count = refs[src_id]
+            mapping[src_id] = block.block_id
+        src_blocks = src.blocks
+        for seq in seqs:
+            src.free(src_blocks[i] for i in reversed(seq.block_table))
+            seq.block_table = [mapping[i] for i in seq.block_table]
+            seq.on_host = dst is self.host_pool
+        return mapping
+
+    # ------------------------------------------------------------------ inspection
+    def stats(self) -> KVStats:
+        B = self.block_size
+        filled: dict[int, int] = {}
+        for seq in self.seqs.values():
+            if seq.on_host:
+                continue
+            n = min(len(seq.token_ids), len(seq.block_table) * B)
+            for i, block_id in enumerate(seq.block_table):
+                fill = min(B, n - i * B)
+                if fill <= 0:
+                    break
+                if fill > filled.get(block_id, 0):
+                    filled[block_id] = fill
+        pool = self.pool
+        used = pool.num_blocks - pool.num_free
+        evictable = sum(1 for b in pool.free_queue if b.block_hash is not None)
+        return KVStats(
+            num_blocks=pool.num_blocks, block_size=B, used_blocks=used, free_blocks=pool.num_free,
+            cached_blocks=len(pool.cached), evictable_blocks=evictable, num_seqs=len(self.seqs),
+            filled_slots=sum(filled.values()), allocated_slots=used * B,
+            prefix_query_tokens=self.prefix_query_tokens, prefix_hit_tokens=self.prefix_hit_tokens,
+            evictions=pool.evictions, cow_copies=self.cow_copies,
+            swapped_out_blocks=self.swapped_out_blocks, swapped_in_blocks=self.swapped_in_blocks,
+            host_blocks=self.host_pool.num_blocks,
+            host_used_blocks=self.host_pool.num_blocks - self.host_pool.num_free)
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError unless every structure agrees with every other.
+
+        Checks both pools (free queue, ref counts, hash index), that each block's ref count
+        equals the block-table references to it (plus one if pinned), and that every cached
+        block a sequence holds carries the hash of that sequence's prefix.
+        """
+        self.pool.check_integrity()
+        self.host_pool.check_integrity()
+        B = self.block_size
+        refs = {False: Counter[int](), True: Counter[int]()}
+        for seq in self.seqs.values():
+            table = seq.block_table
+            if len(set(table)) != len(table):
+                raise IntegrityError(f"sequence {seq.seq_id!r} maps one block twice: {table}")
+            if not seq.num_computed <= len(seq.token_ids):
+                raise IntegrityError(f"sequence {seq.seq_id!r} computed more tokens than it has")
+            if seq.num_computed > len(table) * B:
+                raise IntegrityError(f"sequence {seq.seq_id!r} computed tokens have no slots")
+            if seq.num_cached_blocks > seq.num_computed // B:
+                raise IntegrityError(f"sequence {seq.seq_id!r} cached a block before computing it")
+            refs[seq.on_host].update(table)
+            if not seq.on_host:
+                for i in range(seq.num_cached_blocks):
+                    h = self.pool.blocks[table[i]].block_hash
+                    if h is not None and h != seq.block_hashes[i]:
+                        raise IntegrityError(f"sequence {seq.seq_id!r} block {i} holds another "
+                                             f"prefix's hash")
+        for pool, counts in ((self.pool, refs[False]), (self.host_pool, refs[True])):
+            for block in pool.blocks:
+                expected = counts[block.block_id] + block.pinned
+                if block.ref_count != expected:
+                    raise IntegrityError(f"{pool.name} {block}: ref count {block.ref_count} but "
+                                         f"{expected} references")
+
+    def pretty_print(self) -> str:
+        """A readable dump of every sequence's block table and the cached blocks."""
+        lines = [f"KVCacheManager: {self.num_blocks} blocks x {self.block_size} slots, "
+                 f"{self.pool.num_free} free, {len(self.pool.cached)} cached"]
+        for seq in self.seqs.values():
+            where = "host" if seq.on_host else "device"
+            lines.append(f"  seq {seq.seq_id!r} [{where}] tokens={len(seq.token_ids)} "
+                         f"computed={seq.num_computed} table={seq.block_table}")
+        return "\n".join(lines)

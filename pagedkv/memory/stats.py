@@ -1,0 +1,54 @@
+"""A snapshot of the KV memory's state and counters."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class KVStats:
+    """KV-cache figures at one instant.
+
+    Block states: ``used + free == num_blocks``; ``free`` counts every block an allocation could
+    take, of which ``evictable_blocks`` still hold a cached prefix. ``cached_blocks`` counts all
+    blocks holding a cached prefix, used or free. Fragmentation is the share of allocated slots
+    (used blocks x block size) that hold no token: ``1 - filled_slots / allocated_slots``.
+    Prefix-cache figures are in tokens: how many prompt tokens were looked up, how many were hits.
+    """
+
+    num_blocks: int
+    block_size: int
+    used_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    evictable_blocks: int
+    num_seqs: int
+    filled_slots: int
+    allocated_slots: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    evictions: int
+    cow_copies: int
+    swapped_out_blocks: int
+    swapped_in_blocks: int
+    host_blocks: int
+    host_used_blocks: int
+
+    @property
+    def usage(self) -> float:
+        return self.used_blocks / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def fragmentation(self) -> float:
+        return 1.0 - self.filled_slots / self.allocated_slots if self.allocated_slots else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        q = self.prefix_query_tokens
+        return self.prefix_hit_tokens / q if q else 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        d: dict[str, float | int] = asdict(self)
+        d.update(usage=self.usage, fragmentation=self.fragmentation,
+                 prefix_hit_rate=self.prefix_hit_rate)
+        return d

@@ -1,0 +1,92 @@
+"""Sampling parameters of one request, validated once at construction (vLLM's names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens for one request.
+
+    Greedy when ``temperature == 0``. A per-request ``seed`` makes sampling reproducible whatever
+    else shares the batch. ``n > 1`` returns ``n`` completions that share the prompt's KV blocks
+    (copy-on-write forks). ``logprobs=k`` returns the chosen token's log-probability and the top
+    ``k`` alternatives at every step. Invalid values raise ``ValueError`` naming the field.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept lists and single strings for convenience, store tuples (hashable, immutable).
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        if not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        _check_int("n", self.n, low=1)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, low=1)
+        _check_number("temperature", self.temperature, low=0.0)
+        _check_number("top_p", self.top_p, low=0.0, high=1.0)
+        if self.top_p == 0.0:
+            raise ValueError("top_p must be in (0, 1], got 0")
+        _check_int("top_k", self.top_k, low=-1)
+        _check_number("min_p", self.min_p, low=0.0, high=1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=None)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0, high=20)
+        _check_int("min_tokens", self.min_tokens, low=0)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, low=0)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check_int(name: str, value: object, *, low: int | None, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
+
+
+def _check_number(name: str, value: object, *, low: float, high: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value != value or value < low or (high is not None and value > high):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class BeamSearchParams:
+    beam_width: int
+    max_tokens: int
+    length_penalty: float = 1.0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        _check_int("beam_width", self.beam_width, low=1)
+        _check_int("max_tokens", self.max_tokens, low=1)

