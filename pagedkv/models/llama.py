@@ -1,0 +1,120 @@
+"""The Llama-family decoder (llama, mistral, qwen2, SmolLM) on flattened tokens.
+
+The model is pure: it knows nothing about blocks or caches. Each layer hands its rotated q, k, v to
+an ``AttentionFn`` supplied by the caller (the runner's paged attention, or a plain causal one in
+tests). All linear layers run on ``[total_tokens, hidden]``; q/k/v and gate/up are fused into one
+matmul each (the loader concatenates the checkpoint's weights into them).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedkv.models.config import ModelConfig
+from pagedkv.models.rope import RotaryEmbedding, apply_rope
+
+
+class AttentionFn(Protocol):
+    """Attention for one layer: q ``[T, heads, d]``, k/v ``[T, kv_heads, d]`` -> ``[T, heads, d]``."""
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        qkv_out = config.q_size + 2 * config.kv_size
+        self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_proj_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
+                ) -> torch.Tensor:
+        t = x.shape[0]
+        h, kvh = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(t, h + 2 * kvh, self.head_dim)  # [T, H + 2*KVH, d]
+        qk = apply_rope(qkv[:, : h + kvh], cos, sin)  # q and k rotated in one op
+        q, k = qk[:, :h], qk[:, h:]
+        v = qkv[:, h + kvh:]
+        out = attention(self.layer_idx, q, k, v)  # [T, H, d]
+        return self.o_proj(out.reshape(t, h * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2 * I]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
+                ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder + LM head. ``forward`` takes flattened tokens of many sequences at once."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        # Not a submodule: its tables are derived data, never part of the state dict.
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        attention: AttentionFn,
+        logits_indices: torch.Tensor | None = None,  # [N] rows of T whose logits are wanted
+        max_position: int | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[N, vocab]`` (``N = T`` when ``logits_indices`` is None), in the model's dtype."""
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        top = int(positions.max()) if max_position is None else max_position
+        cos, sin = self.rotary.cos_sin(positions, top, x.dtype)  # [T, 1, d] each, shared by all layers
+        for layer in self.layers:
+            x = layer(x, cos, sin, attention)
+        if logits_indices is not None:
+            x = x.index_select(0, logits_indices)  # [N, hidden]: only the rows we sample from
+        x = self.norm(x)
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, head)  # [N, vocab]

@@ -1,0 +1,134 @@
+"""Checkpoint -> module weight mapping: an explicit name map plus the q/k/v and gate/up fusion.
+
+Checkpoint names are Hugging Face's (``model.layers.3.self_attn.q_proj.weight``); the GGUF loader
+renames llama.cpp tensors to them first, so this is the single place that knows the module layout.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import torch
+
+from pagedkv.models.config import ModelConfig
+from pagedkv.models.errors import MissingTensorError, ModelLoadError
+from pagedkv.models.llama import LlamaForCausalLM
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# checkpoint suffix inside a layer -> (module suffix, shard name or None)
+_LAYER_MAP: dict[str, tuple[str, str | None]] = {
+    "input_layernorm.weight": ("input_layernorm.weight", None),
+    "post_attention_layernorm.weight": ("post_attention_layernorm.weight", None),
+    "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", "q"),
+    "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", "k"),
+    "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", "v"),
+    "self_attn.q_proj.bias": ("self_attn.qkv_proj.bias", "q"),
+    "self_attn.k_proj.bias": ("self_attn.qkv_proj.bias", "k"),
+    "self_attn.v_proj.bias": ("self_attn.qkv_proj.bias", "v"),
+    "self_attn.o_proj.weight": ("self_attn.o_proj.weight", None),
+    "self_attn.o_proj.bias": ("self_attn.o_proj.bias", None),
+    "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", "gate"),
+    "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", "up"),
+    "mlp.gate_proj.bias": ("mlp.gate_up_proj.bias", "gate"),
+    "mlp.up_proj.bias": ("mlp.gate_up_proj.bias", "up"),
+    "mlp.down_proj.weight": ("mlp.down_proj.weight", None),
+    "mlp.down_proj.bias": ("mlp.down_proj.bias", None),
+}
+_TOP_MAP: dict[str, str] = {
+    "model.embed_tokens.weight": "embed_tokens.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
+
+
+class Target(NamedTuple):
+    """Where one checkpoint tensor goes: a module parameter and the row range inside it."""
+
+    param: str
+    row_start: int
+    row_end: int | None  # None: the whole parameter
+
+
+def _shard_rows(config: ModelConfig, shard: str) -> tuple[int, int]:
+    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    return {
+        "q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv),
+        "gate": (0, inter), "up": (inter, 2 * inter),
+    }[shard]
+
+
+def map_name(config: ModelConfig, name: str) -> Target | None:
+    """The module target of checkpoint tensor ``name``; None for names the model does not use."""
+    if name in _TOP_MAP:
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            return None
+        return Target(_TOP_MAP[name], 0, None)
+    m = _LAYER.match(name)
+    if m and m.group(2) in _LAYER_MAP:
+        layer = int(m.group(1))
+        if layer >= config.num_hidden_layers:
+            return None
+        suffix, shard = _LAYER_MAP[m.group(2)]
+        param = f"layers.{layer}.{suffix}"
+        if shard is None:
+            return Target(param, 0, None)
+        start, end = _shard_rows(config, shard)
+        return Target(param, start, end)
+    return None
+
+
+def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]],
+                dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """Build the model without random init and fill every parameter from ``tensors``.
+
+    Raises MissingTensorError naming the first missing checkpoint tensors, ModelLoadError on a
+    shape mismatch. Unknown checkpoint names are reported with a warning and skipped.
+    """
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device="cpu").to(dtype)
+    params = dict(model.named_parameters())
+    filled: dict[str, int] = {name: 0 for name in params}  # rows written per parameter
+    unknown: list[str] = []
+    for name, tensor in tensors:
+        target = map_name(config, name)
+        if target is None:
+            if not _IGNORED.search(name) and name != "lm_head.weight":
+                unknown.append(name)
+            continue
+        if target.param not in params:
+            raise ModelLoadError(f"checkpoint tensor {name!r} has no place in this config ({target.param})")
+        dest = params[target.param].data
+        if target.row_end is not None:
+            dest = dest[target.row_start:target.row_end]
+        if tuple(tensor.shape) != tuple(dest.shape):
+            raise ModelLoadError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+            )
+        dest.copy_(tensor)
+        filled[target.param] += dest.shape[0] if dest.dim() else 1
+    missing = [p for p, rows in filled.items() if rows < (params[p].shape[0] if params[p].dim() else 1)]
+    if missing:
+        raise MissingTensorError(
+            f"checkpoint lacks tensors for {len(missing)} parameters, e.g. {', '.join(missing[:4])} "
+            f"(checkpoint names: {', '.join(_checkpoint_names(p) for p in missing[:4])})"
+        )
+    if unknown:
+        warnings.warn(f"ignored {len(unknown)} unknown checkpoint tensors, e.g. {unknown[:3]}", stacklevel=2)
+    model.eval()
+    return model
+
+
+def _checkpoint_names(param: str) -> str:
+    for ckpt, mod in _TOP_MAP.items():
+        if mod == param:
+            return ckpt
+    m = re.match(r"^layers\.(\d+)\.(.+)$", param)
+    if m:
+        names = [k for k, (suffix, _) in _LAYER_MAP.items() if suffix == m.group(2)]
+        return "/".join(f"model.layers.{m.group(1)}.{n}" for n in names)
+    return param
