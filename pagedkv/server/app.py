@@ -1,0 +1,167 @@
+"""The FastAPI app: OpenAI-compatible routes, API-key check, errors in OpenAI's format.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (all behind the
+API key when one is set), ``GET /health`` and ``GET /metrics`` (open, for probes and scrapers).
+
+Error statuses: 400 malformed JSON, invalid or mistyped fields (validation errors are 400, not
+FastAPI's 422), prompt too long (message names the limit); 401 missing or wrong API key;
+404 unknown model or route; 429 queue full and 503 draining, both with ``Retry-After``;
+500 unexpected errors. Bodies are always ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from pagedkv.server.async_engine import AsyncEngine
+from pagedkv.server.metrics import CONTENT_TYPE, ServerMetrics
+from pagedkv.server.protocol import (
+    MAX_CHOICES,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+    parse_body,
+)
+from pagedkv.server.responses import ChatFormat, CompletionFormat
+from pagedkv.server.serving import Generation, ServerState, serve_generation
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(
+    engine: AsyncEngine,
+    *,
+    served_model_names: list[str] | None = None,
+    api_key: str | None = None,
+    max_queue: int | None = None,
+) -> FastAPI:
+    """Build the app around an AsyncEngine; the app starts its engine thread and drains it on shutdown."""
+    names = served_model_names or [engine.engine.model_name]
+    config = getattr(engine.engine, "config", None)
+    state = ServerState(
+        engine=engine,
+        metrics=ServerMetrics(names[0]),
+        served_model_names=names,
+        api_key=api_key or None,
+        max_queue=max_queue,
+        max_num_seqs=getattr(config, "max_num_seqs", 256),
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        state.draining = True
+        engine.shutdown()
+
+    app = FastAPI(title="pagedkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    app.include_router(_api_router(state))
+    app.include_router(_ops_router(state))
+    _install_error_handlers(app, state)
+    return app
+
+
+def _api_router(state: ServerState) -> APIRouter:
+    async def require_api_key(request: Request) -> None:
+        if state.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
+            raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                           type="authentication_error", code="invalid_api_key")
+
+    router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+
+    @router.get("/models")
+    async def models() -> dict[str, Any]:
+        max_len = getattr(getattr(state.engine.engine, "config", None), "max_model_len", None)
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "pagedkv", "root": name,
+                 "max_model_len": max_len} for name in state.served_model_names]
+        return {"object": "list", "data": data}
+
+    @router.post("/completions")
+    async def completions(request: Request) -> Response:
+        body = parse_body(await request.body(), CompletionRequest)
+        state.check_model(body.model)
+        params = body.to_sampling_params()
+        gen = Generation(
+            prompts=body.prompts(), params=params, fmt=CompletionFormat(body.logprobs or 0),
+            stream=body.stream, include_usage=body.include_usage_in_stream, echo=body.echo,
+            cache_salt=body.cache_salt, priority=body.priority,
+        )
+        if len(gen.prompts) * params.n > MAX_CHOICES:
+            raise bad_request(f"at most {MAX_CHOICES} choices (prompts times n) per request", param="n")
+        return await serve_generation(state, request, gen)
+
+    @router.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = parse_body(await request.body(), ChatCompletionRequest)
+        state.check_model(body.model)
+        params = body.to_sampling_params()
+        tokenizer = state.engine.engine.tokenizer
+        try:
+            prompt = tokenizer.apply_chat_template(body.chat_messages(),
+                                                   add_generation_prompt=body.add_generation_prompt)
+        except APIError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
+            raise bad_request(f"cannot apply the chat template: {exc}", param="messages") from exc
+        gen = Generation(
+            prompts=[prompt], params=params, fmt=ChatFormat(body.top_logprobs or 0),
+            stream=body.stream, include_usage=body.include_usage_in_stream,
+            cache_salt=body.cache_salt, priority=body.priority,
+        )
+        return await serve_generation(state, request, gen)
+
+    return router
+
+
+def _ops_router(state: ServerState) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> Response:
+        if state.engine.is_dead:
+            raise APIError(503, "the engine has stopped", type="service_unavailable", code="engine_dead")
+        if state.draining:
+            raise APIError(503, "the server is shutting down", type="service_unavailable",
+                           code="server_draining", headers={"Retry-After": "5"})
+        return JSONResponse({"status": "ok"})
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        stats = await state.engine.call(lambda engine: engine.stats())
+        return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
+
+    return router
+
+
+def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
+    def respond(error: APIError) -> JSONResponse:
+        state.metrics.count_error(error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return respond(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return respond(APIError(exc.status_code, str(exc.detail), type=kind))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error in %s %s", request.method, request.url.path)
+        return respond(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="internal_error"))

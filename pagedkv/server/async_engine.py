@@ -1,0 +1,262 @@
+"""The bridge between asyncio request handlers and the (not thread-safe) engine.
+
+One engine thread owns the engine. Handlers never touch it: they post commands (add, abort, call)
+to the thread and read outputs from a per-request ``asyncio.Queue`` that the thread feeds with
+``loop.call_soon_threadsafe``. The thread steps while any request is unfinished and sleeps on a
+condition otherwise, so requests that arrive while others run join the next step (continuous
+batching) and an idle server costs nothing.
+
+    handler ──add/abort/call──▶ [commands] ──▶ engine thread: run commands, engine.step()
+    handler ◀──RequestOutput── asyncio.Queue ◀──call_soon_threadsafe──┘
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pagedkv.outputs import RequestOutput
+from pagedkv.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped after an unexpected error; no request can be served."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+
+@dataclass(slots=True)
+class _Command:
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future[Any] | None
+
+
+class OutputStream:
+    """Outputs of a group of requests, in arrival order; ends when all have finished or on abort.
+
+    ``abort`` (idempotent) aborts the unfinished ones and wakes a consumer waiting on the stream.
+    An engine failure is raised from ``__anext__`` as EngineDeadError.
+    """
+
+    def __init__(self, owner: AsyncEngine, request_ids: list[str], queue: asyncio.Queue[Any]) -> None:
+        self._owner = owner
+        self._queue = queue
+        self.unfinished = set(request_ids)
+        self.aborted = False
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self.unfinished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is _ABORTED:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self.unfinished.clear()
+            raise item
+        if item.finished:
+            self.unfinished.discard(item.request_id)
+        return item
+
+    def abort(self) -> None:
+        if not self.unfinished:
+            return
+        self.aborted = True
+        for rid in self.unfinished:
+            self._owner.abort(rid)
+        self.unfinished.clear()
+        self._queue.put_nowait(_ABORTED)
+
+
+_ABORTED = object()
+
+
+class AsyncEngine:
+    """Serve one engine to many asyncio tasks through one engine thread.
+
+    ``add_requests`` returns an :class:`OutputStream` of cumulative RequestOutputs; its owner must
+    ``abort()`` it when it stops reading early (a client disconnect), which frees the blocks.
+    ``shutdown`` lets unfinished requests run to the end, then stops the thread.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._commands: deque[_Command] = deque()
+        self._streams: dict[str, _Stream] = {}  # owned by the engine thread
+        self._num_in_flight = 0  # requests added and not finished; read by handlers for admission
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Finish every unfinished request, then stop the engine thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None
+
+    # ----------------------------------------------------------------- handler side
+    async def add_requests(
+        self,
+        prompts: list[tuple[str, str | list[int]]],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> OutputStream:
+        """Add ``(request_id, prompt)`` pairs atomically: all are added, or none and the error is raised.
+
+        Raises what ``engine.add_request`` raises (RequestRejectedError, RequestTooLongError,
+        ValueError) or EngineDeadError. The returned stream yields their outputs as they come.
+        """
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        request_ids = [rid for rid, _ in prompts]
+
+        def add() -> None:
+            added: list[str] = []
+            try:
+                for rid, prompt in prompts:
+                    self.engine.add_request(rid, prompt, params, cache_salt=cache_salt, priority=priority)
+                    added.append(rid)
+            except BaseException:
+                for rid in added:
+                    self.engine.abort_request(rid)
+                raise
+            for rid in added:
+                self._streams[rid] = stream
+            self._num_in_flight += len(added)
+
+        try:
+            await self._submit(add)
+        except asyncio.CancelledError:
+            for rid in request_ids:  # the add may still run: undo it
+                self.abort(rid)
+            raise
+        return OutputStream(self, request_ids, stream.queue)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (fire and forget); unknown or finished ids are ignored."""
+
+        def abort() -> None:
+            if self._streams.pop(request_id, None) is not None:
+                self._num_in_flight -= 1
+                self.engine.abort_request(request_id)
+
+        self._post(_Command(abort, None))
+
+    async def call(self, fn: Callable[[Any], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps, e.g. ``engine.stats()``."""
+        return await self._submit(lambda: fn(self.engine))
+
+    def call_threadsafe(self, fn: Callable[[Any], T]) -> concurrent.futures.Future[T]:
+        """Like :meth:`call`, from any thread; returns a future of ``fn(engine)``."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._post(_Command(lambda: fn(self.engine), future))
+        return future
+
+    async def _submit(self, fn: Callable[[], T]) -> T:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._post(_Command(fn, future))
+        return await asyncio.wrap_future(future)
+
+    def _post(self, command: _Command) -> None:
+        with self._cond:
+            if self._dead is not None:
+                if command.future is not None:
+                    command.future.set_exception(EngineDeadError(f"engine stopped: {self._dead!r}"))
+                return
+            self._commands.append(command)
+            self._cond.notify()
+
+    # ----------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._commands and not self._has_work() and not self._stopping:
+                        self._cond.wait()
+                    commands, self._commands = self._commands, deque()
+                    if self._stopping and not commands and not self._has_work():
+                        return
+                for command in commands:
+                    self._execute(command)
+                if self._has_work():
+                    self._step()
+        except BaseException as exc:  # noqa: BLE001 - the thread must report, not vanish
+            logger.exception("engine thread failed")
+            self._die(exc)
+
+    def _has_work(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def _execute(self, command: _Command) -> None:
+        try:
+            result = command.fn()
+        except Exception as exc:  # noqa: BLE001 - a failed command fails its caller only
+            if command.future is not None:
+                command.future.set_exception(exc)
+            else:
+                logger.exception("engine command failed")
+            return
+        if command.future is not None:
+            command.future.set_result(result)
+
+    def _step(self) -> None:
+        for out in self.engine.step():
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted while the step ran
+            if out.finished:
+                del self._streams[out.request_id]
+                self._num_in_flight -= 1
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+        if self._streams and not self.engine.has_unfinished_requests():
+            # Cannot happen with an engine that keeps its contract; never leave a handler waiting.
+            lost = RuntimeError("the engine dropped the request without finishing it")
+            for stream in self._streams.values():
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, lost)
+            self._num_in_flight -= len(self._streams)
+            self._streams.clear()
+
+    def _die(self, exc: BaseException) -> None:
+        with self._cond:
+            self._dead = exc
+            commands, self._commands = self._commands, deque()
+        error = EngineDeadError(f"engine stopped: {exc!r}")
+        for command in commands:
+            if command.future is not None and not command.future.done():
+                command.future.set_exception(error)
+        for stream in self._streams.values():
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+        self._streams.clear()
+        self._num_in_flight = 0

@@ -1,0 +1,125 @@
+"""``pagedkv serve``: argument parser and entry point.
+
+The top-level CLI wires it in with ``add_serve_parser(subparsers)`` and calls ``run_serve(args)``.
+Engine flags keep vLLM's names; flags left unset fall back to the engine's defaults.
+
+SIGTERM (or Ctrl-C) drains: new requests get 503, requests in flight run to the end (up to
+``--drain-timeout`` seconds), then the engine thread stops and the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from typing import Any
+
+# Engine options passed through from flags of the same name (dashes -> underscores).
+ENGINE_FLAGS: dict[str, dict[str, Any]] = {
+    "--block-size": {"type": int, "help": "token slots per KV block (default 16)"},
+    "--enable-prefix-caching": {"action": argparse.BooleanOptionalAction,
+                                "help": "share KV blocks of common prompt prefixes"},
+    "--kv-cache-memory": {"type": lambda s: _parse_bytes(s),
+                          "help": "bytes for the KV cache; suffixes K, M, G, KiB, MiB, GiB accepted"},
+    "--num-kv-blocks": {"type": int, "help": "number of KV blocks (overrides --kv-cache-memory)"},
+    "--swap-space": {"type": float, "help": "host swap space for preempted blocks, in GiB"},
+    "--max-num-seqs": {"type": int, "help": "most sequences in one batch"},
+    "--max-num-batched-tokens": {"type": int, "help": "most tokens in one step (chunked prefill)"},
+    "--max-model-len": {"type": int, "help": "longest prompt plus output, in tokens"},
+    "--preemption-mode": {"choices": ["recompute", "swap"], "help": "how to preempt under memory pressure"},
+    "--eviction-policy": {"type": str, "help": "which cached blocks to evict first (engine's choices)"},
+    "--dtype": {"type": str, "help": "model dtype, e.g. float32, bfloat16, auto"},
+    "--seed": {"type": int, "help": "global random seed"},
+}
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``serve`` subcommand to a top-level parser's subparsers and return its parser."""
+    p = subparsers.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server",
+        description="Serve a model over an OpenAI-compatible HTTP API with Prometheus metrics.",
+    )
+    add_serve_arguments(p)
+    return p
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="model folder or GGUF file (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000; 0 picks a free one)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (also env PAGEDKV_API_KEY)")
+    p.add_argument("--served-model-name", action="append", default=None,
+                   help="model name clients use (repeatable; default: the engine's model name)")
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="requests allowed to wait beyond --max-num-seqs; more get 429 (default: no limit)")
+    p.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="seconds to let in-flight requests finish after SIGTERM (default 60)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--debug-integrity", action="store_true", help="check KV-cache integrity after every step")
+    for flag, kwargs in ENGINE_FLAGS.items():
+        p.add_argument(flag, default=None, **kwargs)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options the user set (vLLM names), leaving the rest to the engine's defaults."""
+    options = {}
+    for flag in ENGINE_FLAGS:
+        name = flag[2:].replace("-", "_")
+        value = getattr(args, name, None)
+        if value is not None:
+            options[name] = value
+    if getattr(args, "debug_integrity", False):
+        options["debug_integrity"] = True
+    return options
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the engine, serve until SIGTERM/SIGINT, drain, and return the exit status."""
+    import uvicorn
+
+    from pagedkv.engine import LLMEngine
+    from pagedkv.server.app import create_app
+    from pagedkv.server.async_engine import AsyncEngine
+    from pagedkv.server.http_server import DrainingServer
+
+    if args.max_queue is not None and args.max_queue < 0:
+        print("pagedkv serve: --max-queue must be >= 0", file=sys.stderr)
+        return 2
+    api_key = args.api_key or os.environ.get("PAGEDKV_API_KEY") or None
+    try:
+        engine = LLMEngine.from_options(model=args.model, **engine_options(args))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"pagedkv serve: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(AsyncEngine(engine), served_model_names=args.served_model_name, api_key=api_key,
+                     max_queue=args.max_queue)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.drain_timeout, access_log=False)
+    server = DrainingServer(config, app.state.server)
+    server.run()
+    return 0
+
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def _parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512MiB or 2G)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pagedkv.server.cli`` runs the server without the top-level CLI."""
+    parser = argparse.ArgumentParser(prog="pagedkv serve")
+    add_serve_arguments(parser)
+    return run_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""uvicorn's server with pagedkv's shutdown rule: drain, don't drop.
+
+On the first SIGTERM/SIGINT the app flips to draining, so requests that still reach it get 503;
+uvicorn stops listening, lets in-flight responses (streams included) finish within its graceful
+timeout, then runs the app's lifespan shutdown, which stops the engine thread.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+from types import FrameType
+
+import uvicorn
+
+from pagedkv.server.serving import ServerState
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.state.draining:
+            print(f"pagedkv serve: {signal.Signals(sig).name}, draining {self.state.active} in-flight "
+                  "request(s)", file=sys.stderr, flush=True)
+        self.state.draining = True
+        super().handle_exit(sig, frame)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        for server in self.servers:
+            for sock in server.sockets:
+                host, port = sock.getsockname()[:2]
+                shown = f"[{host}]" if ":" in host else host
+                print(f"pagedkv serve: model {self.state.model_name} listening on http://{shown}:{port}",
+                      flush=True)

@@ -1,0 +1,137 @@
+"""Prometheus metrics of the server, all named ``pagedkv_*``, in a registry owned by one app.
+
+Engine figures (KV blocks, prefix cache, preemptions, swaps, queue lengths, token totals) are not
+copied into gauges as they change: ``/metrics`` fetches one ``engine.stats()`` snapshot on the
+engine thread and :class:`EngineStatsCollector` renders exactly that snapshot, so a scrape always
+agrees with the engine. Latency histograms are observed by the request handlers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class EngineStatsCollector(Collector):
+    """Renders the latest ``EngineStats`` snapshot handed to :meth:`set_snapshot`."""
+
+    def __init__(self, model_name: str) -> None:
+        self._model = model_name
+        self._stats: Any | None = None
+
+    def set_snapshot(self, stats: Any) -> None:
+        self._stats = stats
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # names are dynamic in the sense of optional; skip registry duplicate checks
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats
+        if s is None:
+            return
+        kv = s.kv
+        labels = ["model_name"]
+        value = [self._model]
+
+        def gauge(name: str, doc: str, v: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(f"pagedkv_{name}", doc, labels=labels)
+            g.add_metric(value, float(v))
+            return g
+
+        def counter(name: str, doc: str, v: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(f"pagedkv_{name}", doc, labels=labels)
+            c.add_metric(value, float(v))
+            return c
+
+        yield gauge("kv_blocks_total", "KV-cache blocks in the pool.", kv.num_blocks)
+        yield gauge("kv_block_size", "Token slots per KV-cache block.", kv.block_size)
+        yield gauge("kv_blocks_free", "Blocks with no owner (cached blocks included).", kv.free_blocks)
+        yield gauge("kv_blocks_used", "Blocks referenced by at least one sequence.", kv.used_blocks)
+        yield gauge("kv_blocks_cached", "Blocks holding a reusable, hashed prefix.", kv.cached_blocks)
+        yield gauge("kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0..1).", kv.usage)
+        yield gauge("kv_fragmentation_ratio", "Allocated slots holding no token (0..1).", kv.fragmentation)
+        yield gauge("kv_filled_slots", "Token slots holding a token.", kv.filled_slots)
+        yield gauge("kv_allocated_slots", "Token slots in allocated blocks.", kv.allocated_slots)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv.prefix_query_tokens)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.prefix_hit_tokens)
+        yield counter("kv_evictions", "Cached blocks evicted to make room.", kv.evictions)
+        yield counter("kv_cow_copies", "Copy-on-write block copies.", kv.cow_copies)
+
+        pre = CounterMetricFamily(
+            "pagedkv_preemptions", "Sequences preempted, by mode.", labels=["model_name", "mode"]
+        )
+        pre.add_metric([self._model, "recompute"], float(s.preemptions_recompute))
+        pre.add_metric([self._model, "swap"], float(s.preemptions_swap))
+        yield pre
+        swapped = CounterMetricFamily(
+            "pagedkv_swapped_blocks", "Blocks copied between device and host tier, by direction.",
+            labels=["model_name", "direction"],
+        )
+        swapped.add_metric([self._model, "out"], float(kv.swapped_out_blocks))
+        swapped.add_metric([self._model, "in"], float(kv.swapped_in_blocks))
+        yield swapped
+
+        yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield gauge("num_requests_swapped", "Requests swapped out to the host tier.", s.num_swapped)
+        yield counter("prompt_tokens", "Prompt tokens processed.", s.prompt_tokens_total)
+        yield counter("generation_tokens", "Tokens generated.", s.generation_tokens_total)
+
+
+class ServerMetrics:
+    """The registry of one app: the engine collector plus the handlers' histograms and counters."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.engine = EngineStatsCollector(model_name)
+        self.registry.register(self.engine)
+        labels = ["model_name"]
+        self._model = model_name
+        self.time_to_first_token = Histogram(
+            "pagedkv_time_to_first_token_seconds", "Time from request arrival to its first token.",
+            labels, buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.time_per_output_token = Histogram(
+            "pagedkv_time_per_output_token_seconds", "Mean time between output tokens after the first.",
+            labels, buckets=_TOKEN_BUCKETS, registry=self.registry,
+        )
+        self.e2e_latency = Histogram(
+            "pagedkv_e2e_request_latency_seconds", "Time from request arrival to its last token.",
+            labels, buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.requests_finished = Counter(
+            "pagedkv_requests_finished", "Completions finished, by finish reason (stop, length, abort).",
+            ["model_name", "finish_reason"], registry=self.registry,
+        )
+        self.request_errors = Counter(
+            "pagedkv_request_errors", "Requests answered with an error, by HTTP status.",
+            ["model_name", "status"], registry=self.registry,
+        )
+
+    def observe_request(self, *, ttft: float | None, e2e: float, num_output_tokens: int) -> None:
+        if ttft is not None:
+            self.time_to_first_token.labels(self._model).observe(ttft)
+            if num_output_tokens > 1:
+                tpot = (e2e - ttft) / (num_output_tokens - 1)
+                self.time_per_output_token.labels(self._model).observe(tpot)
+        self.e2e_latency.labels(self._model).observe(e2e)
+
+    def count_finish(self, reason: str | None) -> None:
+        self.requests_finished.labels(self._model, reason or "abort").inc()
+
+    def count_error(self, status: int) -> None:
+        self.request_errors.labels(self._model, str(status)).inc()
+
+    def render(self, stats: Any) -> bytes:
+        """The exposition text for this engine snapshot (call on the event loop, not concurrently)."""
+        self.engine.set_snapshot(stats)
+        return generate_latest(self.registry)

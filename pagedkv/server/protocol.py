@@ -1,0 +1,201 @@
+"""Request bodies of the OpenAI-compatible API, and the OpenAI error format.
+
+Bodies are validated strictly (a string where a number belongs is an error, not a coercion) and
+unknown fields are ignored, as OpenAI clients send fields this server does not use. Every error a
+client can cause becomes an :class:`APIError`, rendered as
+``{"error": {"message", "type", "param", "code"}}`` with the matching HTTP status.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pagedkv.sampling_params import SamplingParams
+
+# The most completions one request may ask for (n times the number of prompts).
+MAX_CHOICES = 128
+
+
+class APIError(Exception):
+    """An error returned to the client in OpenAI's format."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+NonNegInt = Annotated[int, Field(ge=0)]
+Stop = str | list[str] | None
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    """Fields shared by both endpoints; ``to_sampling_params`` turns them into SamplingParams."""
+
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: Stop = None
+    stop_token_ids: list[NonNegInt] | None = None
+    ignore_eos: bool = False
+    min_tokens: NonNegInt = 0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)
+    priority: int = 0
+    user: str | None = None
+
+    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        try:
+            return SamplingParams(
+                n=self.n,
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k is None else self.top_k,
+                min_p=0.0 if self.min_p is None else self.min_p,
+                seed=self.seed,
+                stop=tuple(stop),
+                stop_token_ids=tuple(self.stop_token_ids or ()),
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                min_tokens=self.min_tokens,
+            )
+        except ValueError as exc:
+            # SamplingParams names the field first: "top_p must be in ...".
+            raise bad_request(str(exc), param=str(exc).split(" ", 1)[0]) from exc
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``: prompt is a string, a token-id list, or a list of either."""
+
+    prompt: str | list[str] | list[NonNegInt] | list[list[NonNegInt]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one engine request each."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise bad_request("prompt must not be empty", param="prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # one token-id prompt
+        return list(p)
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            raise bad_request("suffix is not supported", param="suffix")
+        return self._params(self.max_tokens, self.logprobs)
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message text; content parts must all be ``{"type": "text", "text": ...}``."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        pieces = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request("only text content parts are supported", param="messages")
+            pieces.append(part["text"])
+        return "".join(pieces)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: bool = True
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._params(max_tokens, logprobs)
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse_body(raw: bytes, model: type[Body]) -> Body:
+    """Decode and validate a JSON body; every failure is a 400 naming the offending field."""
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(obj, dict):
+        raise bad_request("request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"] if not _is_union_tag(x))
+        message = f"{loc}: {first['msg']}" if loc else first["msg"]
+        if first["loc"] and first["loc"][0] == "prompt" and first["type"] != "missing":
+            loc, message = "prompt", _PROMPT_TYPES
+        raise bad_request(message, param=loc or None) from exc
+
+
+_PROMPT_TYPES = ("prompt must be a string, a list of strings, a list of token ids (integers >= 0) "
+                 "or a list of token-id lists")
+
+
+def _is_union_tag(x: object) -> bool:
+    # Pydantic names union members in error locations ("prompt.list[int].0"); drop those tags.
+    return isinstance(x, str) and ("[" in x or x in ("str", "int", "float", "bool"))

@@ -1,0 +1,282 @@
+"""One generation request, from validated body to HTTP response, shared by both endpoints.
+
+    admit (503 draining, 429 queue full) -> add to engine (400 too long / rejected)
+        -> stream: SSE events, or full: one JSON body once every choice has finished
+        -> release the admission, abort whatever is unfinished (client gone), observe latencies
+
+Choices are numbered ``prompt_index * n + completion_index``. Text deltas are cut from the
+engine's cumulative outputs, so a step that produced several tokens sends them in one event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pagedkv.outputs import CompletionOutput, RequestOutput
+from pagedkv.sampling_params import SamplingParams
+from pagedkv.server.async_engine import AsyncEngine, EngineDeadError, OutputStream
+from pagedkv.server.metrics import ServerMetrics
+from pagedkv.server.protocol import APIError, bad_request
+from pagedkv.server.responses import ResponseFormat, Usage
+
+# How often a non-streaming request checks whether its client is still there.
+_DISCONNECT_POLL_S = 0.5
+
+
+@dataclass(slots=True)
+class ServerState:
+    """What the handlers of one app share. Mutated only on the event loop."""
+
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    served_model_names: list[str]
+    api_key: str | None = None
+    max_queue: int | None = None  # engine requests beyond max_num_seqs allowed to wait; None = no limit
+    max_num_seqs: int = 256
+    draining: bool = False
+    active: int = 0  # engine requests admitted and not yet answered
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise APIError(404, f"The model `{model}` does not exist. Served: {self.served_model_names}",
+                           type="not_found_error", param="model", code="model_not_found")
+
+    def admit(self, count: int) -> Callable[[], None]:
+        """Count ``count`` engine requests in, or raise 503 (draining) / 429 (queue full)."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down", type="service_unavailable",
+                           code="server_draining", headers={"Retry-After": "5"})
+        if self.engine.is_dead:
+            raise APIError(503, "the engine has stopped", type="service_unavailable", code="engine_dead")
+        if self.max_queue is not None and self.active + count > self.max_num_seqs + self.max_queue:
+            raise APIError(429, f"too many requests: {self.active} in flight, {self.max_num_seqs} run at "
+                           f"once and at most {self.max_queue} may wait", type="rate_limit_error",
+                           code="queue_full", headers={"Retry-After": "1"})
+        self.active += count
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.active -= count
+
+        return release
+
+
+@dataclass(slots=True)
+class _Tracker:
+    """Per-request timings and final outputs; observes the latency histograms once."""
+
+    arrival: float
+    first_token: dict[str, float] = field(default_factory=dict)
+    final: dict[str, RequestOutput] = field(default_factory=dict)
+
+    def update(self, out: RequestOutput) -> None:
+        if out.request_id not in self.first_token and any(c.token_ids for c in out.outputs):
+            self.first_token[out.request_id] = time.monotonic()
+        if out.finished:
+            self.final[out.request_id] = out
+
+    def observe(self, metrics: ServerMetrics) -> None:
+        now = time.monotonic()
+        for rid, out in self.final.items():
+            first = self.first_token.get(rid)
+            ntok = max((len(c.token_ids) for c in out.outputs), default=0)
+            metrics.observe_request(ttft=None if first is None else first - self.arrival,
+                                    e2e=now - self.arrival, num_output_tokens=ntok)
+            for c in out.outputs:
+                metrics.count_finish(c.finish_reason)
+
+
+@dataclass(slots=True)
+class Generation:
+    """Everything one endpoint call needs after validation."""
+
+    prompts: list[str | list[int]]
+    params: SamplingParams
+    fmt: ResponseFormat
+    stream: bool
+    include_usage: bool = False
+    echo: bool = False
+    cache_salt: str | None = None
+    priority: int = 0
+
+
+async def serve_generation(state: ServerState, request: Request, gen: Generation) -> Response:
+    release = state.admit(len(gen.prompts))
+    base_id = f"{gen.fmt.id_prefix}-{uuid.uuid4().hex}"
+    tracker = _Tracker(arrival=time.monotonic())
+    try:
+        stream = await state.engine.add_requests(
+            [(f"{base_id}-{i}", p) for i, p in enumerate(gen.prompts)], gen.params,
+            cache_salt=gen.cache_salt, priority=gen.priority,
+        )
+    except EngineDeadError as exc:
+        release()
+        raise APIError(503, str(exc), type="service_unavailable", code="engine_dead") from exc
+    except ValueError as exc:  # RequestRejectedError, RequestTooLongError
+        release()
+        code = "context_length_exceeded" if type(exc).__name__ == "RequestTooLongError" else "invalid_prompt"
+        raise bad_request(str(exc), param=gen.fmt.prompt_param, code=code) from exc
+    except BaseException:
+        release()
+        raise
+    rendering = _Rendering(state, gen, base_id, stream, tracker)
+
+    def cleanup() -> None:
+        stream.abort()  # no-op once every request finished
+        release()
+        if not stream.aborted:
+            tracker.observe(state.metrics)
+
+    if gen.stream:
+        return _EventStreamResponse(rendering.events(), cleanup)
+    try:
+        body = await rendering.full(request.is_disconnected)
+    finally:
+        cleanup()
+    return JSONResponse(body)
+
+
+class _EventStreamResponse(StreamingResponse):
+    """SSE response whose cleanup runs even when the client leaves before the first event."""
+
+    def __init__(self, events: AsyncIterator[str], cleanup: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._cleanup()
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+@dataclass(slots=True)
+class _ChoiceState:
+    text_len: int = 0  # characters already sent
+    num_tokens: int = 0  # tokens already sent
+    done: bool = False
+
+
+class _Rendering:
+    """Turns the engine's cumulative outputs into OpenAI bodies for one HTTP request."""
+
+    def __init__(self, state: ServerState, gen: Generation, base_id: str, stream: OutputStream,
+                 tracker: _Tracker) -> None:
+        self.state, self.gen, self.base_id, self.stream, self.tracker = state, gen, base_id, stream, tracker
+        self.n = gen.params.n
+        self.num_choices = len(gen.prompts) * self.n
+        self.choices = [_ChoiceState() for _ in range(self.num_choices)]
+        self.wants_logprobs = gen.params.logprobs is not None
+
+    def _choice_index(self, out: RequestOutput, comp: CompletionOutput) -> int:
+        return int(out.request_id.rsplit("-", 1)[1]) * self.n + comp.index
+
+    def _decode(self, token_id: int) -> str:
+        return self.state.engine.engine.tokenizer.decode([token_id])
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        return self.state.engine.engine.tokenizer.decode(out.prompt_token_ids)
+
+    def _logprobs(self, comp: CompletionOutput, start: int, offset: int) -> dict[str, Any] | None:
+        if not self.wants_logprobs or comp.logprobs is None:
+            return None
+        return self.gen.fmt.logprobs(comp.token_ids[start:], comp.logprobs[start:], self._decode, offset)
+
+    def _usage(self) -> Usage:
+        usage = Usage()
+        for out in self.tracker.final.values():
+            usage.add_request(out)
+        return usage
+
+    async def full(self, is_disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any]:
+        async def watch() -> None:
+            while True:
+                await asyncio.sleep(_DISCONNECT_POLL_S)
+                if await is_disconnected():
+                    self.stream.abort()
+                    return
+
+        watcher = asyncio.create_task(watch())
+        try:
+            async for out in self.stream:
+                self.tracker.update(out)
+        except EngineDeadError as exc:
+            raise APIError(500, str(exc), type="internal_error", code="engine_dead") from exc
+        finally:
+            watcher.cancel()
+        if self.stream.aborted:
+            raise APIError(499, "client disconnected", code="client_closed_request")
+        choices = []
+        for out in sorted(self.tracker.final.values(), key=lambda o: int(o.request_id.rsplit("-", 1)[1])):
+            prefix = self._prompt_text(out) if self.gen.echo else ""
+            for comp in out.outputs:
+                logprobs = self._logprobs(comp, 0, len(prefix))
+                choices.append(self.gen.fmt.choice(self._choice_index(out, comp), prefix + comp.text,
+                                                   logprobs, comp.finish_reason))
+        choices.sort(key=lambda c: c["index"])
+        return self.gen.fmt.full(self.base_id, self.state.model_name, choices, self._usage())
+
+    async def events(self) -> AsyncIterator[str]:
+        fmt, model = self.gen.fmt, self.state.model_name
+        usage_field = {"usage": None} if self.gen.include_usage else {}
+        first = fmt.first_deltas(self.num_choices)
+        if first:
+            yield _sse(fmt.chunk(self.base_id, model, first) | usage_field)
+        try:
+            async for out in self.stream:
+                self.tracker.update(out)
+                deltas = [d for comp in out.outputs if (d := self._delta(out, comp)) is not None]
+                if deltas:
+                    yield _sse(fmt.chunk(self.base_id, model, deltas) | usage_field)
+        except EngineDeadError as exc:
+            yield _sse(APIError(500, str(exc), type="internal_error", code="engine_dead").body())
+            yield "data: [DONE]\n\n"
+            return
+        if self.gen.include_usage:
+            yield _sse(fmt.chunk(self.base_id, model, [], self._usage()))
+        yield "data: [DONE]\n\n"
+
+    def _delta(self, out: RequestOutput, comp: CompletionOutput) -> dict[str, Any] | None:
+        index = self._choice_index(out, comp)
+        st = self.choices[index]
+        if st.done:
+            return None
+        prefix = ""
+        if self.gen.echo and st.num_tokens == 0 and st.text_len == 0:
+            prefix = self._prompt_text(out)
+        # Text only grows, except when the engine trims a stop string it had already emitted part of;
+        # what was sent cannot be taken back, so only text beyond it is sent.
+        text = comp.text[st.text_len:] if len(comp.text) > st.text_len else ""
+        logprobs = None
+        if len(comp.token_ids) > st.num_tokens:
+            logprobs = self._logprobs(comp, st.num_tokens, len(prefix) + st.text_len)
+        st.text_len = max(st.text_len, len(comp.text))
+        st.num_tokens = len(comp.token_ids)
+        st.done = comp.finish_reason is not None
+        if not text and not prefix and not st.done and logprobs is None:
+            return None
+        return self.gen.fmt.delta(index, prefix + text, logprobs, comp.finish_reason)

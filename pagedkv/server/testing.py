@@ -1,0 +1,80 @@
+"""Run the app in a background thread on a free loopback port (tests and benchmarks).
+
+    with ServerThread(engine, api_key="k") as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="k")
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+import uvicorn
+
+from pagedkv.server.app import create_app
+from pagedkv.server.async_engine import AsyncEngine
+from pagedkv.server.serving import ServerState
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """An in-process server around ``engine``; ``app_options`` go to :func:`create_app`."""
+
+    def __init__(self, engine: Any, *, host: str = "127.0.0.1", **app_options: Any) -> None:
+        self.engine = engine
+        self.async_engine = AsyncEngine(engine)
+        self.app = create_app(self.async_engine, **app_options)
+        self.host = host
+        self.port = free_port(host)
+        config = uvicorn.Config(self.app, host=host, port=self.port, log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=30)
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, name="pagedkv-test-server", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    @property
+    def state(self) -> ServerState:
+        return self.app.state.server
+
+    def engine_stats(self) -> Any:
+        """``engine.stats()`` taken on the engine thread (safe while requests run)."""
+        return self.async_engine.call_threadsafe(lambda engine: engine.stats()).result(timeout=30)
+
+    def wait_idle(self, timeout: float = 30.0) -> Any:
+        """Wait until no request is in flight in the server or the engine; returns the stats then."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.engine_stats()
+            idle = self.state.active == 0 and self.async_engine.num_in_flight == 0
+            if idle and stats.num_running == 0 and stats.num_waiting == 0 and stats.num_swapped == 0:
+                return stats
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server not idle: active={self.state.active}, stats={stats}")
+            time.sleep(0.05)
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self._thread.join(60)
