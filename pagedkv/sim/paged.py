@@ -1,0 +1,132 @@
+"""Paged KV memory under simulation: a thin adapter over the real ``pagedkv.memory.KVCacheManager``.
+
+Nothing here re-implements paging: every allocation, prefix hit, fork and copy-on-write is the
+manager's. The adapter only maps the simulator's calls onto the manager's API::
+
+    admit    cow and n > 1:  allocate_prompt(root, prompt) + mark_computed, fork(root, child)...,
+                             then each sequence's generated tokens (after a preemption) via
+                             allocate_slots + append_tokens + mark_computed
+             otherwise:      allocate_prompt(seq, tokens) + mark_computed for every sequence
+                             (without CoW each sample holds its own copy of the prompt, unless
+                             prefix caching finds the full blocks another sample computed)
+    grow     allocate_slots(seq, 1), append_tokens(seq, [tok]), mark_computed(seq, 1)
+    replace  cow: free(loser), fork(winner, new); else free(loser), allocate_prompt(new, copy)
+
+Usage comes from the manager: allocated = used blocks x block size; filled = allocated minus the
+empty tails of the live sequences' last blocks, each physical block once: the same number as
+``stats().filled_slots`` (the tests check it every step) in O(sequences) instead of O(blocks).
+"""
+
+from __future__ import annotations
+
+from pagedkv.memory import KVCacheManager, OutOfBlocksError
+from pagedkv.sim.memory_policy import MemoryUsage, SimSeq
+from pagedkv.sim.workload import Request
+
+
+class PagedPolicy:
+    """Paged KV memory of ``capacity // block_size`` blocks managed by ``KVCacheManager``."""
+
+    def __init__(self, name: str, capacity: int, block_size: int, *, prefix_caching: bool,
+                 cow: bool, watermark: float = 0.01, eviction_policy: str = "lru") -> None:
+        if capacity < block_size:
+            raise ValueError(f"--kv-tokens: capacity {capacity} is below block size {block_size}")
+        self.name = name
+        self.block_size: int | None = block_size
+        self.capacity = capacity // block_size * block_size
+        self.cow = cow
+        self.manager = KVCacheManager(capacity // block_size, block_size,
+                                      enable_prefix_caching=prefix_caching,
+                                      eviction_policy=eviction_policy, watermark=watermark)
+        self.live: dict[int, SimSeq] = {}
+
+    def admit(self, request: Request, seqs: list[SimSeq]) -> bool:
+        mgr = self.manager
+        done: list[SimSeq] = []
+        try:
+            if self.cow and len(seqs) > 1:
+                prompt = request.prompt
+                root = seqs[0]
+                cached = mgr.allocate_prompt(root.seq_id, prompt)
+                done.append(root)
+                mgr.mark_computed(root.seq_id, len(prompt) - cached)
+                for seq in seqs[1:]:
+                    mgr.fork(root.seq_id, seq.seq_id)
+                    done.append(seq)
+                for seq in seqs:
+                    generated = seq.tokens[len(prompt):]
+                    if generated:
+                        mgr.allocate_slots(seq.seq_id, len(generated))
+                        mgr.append_tokens(seq.seq_id, generated)
+                        mgr.mark_computed(seq.seq_id, len(generated))
+            else:
+                for seq in seqs:
+                    cached = mgr.allocate_prompt(seq.seq_id, seq.tokens)
+                    done.append(seq)
+                    mgr.mark_computed(seq.seq_id, len(seq.tokens) - cached)
+        except OutOfBlocksError:
+            for seq in done:
+                mgr.free(seq.seq_id)
+            return False
+        for seq in seqs:
+            self.live[seq.seq_id] = seq
+        return True
+
+    def grow(self, seq: SimSeq, token: int) -> bool:
+        mgr = self.manager
+        try:
+            mgr.allocate_slots(seq.seq_id, 1)
+        except OutOfBlocksError:
+            return False
+        mgr.append_tokens(seq.seq_id, (token,))
+        mgr.mark_computed(seq.seq_id, 1)
+        return True
+
+    def replace(self, loser: SimSeq, winner: SimSeq, new: SimSeq) -> bool:
+        mgr = self.manager
+        self.release([loser])
+        if self.cow:
+            mgr.fork(winner.seq_id, new.seq_id)
+        else:
+            try:
+                cached = mgr.allocate_prompt(new.seq_id, new.tokens)
+            except OutOfBlocksError:
+                return False
+            mgr.mark_computed(new.seq_id, len(new.tokens) - cached)
+        self.live[new.seq_id] = new
+        return True
+
+    def release(self, seqs: list[SimSeq]) -> None:
+        for seq in seqs:
+            if self.live.pop(seq.seq_id, None) is not None:
+                self.manager.free(seq.seq_id)
+
+    def usage(self) -> MemoryUsage:
+        mgr = self.manager
+        B = mgr.block_size
+        allocated = (mgr.num_blocks - mgr.num_free_blocks) * B
+        # Only a sequence's last block can be partly filled (prefix hits are full blocks; forks
+        # share a partial last block until copy-on-write), so the empty slots are the last
+        # blocks' tails, each physical block counted once.
+        empty: dict[int, int] = {}
+        never = 0  # slots past a sequence's final length in its last block
+        for seq in self.live.values():
+            n = len(seq.tokens)
+            end = -(-n // B) * B
+            empty[mgr.block_table(seq.seq_id)[-1]] = end - n
+            if end > seq.final_len:
+                never += end - seq.final_len
+        filled = allocated - sum(empty.values())
+        return MemoryUsage(allocated, filled, min(never, allocated - filled))
+
+    def unusable_free_slots(self, request: Request) -> int:
+        return 0  # any free block can hold any token
+
+    def counters(self) -> dict[str, int]:
+        mgr = self.manager
+        return {
+            "prefix_query_tokens": mgr.prefix_query_tokens,
+            "prefix_hit_tokens": mgr.prefix_hit_tokens,
+            "evictions": mgr.pool.evictions,
+            "cow_copies": mgr.cow_copies,
+        }

@@ -1,0 +1,278 @@
+"""Discrete-event simulation of a continuous-batching engine's KV memory under one policy.
+
+One simulated step is one decode iteration. Rules, in order, every step:
+
+1. Arrivals: requests whose arrival step has come join the back of the waiting queue (a closed-loop
+   client's next request or a chat's next turn arrives ``delay`` steps after the one it follows
+   completes).
+2. Decode: every running request, oldest first, gains one token in each of its sequences (beam
+   groups may first replace a losing beam by a copy of a winning one). When memory runs out, the
+   latest-arrived running request is preempted by recompute: its memory is freed, its generated
+   tokens are kept, and it returns to the front of the waiting queue to be re-prefilled later.
+   A request that cannot grow even when it runs alone is rejected (it can never fit).
+3. Admission: unless this step preempted, waiting requests are admitted FCFS (head-of-line
+   blocking) while the policy finds room and ``max_num_seqs`` allows; a request that does not
+   fit into empty memory is rejected.
+4. Metrics are sampled every ``sample_every`` steps; concurrency every step.
+
+A request with ``output_len`` tokens completes after ``output_len`` decode steps of running.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from bisect import insort
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pagedkv.sim.memory_policy import MemoryPolicy, SimSeq
+from pagedkv.sim.metrics import MetricsAccumulator, PolicyResult
+from pagedkv.sim.policies import PolicySpec, build_policy
+from pagedkv.sim.workload import Request, output_token
+
+_FIRST_EXTRA_STREAM = 1 << 19  # streams of extra samples / new beams; req ids stay below
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """Engine-side settings shared by every policy run. ``ValueError`` names the flag."""
+
+    capacity: int
+    max_model_len: int
+    max_num_seqs: int = 1024
+    watermark: float = 0.01
+    beam_reshuffle: float = 0.2
+    sample_every: int = 1
+    seed: int = 0
+    max_steps: int = 2_000_000
+    check_integrity: bool = False
+
+    def validate(self) -> None:
+        checks = [
+            (self.capacity >= 1, "--kv-tokens", ">= 1", self.capacity),
+            (self.max_num_seqs >= 1, "--max-num-seqs", ">= 1", self.max_num_seqs),
+            (0.0 <= self.watermark < 1.0, "--watermark", "in [0, 1)", self.watermark),
+            (0.0 <= self.beam_reshuffle <= 1.0, "--beam-reshuffle", "in [0, 1]",
+             self.beam_reshuffle),
+            (self.sample_every >= 1, "--sample-every", ">= 1", self.sample_every),
+        ]
+        for ok, flag, allowed, value in checks:
+            if not ok:
+                raise ValueError(f"{flag}: must be {allowed}, got {value}")
+
+
+@dataclass(slots=True)
+class _Group:
+    """A request in flight: its sequences and how many tokens each has generated."""
+
+    req: Request
+    seqs: list[SimSeq]
+    generated: int = 0
+    grown: int = 0  # sequences already grown in the current step
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.req.arrival_step, self.req.req_id)
+
+
+@dataclass(slots=True)
+class _Run:
+    """Mutable state of one simulation run."""
+
+    policy: MemoryPolicy
+    config: SimConfig
+    waiting: deque[_Group] = field(default_factory=deque)
+    running: list[_Group] = field(default_factory=list)
+    running_seqs: int = 0
+    next_seq_id: int = 0
+    next_stream: int = _FIRST_EXTRA_STREAM
+    preemptions: int = 0
+    rejected: int = 0
+    completed: int = 0
+    preempted_now: bool = False
+
+    def new_seq(self, tokens: list[int], stream: int | None, final_len: int) -> SimSeq:
+        if stream is None:
+            stream = self.next_stream
+            self.next_stream += 1
+        self.next_seq_id += 1
+        return SimSeq(self.next_seq_id, tokens, stream, final_len)
+
+    def preempt(self, group: _Group) -> None:
+        """Recompute preemption: free everything, keep generated tokens, wait at the front."""
+        self.policy.release(group.seqs)
+        keep = group.req.prompt_len + group.generated
+        for seq in group.seqs:
+            del seq.tokens[keep:]
+        self.running.remove(group)
+        self.running_seqs -= len(group.seqs)
+        group.grown = 0
+        self.waiting.appendleft(group)
+        self.preemptions += 1
+        self.preempted_now = True
+
+
+def simulate(requests: list[Request], spec: PolicySpec, config: SimConfig,
+             on_complete: Callable[[int], None] | None = None) -> PolicyResult:
+    """Replay ``requests`` against a fresh policy built from ``spec``; returns its metrics.
+
+    ``on_complete(k)`` is called with the number of requests finished (or rejected) in a step.
+    Raises RuntimeError if the run exceeds ``config.max_steps``.
+    """
+    config.validate()
+    policy = build_policy(spec, config.capacity, config.max_model_len, watermark=config.watermark)
+    run = _Run(policy, config)
+    metrics = MetricsAccumulator(policy.capacity)
+    fixed = deque(sorted((r for r in requests if r.after is None),
+                         key=lambda r: (r.arrival_step, r.req_id)))
+    dependents: dict[int, list[Request]] = {}
+    for r in requests:
+        if r.after is not None:
+            dependents.setdefault(r.after, []).append(r)
+    triggered: list[tuple[int, int, Request]] = []  # heap of (arrival step, req id, request)
+    step = 0
+    finished = 0
+    while finished < len(requests):
+        if step > config.max_steps:
+            raise RuntimeError(f"{spec.name}: simulation did not finish in {config.max_steps} steps")
+        if not run.running and not run.waiting:
+            upcoming = [t for t in ((fixed[0].arrival_step if fixed else None),
+                                    (triggered[0][0] if triggered else None)) if t is not None]
+            if upcoming and min(upcoming) > step:
+                idle = min(upcoming) - step
+                metrics.idle(idle)
+                step += idle
+        while fixed and fixed[0].arrival_step <= step:
+            run.waiting.append(_arrive(run, fixed.popleft(), step))
+        while triggered and triggered[0][0] <= step:
+            run.waiting.append(_arrive(run, heapq.heappop(triggered)[2], step))
+
+        done = _decode(run, step)
+        done += _admit(run)
+        for req in done:
+            for nxt in dependents.get(req.req_id, ()):
+                heapq.heappush(triggered, (step + 1 + nxt.delay, nxt.req_id, nxt))
+        finished += len(done)
+        if done and on_complete is not None:
+            on_complete(len(done))
+
+        metrics.concurrency(len(run.running), run.running_seqs, bool(run.waiting))
+        if step % config.sample_every == 0:
+            head = run.waiting[0].req if run.waiting else None
+            unusable = policy.unusable_free_slots(head) if head is not None else 0
+            metrics.sample(policy.usage(), unusable)
+        if config.check_integrity and hasattr(policy, "manager"):
+            policy.manager.check_integrity()  # type: ignore[attr-defined]
+        step += 1
+    return metrics.result(spec, steps=step, completed=run.completed, rejected=run.rejected,
+                          preemptions=run.preemptions, counters=policy.counters())
+
+
+def _arrive(run: _Run, req: Request, step: int) -> _Group:
+    if req.after is not None:
+        req = _with_arrival(req, step)
+    seqs = [run.new_seq(list(req.prompt), req.req_id if i == 0 else None, req.final_len)
+            for i in range(req.num_seqs)]
+    return _Group(req, seqs)
+
+
+def _with_arrival(req: Request, step: int) -> Request:
+    """A triggered request's copy stamped with its actual arrival step (for FCFS order)."""
+    return Request(req.req_id, req.prompt, req.output_len, req.n, req.beam_width, req.prefix_id,
+                   step, req.after, req.delay)
+
+
+def _decode(run: _Run, step: int) -> list[Request]:
+    """Every running request gains one token per sequence; returns the requests that finished."""
+    run.preempted_now = False
+    done: list[Request] = []
+    policy = run.policy
+    i = 0
+    while i < len(run.running):
+        group = run.running[i]
+        if group.req.beam_width > 1 and group.grown == 0 and group.generated > 0:
+            if not _maybe_reshuffle(run, group, step):
+                continue  # group was preempted (it is no longer at index i)
+        prompt_len = group.req.prompt_len
+        alive = True
+        while group.grown < len(group.seqs):
+            seq = group.seqs[group.grown]
+            token = output_token(seq.stream, len(seq.tokens) - prompt_len)
+            if policy.grow(seq, token):
+                seq.tokens.append(token)
+                group.grown += 1
+                continue
+            if len(run.running) == 1:  # cannot grow even alone: it will never fit
+                _drop(run, group)
+                done.append(group.req)
+                alive = False
+                break
+            victim = run.running[-1]
+            run.preempt(victim)
+            if victim is group:
+                alive = False
+                break
+        if not alive:
+            continue  # the group left; index i now holds the next one (or the loop ends)
+        group.grown = 0
+        group.generated += 1
+        if group.generated >= group.req.output_len:
+            policy.release(group.seqs)
+            del run.running[i]
+            run.running_seqs -= len(group.seqs)
+            run.completed += 1
+            done.append(group.req)
+        else:
+            i += 1
+    return done
+
+
+def _maybe_reshuffle(run: _Run, group: _Group, step: int) -> bool:
+    """Beam search: with probability ``beam_reshuffle`` one beam is replaced by a copy of another.
+
+    The decision depends only on (seed, request, step within the request), so every policy sees
+    the same beam history. Returns False if the group had to be preempted.
+    """
+    rng = random.Random(hash((run.config.seed, group.req.req_id, group.generated)))
+    if rng.random() >= run.config.beam_reshuffle:
+        return True
+    loser_index = rng.randrange(len(group.seqs))
+    winner_index = (loser_index + 1 + rng.randrange(len(group.seqs) - 1)) % len(group.seqs)
+    loser, winner = group.seqs[loser_index], group.seqs[winner_index]
+    new = run.new_seq(list(winner.tokens), None, winner.final_len)
+    ok = run.policy.replace(loser, winner, new)
+    group.seqs[loser_index] = new
+    if not ok:
+        run.preempt(group)
+    return ok
+
+
+def _admit(run: _Run) -> list[Request]:
+    """FCFS admission; returns requests rejected because they can never fit."""
+    rejected: list[Request] = []
+    if run.preempted_now:
+        return rejected
+    cap = run.config.max_num_seqs
+    while run.waiting:
+        group = run.waiting[0]
+        fits_seqs = run.running_seqs + len(group.seqs) <= cap
+        if fits_seqs and run.policy.admit(group.req, group.seqs):
+            run.waiting.popleft()
+            insort(run.running, group, key=lambda g: g.key)
+            run.running_seqs += len(group.seqs)
+            continue
+        if run.running:
+            break  # head-of-line blocking until memory frees up
+        run.waiting.popleft()
+        run.rejected += 1
+        rejected.append(group.req)
+    return rejected
+
+
+def _drop(run: _Run, group: _Group) -> None:
+    run.policy.release(group.seqs)
+    run.running.remove(group)
+    run.running_seqs -= len(group.seqs)
+    run.rejected += 1
