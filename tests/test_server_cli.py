@@ -1,0 +1,99 @@
+"""``pagedkv serve`` as a process: flags, where it listens, and draining on SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pagedkv.server.cli import add_serve_parser, engine_options
+from pagedkv.server.testing import free_port
+from pagedkv.server.tiny_model import write_tiny_model
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="pagedkv")
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *argv])
+
+
+def test_flags_use_vllm_names() -> None:
+    args = parse(["m", "--block-size", "32", "--no-enable-prefix-caching", "--kv-cache-memory", "64MiB",
+                  "--max-num-seqs", "8", "--preemption-mode", "swap", "--swap-space", "0.5", "--seed", "3"])
+    assert args.model == "m" and args.host == "127.0.0.1" and args.port == 8000
+    assert engine_options(args) == {"block_size": 32, "enable_prefix_caching": False,
+                                    "kv_cache_memory": 64 * 2**20, "max_num_seqs": 8,
+                                    "preemption_mode": "swap", "swap_space": 0.5, "seed": 3}
+    assert engine_options(parse([])) == {}
+    assert parse([]).model is None
+    with pytest.raises(SystemExit):
+        parse(["--kv-cache-memory", "lots"])
+
+
+def _start(model_dir: Path, port: int, *extra: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "pagedkv.server.cli", str(model_dir), "--port", str(port),
+           "--num-kv-blocks", "128", "--max-model-len", "512", *extra]
+    env = {**os.environ, "PAGEDKV_API_KEY": "env-key", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.monotonic() + 90
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if "listening on" in line:
+            assert f"http://127.0.0.1:{port}" in line
+            return proc
+    proc.kill()
+    raise AssertionError(f"server did not start: {proc.stdout.read()}")
+
+
+def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
+    pytest.importorskip("pagedkv.engine")  # TEMP until the engine lands
+    model_dir = write_tiny_model(tmp_path / "tiny")
+    port = free_port()
+    proc = _start(model_dir, port)
+    url = f"http://127.0.0.1:{port}"
+    headers = {"Authorization": "Bearer env-key"}
+    try:
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 401
+        events: list[str] = []
+        first_event = threading.Event()
+
+        def stream() -> None:
+            body = {"prompt": "keep going", "max_tokens": 120, "stream": True, "ignore_eos": True,
+                    "stream_options": {"include_usage": True}}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        first_event.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert first_event.wait(60)
+        proc.send_signal(signal.SIGTERM)
+        t.join(60)
+        # The stream that was running when SIGTERM came finished in full.
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["usage"]["completion_tokens"] == 120
+        assert proc.wait(60) == 0
+        out = proc.stdout.read() if proc.stdout else ""
+        assert "draining" in out
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/health", timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
