@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Sets everything up (scripts/setup.sh) and runs the test suite. Extra arguments go to pytest.
+# The default run skips tests marked slow; PAGEDKV_SLOW=1 (as in CI) runs the slow tier too.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$root/scripts/setup.sh"
+cd "$root"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+if [ "${PAGEDKV_SLOW:-0}" = "1" ]; then
+    exec .venv/bin/python -m pytest -m "slow or not slow" -q "$@"
+fi
+exec .venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,165 @@
+"""Random allocate / grow / compute / fork / free / swap / evict sequences against a naive model.
+
+The naive model keeps, for every sequence, its tokens and tenant; a simulated KV store keeps what
+each physical slot holds. Writing a slot stores the token's whole prefix (what real KV depends
+on), and block copies / swaps move stored contents exactly as the runner would. After every step:
+``check_integrity()`` holds, and every computed position of every sequence, read through its block
+table, holds that sequence's own prefix. A wrong prefix hit, a missed copy-on-write, a lost swap
+copy or a write into a shared block all show up as a mismatch.
+"""
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from pagedkv.memory import KVCacheManager, OutOfBlocksError
+
+TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=20)
+
+
+class MemoryCoreMachine(RuleBasedStateMachine):
+    @initialize(block_size=st.sampled_from([1, 2, 3, 4, 8]), num_blocks=st.integers(4, 24),
+                num_host_blocks=st.integers(0, 16), policy=st.sampled_from(["lru", "fifo", "lrc"]),
+                caching=st.booleans(), watermark=st.sampled_from([0.0, 0.1]))
+    def setup(self, block_size, num_blocks, num_host_blocks, policy, caching, watermark):
+        self.B = block_size
+        self.mgr = KVCacheManager(num_blocks, block_size, num_host_blocks=num_host_blocks,
+                                  enable_prefix_caching=caching, eviction_policy=policy,
+                                  watermark=watermark)
+        self.device: dict[int, list] = {}  # block id -> slot contents
+        self.host: dict[int, list] = {}
+        self.ref: dict[int, tuple[list[int], str | None]] = {}  # seq -> (tokens, salt)
+        self.next_id = 0
+
+    # -- helpers -------------------------------------------------------------------------
+    def _content(self, seq, pos):
+        tokens, salt = self.ref[seq]
+        return (salt, tuple(tokens[:pos + 1]))
+
+    def _write(self, seq, n):
+        """Write KV for the next n tokens, as the runner would, then mark them computed."""
+        table = self.mgr.block_table(seq)
+        start = self.mgr.num_computed(seq)
+        for pos in range(start, start + n):
+            block_id = table[pos // self.B]
+            # Writing into a block another sequence still references would corrupt it.
+            assert self.mgr.pool.blocks[block_id].ref_count == 1, (seq, pos, block_id)
+            slots = self.device.setdefault(block_id, [None] * self.B)
+            slots[pos % self.B] = self._content(seq, pos)
+        self.mgr.mark_computed(seq, n)
+
+    def _copy(self, pairs, src, dst):
+        for s, d in pairs:
+            dst[d] = list(src.get(s, [None] * self.B))
+
+    def _seqs(self, swapped):
+        return sorted(s for s in self.ref if self.mgr.is_swapped(s) == swapped)
+
+    # -- rules ---------------------------------------------------------------------------
+    @rule(tokens=TOKENS, salt=st.sampled_from([None, "t1"]), chunk=st.integers(1, 24))
+    def add(self, tokens, salt, chunk):
+        seq = self.next_id
+        self.next_id += 1
+        before = self.mgr.stats()
+        try:
+            cached = self.mgr.allocate_prompt(seq, tokens, chunk, salt=salt)
+        except OutOfBlocksError as e:
+            assert e.needed > e.available
+            assert self.mgr.stats() == before and seq not in self.mgr
+            return
+        assert cached % self.B == 0 and cached < len(tokens)
+        self.ref[seq] = (list(tokens), salt)
+        # Every hit position must already hold this very prefix.
+        table = self.mgr.block_table(seq)
+        for pos in range(cached):
+            assert self.device[table[pos // self.B]][pos % self.B] == self._content(seq, pos)
+        self._write(seq, min(chunk, len(tokens) - cached))
+
+    @precondition(lambda self: self._seqs(False))
+    @rule(data=st.data(), k=st.integers(1, 8), new_token=st.integers(0, 2))
+    def step(self, data, k, new_token):
+        seq = data.draw(st.sampled_from(self._seqs(False)))
+        tokens = self.ref[seq][0]
+        if self.mgr.num_computed(seq) == len(tokens):  # decode: a token was sampled
+            tokens.append(new_token)
+            self.mgr.append_tokens(seq, [new_token])
+            k = 1
+        k = min(k, len(tokens) - self.mgr.num_computed(seq))
+        table_before = list(self.mgr.block_table(seq))
+        try:
+            copies = self.mgr.allocate_slots(seq, k)
+        except OutOfBlocksError:
+            assert self.mgr.block_table(seq) == table_before
+            return
+        self._copy(copies, self.device, self.device)
+        self._write(seq, k)
+
+    @precondition(lambda self: self._seqs(False))
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(self._seqs(False)))
+        child = self.next_id
+        self.next_id += 1
+        self.mgr.fork(parent, child)
+        tokens, salt = self.ref[parent]
+        self.ref[child] = (list(tokens), salt)
+
+    @precondition(lambda self: self.ref)
+    @rule(data=st.data())
+    def free(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.ref)))
+        self.mgr.free(seq)
+        del self.ref[seq]
+
+    @precondition(lambda self: self._seqs(False))
+    @rule(data=st.data())
+    def swap_out(self, data):
+        seqs = data.draw(st.lists(st.sampled_from(self._seqs(False)), min_size=1, max_size=3))
+        try:
+            pairs = self.mgr.swap_out(seqs)
+        except OutOfBlocksError:
+            return
+        self._copy(pairs, self.device, self.host)
+
+    @precondition(lambda self: self._seqs(True))
+    @rule(data=st.data())
+    def swap_in(self, data):
+        seqs = data.draw(st.lists(st.sampled_from(self._seqs(True)), min_size=1, max_size=3))
+        try:
+            pairs = self.mgr.swap_in(seqs)
+        except OutOfBlocksError:
+            return
+        self._copy(pairs, self.host, self.device)
+
+    @rule()
+    def evict(self):
+        self.mgr.evict_cached()
+        assert self.mgr.stats().evictable_blocks == 0
+
+    # -- invariants ----------------------------------------------------------------------
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "mgr"):
+            return
+        self.mgr.check_integrity()
+        for seq in self.ref:
+            store = self.host if self.mgr.is_swapped(seq) else self.device
+            table = self.mgr.block_table(seq)
+            for pos in range(self.mgr.num_computed(seq)):
+                assert store[table[pos // self.B]][pos % self.B] == self._content(seq, pos), \
+                    (seq, pos)
+
+    def teardown(self):
+        if not hasattr(self, "mgr"):
+            return
+        for seq in list(self.ref):
+            self.mgr.free(seq)
+        self.mgr.check_integrity()
+        s = self.mgr.stats()
+        assert s.used_blocks == 0 and s.host_used_blocks == 0
+
+
+MemoryCoreMachine.TestCase.settings = settings(
+    max_examples=120, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestMemoryCore = MemoryCoreMachine.TestCase
