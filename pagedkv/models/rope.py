@@ -15,14 +15,14 @@ from pagedkv.models.config import RopeConfig
 
 def inv_frequencies(rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> torch.Tensor:
     """Per-pair inverse frequencies, ``[head_dim // 2]`` float32, after the configured scaling."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
     inv_freq = 1.0 / (rope.theta ** exponents)  # [head_dim // 2]
     if rope.rope_type == "linear":
         inv_freq = inv_freq / rope.factor
     elif rope.rope_type == "llama3":
         inv_freq = _llama3_scale(inv_freq, rope, max_position_embeddings)
     if rope.freq_factors is not None:
-        factors = torch.tensor(rope.freq_factors, dtype=torch.float32)
+        factors = torch.tensor(rope.freq_factors, dtype=torch.float32, device="cpu")
         if factors.numel() != inv_freq.numel():
             raise ValueError(f"rope freq_factors has {factors.numel()} entries, expected {inv_freq.numel()}")
         inv_freq = inv_freq / factors
@@ -51,12 +51,12 @@ class RotaryEmbedding:
     def __init__(self, rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> None:
         self.max_position_embeddings = max_position_embeddings
         self.inv_freq = inv_frequencies(rope, head_dim, max_position_embeddings)  # [head_dim // 2]
-        self._cos = torch.empty(0, head_dim)
-        self._sin = torch.empty(0, head_dim)
+        self._cos = torch.empty(0, head_dim, device="cpu")
+        self._sin = torch.empty(0, head_dim, device="cpu")
         self._grow(min(4096, max_position_embeddings))
 
     def _grow(self, length: int) -> None:
-        positions = torch.arange(length, dtype=torch.float32)
+        positions = torch.arange(length, dtype=torch.float32, device="cpu")
         freqs = torch.outer(positions, self.inv_freq.float())  # [length, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [length, head_dim]
         self._cos, self._sin = emb.cos(), emb.sin()

@@ -1,0 +1,31 @@
+"""The runner's step input: one ``SeqChunk`` per scheduled sequence."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class SeqChunk:
+    """Tokens of one sequence whose KV is computed in this step.
+
+    A prefill chunk (many tokens) or one decode token. Region map of the sequence's slots::
+
+        [ cached: 0 .. start_pos-1 | this step: start_pos .. start_pos+len(token_ids)-1 | free ]
+
+    ``block_table`` maps logical block i to a physical block id and must cover
+    ``start_pos + len(token_ids)`` slots.
+    """
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens visible to this chunk's last token (cached + new)."""
+        return self.start_pos + len(self.token_ids)

@@ -1,0 +1,91 @@
+"""KV-cache tensors: a device pool and a host pool for swapped-out blocks, and their sizing.
+
+Both pools hold every layer in one tensor::
+
+    [num_layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]
+
+so ``kv[layer, 0]`` is one layer's K cache ``[num_blocks, block_size, kv_heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from pagedkv.models.config import ModelConfig
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+
+
+def parse_memory_size(value: str | int) -> int:
+    """Bytes from an int or a string like ``"2GiB"``, ``"512 MB"``, ``"1.5g"``; raises ValueError."""
+    if isinstance(value, bool):
+        raise ValueError(f"kv_cache_memory must be bytes or a size string, got {value!r}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {value}")
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"kv_cache_memory {value!r} is not a size like '2GiB', '512MB' or an int of bytes")
+    size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if size <= 0:
+        raise ValueError(f"kv_cache_memory must be > 0, got {value!r}")
+    return size
+
+
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes one block takes across all layers, K and V."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * elem
+
+
+def num_blocks_for_memory(config: ModelConfig, block_size: int, memory: str | int,
+                          dtype: torch.dtype = torch.float32) -> int:
+    """How many blocks fit in ``memory`` (a size string or bytes); at least 1 or ValueError."""
+    n = parse_memory_size(memory) // bytes_per_block(config, block_size, dtype)
+    if n < 1:
+        raise ValueError(
+            f"kv_cache_memory {memory!r} is smaller than one block "
+            f"({bytes_per_block(config, block_size, dtype)} bytes at block_size={block_size})"
+        )
+    return n
+
+
+class KVCache:
+    """The device pool (``kv``) and the host pool (``host_kv``, may have 0 blocks)."""
+
+    def __init__(self, config: ModelConfig, *, block_size: int, num_blocks: int, num_host_blocks: int = 0,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        if not 1 <= block_size <= 4096:
+            raise ValueError(f"block_size must be in 1..4096, got {block_size}")
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.num_host_blocks = num_host_blocks
+        self.dtype = dtype
+        shape = (config.num_hidden_layers, 2, block_size, config.num_key_value_heads, config.head_dim)
+        self.kv = torch.zeros(shape[:2] + (num_blocks,) + shape[2:], dtype=dtype, device=device)
+        pin = False  # CPU-only development machines: pinned memory buys nothing
+        self.host_kv = torch.zeros(shape[:2] + (num_host_blocks,) + shape[2:], dtype=dtype, pin_memory=pin)
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of one layer, each ``[num_blocks, block_size, kv_heads, head_dim]`` (views)."""
+        return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
+
+    @property
+    def device_bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def __repr__(self) -> str:
+        return (f"KVCache(block_size={self.block_size}, num_blocks={self.num_blocks}, "
+                f"num_host_blocks={self.num_host_blocks}, dtype={self.dtype}, "
+                f"device_bytes={self.device_bytes})")

@@ -1,0 +1,136 @@
+"""ModelRunner: runs one step of many sequences (prefill chunks and decodes) on the paged KV cache.
+
+    chunks ──build_step_inputs──> token ids, positions, slot mapping, decode gather index + mask
+                                   (built once, shared by every layer)
+           ──model.forward──────> per layer: write new K/V to slots, paged attention
+           ──────────────────────> logits of each chunk's last token  [len(chunks), vocab]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pagedkv.models.config import ModelConfig
+from pagedkv.models.llama import LlamaForCausalLM
+from pagedkv.models.loader import LoadedModel
+from pagedkv.ops.cache_ops import copy_blocks, swap_blocks, write_kv
+from pagedkv.ops.paged_attention import paged_decode_attention, paged_prefill_attention
+from pagedkv.runner.batch import SeqChunk
+from pagedkv.runner.kv_cache import KVCache, num_blocks_for_memory
+from pagedkv.runner.step_inputs import BatchError, StepInputs, build_step_inputs
+
+
+class _StepAttention:
+    """The model's AttentionFn for one step: cache write + paged attention, per layer."""
+
+    def __init__(self, cache: KVCache, inputs: StepInputs, num_heads: int, head_dim: int) -> None:
+        self.cache = cache
+        self.inputs = inputs
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        inp = self.inputs
+        k_cache, v_cache = self.cache.layer(layer_idx)
+        write_kv(k_cache, v_cache, k, v, inp.slot_mapping)
+        if inp.all_decode:
+            assert inp.decode is not None
+            return paged_decode_attention(q, k_cache, v_cache, inp.decode)  # [T, H, d]
+        out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype)  # [T, H, d]
+        if inp.decode is not None and inp.decode_rows is not None:
+            q_dec = q.index_select(0, inp.decode_rows)
+            out.index_copy_(0, inp.decode_rows, paged_decode_attention(q_dec, k_cache, v_cache, inp.decode))
+        for p in inp.prefills:
+            out[p.start:p.end] = paged_prefill_attention(
+                q[p.start:p.end], k[p.start:p.end], v[p.start:p.end], k_cache, v_cache, p.block_table, p.start_pos
+            )
+        return out
+
+
+class ModelRunner:
+    """Owns the KV cache of one model and executes steps described by ``SeqChunk`` lists.
+
+    Size the device pool with ``num_blocks`` or ``kv_cache_memory`` (bytes or "2GiB"; exactly one);
+    ``num_host_blocks`` sizes the host pool used by swap_out/swap_in.
+    """
+
+    def __init__(
+        self,
+        model: LoadedModel | LlamaForCausalLM,
+        *,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory: str | int | None = None,
+        num_host_blocks: int = 0,
+        kv_cache_dtype: torch.dtype | None = None,
+    ) -> None:
+        net = model.model if isinstance(model, LoadedModel) else model
+        self.model: LlamaForCausalLM = net
+        self.config: ModelConfig = net.config
+        dtype = kv_cache_dtype or next(net.parameters()).dtype
+        if (num_blocks is None) == (kv_cache_memory is None):
+            raise ValueError("give exactly one of num_blocks and kv_cache_memory")
+        if num_blocks is None:
+            assert kv_cache_memory is not None
+            num_blocks = num_blocks_for_memory(self.config, block_size, kv_cache_memory, dtype)
+        self.cache = KVCache(self.config, block_size=block_size, num_blocks=num_blocks,
+                             num_host_blocks=num_host_blocks, dtype=dtype)
+
+    @property
+    def block_size(self) -> int:
+        return self.cache.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.cache.num_blocks
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.cache.num_host_blocks
+
+    def prepare(self, chunks: Sequence[SeqChunk]) -> StepInputs:
+        """Validate chunks and build the step's shared indices (raises BatchError)."""
+        cfg = self.config
+        return build_step_inputs(list(chunks), block_size=self.block_size, num_blocks=self.num_blocks,
+                                 kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                                 dtype=self.cache.dtype)
+
+    @torch.inference_mode()
+    def execute(self, chunks: Sequence[SeqChunk], return_all_logits: bool = False) -> torch.Tensor:
+        """Compute every chunk in one forward pass and write their K/V into the cache.
+
+        Returns float32 logits ``[len(chunks), vocab]`` of each chunk's last token, or
+        ``[total_tokens, vocab]`` (chunk order) with ``return_all_logits``. Raises BatchError.
+        """
+        inputs = self.prepare(chunks)
+        attention = _StepAttention(self.cache, inputs, self.config.num_attention_heads, self.config.head_dim)
+        logits = self.model(inputs.input_ids, inputs.positions, attention,
+                            logits_indices=None if return_all_logits else inputs.logits_indices,
+                            max_position=inputs.max_position)
+        return logits.float()
+
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write: device block src -> device block dst, all layers."""
+        self._check(pairs, self.num_blocks, self.num_blocks, "copy_blocks")
+        copy_blocks(self.cache.kv, pairs)
+
+    @torch.inference_mode()
+    def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Device block -> host block for each (device_id, host_id) pair."""
+        self._check(pairs, self.num_blocks, self.num_host_blocks, "swap_out")
+        swap_blocks(self.cache.kv, self.cache.host_kv, pairs)
+
+    @torch.inference_mode()
+    def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Host block -> device block for each (host_id, device_id) pair."""
+        self._check(pairs, self.num_host_blocks, self.num_blocks, "swap_in")
+        swap_blocks(self.cache.host_kv, self.cache.kv, pairs)
+
+    @staticmethod
+    def _check(pairs: Sequence[tuple[int, int]], n_src: int, n_dst: int, what: str) -> None:
+        for s, d in pairs:
+            if not (0 <= s < n_src and 0 <= d < n_dst):
+                raise BatchError(f"{what}: pair ({s}, {d}) out of range (src < {n_src}, dst < {n_dst})")
