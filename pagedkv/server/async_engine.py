@@ -232,7 +232,15 @@ class AsyncEngine:
             command.future.set_result(result)
 
     def _step(self) -> None:
-        for out in self.engine.step():
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving if the engine recovers
+            logger.exception("engine step failed; failing the %d request(s) in flight", len(self._streams))
+            self._fail_all(RuntimeError(f"engine step failed: {exc!r}"))
+            if self.engine.has_unfinished_requests():
+                raise  # aborting did not clear the engine: it cannot go on
+            return
+        for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # aborted while the step ran
@@ -242,11 +250,18 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
         if self._streams and not self.engine.has_unfinished_requests():
             # Cannot happen with an engine that keeps its contract; never leave a handler waiting.
-            lost = RuntimeError("the engine dropped the request without finishing it")
-            for stream in self._streams.values():
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, lost)
-            self._num_in_flight -= len(self._streams)
-            self._streams.clear()
+            self._fail_all(RuntimeError("the engine dropped a request without finishing it"))
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Abort every request in flight and hand ``error`` to its handler."""
+        for rid, stream in self._streams.items():
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # noqa: BLE001 - best effort, the error is reported below
+                logger.exception("abort of %s failed", rid)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+        self._num_in_flight -= len(self._streams)
+        self._streams.clear()
 
     def _die(self, exc: BaseException) -> None:
         with self._cond:

@@ -224,8 +224,8 @@ class _Rendering:
         try:
             async for out in self.stream:
                 self.tracker.update(out)
-        except EngineDeadError as exc:
-            raise APIError(500, str(exc), type="internal_error", code="engine_dead") from exc
+        except Exception as exc:  # the engine failed this request (EngineDeadError, step failure)
+            raise APIError(500, str(exc), type="internal_error", code="engine_error") from exc
         finally:
             watcher.cancel()
         if self.stream.aborted:
@@ -252,8 +252,8 @@ class _Rendering:
                 deltas = [d for comp in out.outputs if (d := self._delta(out, comp)) is not None]
                 if deltas:
                     yield _sse(fmt.chunk(self.base_id, model, deltas) | usage_field)
-        except EngineDeadError as exc:
-            yield _sse(APIError(500, str(exc), type="internal_error", code="engine_dead").body())
+        except Exception as exc:  # the engine failed this request; headers are sent, so report in-band
+            yield _sse(APIError(500, str(exc), type="internal_error", code="engine_error").body())
             yield "data: [DONE]\n\n"
             return
         if self.gen.include_usage:
