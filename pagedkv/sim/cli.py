@@ -1,0 +1,217 @@
+"""``pagedkv simulate`` and ``pagedkv size``: argument parsers and entry points.
+
+The top-level CLI wires these in with ``add_simulate_parser(subparsers)`` /
+``add_size_parser(subparsers)``; each parser sets ``func`` to its ``run_*`` function, which returns
+the process exit code (2 and a one-line message on stderr for a bad argument).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+from pagedkv.sim.distributions import NAMED_SHAPES, resolve_shape
+
+_DATASETS = [*NAMED_SHAPES, "custom"]
+
+
+def _add_dataset_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dataset", default="sharegpt", choices=_DATASETS,
+                   help="length distributions: sharegpt (long tail), alpaca (short), custom")
+    p.add_argument("--prompt-len", metavar="DIST",
+                   help="override prompt lengths: fixed:N, uniform:LO-HI, lognormal:MEDIAN,SIGMA")
+    p.add_argument("--output-len", metavar="DIST", help="override output lengths (same forms)")
+
+
+def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``simulate`` on an ``argparse`` subparsers object; returns the new parser."""
+    from pagedkv.sim.policies import DEFAULT_BLOCK_SIZES, DEFAULT_POLICIES
+
+    p = subparsers.add_parser(
+        "simulate", help="compare KV memory policies on a simulated serving workload",
+        description="Discrete-event simulation of continuous batching: the same request trace "
+                    "against contiguous, buddy and paged KV memory (the real KVCacheManager).")
+    w = p.add_argument_group("workload")
+    _add_dataset_flags(w)
+    w.add_argument("--trace", metavar="CSV",
+                   help="rows of prompt_len,output_len[,n,beam_width,prefix_id] (replaces --dataset)")
+    w.add_argument("--num-requests", type=int, default=500)
+    w.add_argument("--rate", type=float, default=math.inf,
+                   help="Poisson arrivals in requests per step (default inf: all at step 0)")
+    w.add_argument("--clients", type=int, default=0,
+                   help="closed loop of N clients, each sending its next request on completion")
+    w.add_argument("--think-steps", type=int, default=0, help="client/chat delay after a completion")
+    w.add_argument("--turns", type=int, default=1, help="turns per chat (each resends the history)")
+    w.add_argument("--prefix-len", type=int, default=0, help="shared system-prompt tokens")
+    w.add_argument("--num-prefixes", type=int, default=1, help="distinct system prompts")
+    w.add_argument("--n", type=int, default=1, help="parallel samples per request")
+    w.add_argument("--beam-width", type=int, default=1)
+    w.add_argument("--beam-reshuffle", type=float, default=0.2,
+                   help="per-step probability that a beam is replaced by a copy of another")
+    w.add_argument("--seed", type=int, default=0)
+    m = p.add_argument_group("memory")
+    m.add_argument("--kv-tokens", type=int,
+                   help="KV capacity in token slots (default 65536, or from --model)")
+    m.add_argument("--model", help="derive capacity from a preset/config.json/.gguf (see size)")
+    m.add_argument("--device-memory", default="80GiB", help="with --model (e.g. 80GiB)")
+    m.add_argument("--kv-dtype", default="fp16", help="with --model")
+    m.add_argument("--reserved-fraction", type=float, default=0.10, help="with --model")
+    m.add_argument("--tp", type=int, default=1, help="with --model")
+    m.add_argument("--max-model-len", type=int, default=2048)
+    m.add_argument("--max-num-seqs", type=int, default=1024, help="running sequences cap")
+    m.add_argument("--watermark", type=float, default=0.01,
+                   help="paged: fraction of blocks a new prompt must leave free")
+    s = p.add_argument_group("policies and output")
+    s.add_argument("--policies", default=DEFAULT_POLICIES,
+                   help="contiguous-max, contiguous-oracle, buddy, paged[+prefix][+cow][@B]")
+    s.add_argument("--block-sizes", default=",".join(map(str, DEFAULT_BLOCK_SIZES)),
+                   help="block sizes for paged policies given without @B")
+    s.add_argument("--sample-every", type=int, default=1, help="steps between memory samples")
+    s.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    s.add_argument("--plot", metavar="FILE.png", help="plot waste and concurrency (matplotlib)")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_simulate)
+    return p
+
+
+def add_size_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``size`` on an ``argparse`` subparsers object; returns the new parser."""
+    from pagedkv.sim.presets import PRESETS
+
+    p = subparsers.add_parser(
+        "size", help="KV cache bytes, blocks and concurrency for a model on a device",
+        description="Size the paged KV cache of a model: a preset "
+                    f"({', '.join(PRESETS)}), a HF config.json (or its folder) or a .gguf file.")
+    p.add_argument("model", help="preset name, config.json path or .gguf path")
+    p.add_argument("--device-memory", default="80GiB", help="per device (80GiB, 71GB, ...)")
+    p.add_argument("--kv-memory", help="KV memory per rank, overriding the device budget")
+    p.add_argument("--weight-memory", help="weights, all ranks (default: parameters x dtype)")
+    p.add_argument("--weight-dtype", default="bf16", help="fp32, bf16, fp16, fp8, int8, int4")
+    p.add_argument("--reserved-fraction", type=float, default=0.10,
+                   help="device memory kept for activations, graphs and the runtime")
+    p.add_argument("--kv-dtype", default="fp16", help="fp32, fp16, bf16, fp8, int8")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-len", type=int, help="max context (default: the model's)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--max-waste", type=float, default=0.02,
+                   help="internal-waste target for the block-size recommendation")
+    _add_dataset_flags(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.set_defaults(func=run_size)
+    return p
+
+
+def _sizing_inputs(args: argparse.Namespace, block_size: int) -> Any:
+    from pagedkv.sim.sizing import SizingInputs
+    from pagedkv.sim.units import parse_bytes
+
+    kv_memory = getattr(args, "kv_memory", None)
+    weight_memory = getattr(args, "weight_memory", None)
+    return SizingInputs(
+        device_memory=None if kv_memory else parse_bytes(args.device_memory, "--device-memory"),
+        kv_memory=parse_bytes(kv_memory, "--kv-memory") if kv_memory else None,
+        weight_memory=parse_bytes(weight_memory, "--weight-memory") if weight_memory else None,
+        weight_dtype=getattr(args, "weight_dtype", "bf16"),
+        reserved_fraction=args.reserved_fraction, kv_dtype=args.kv_dtype, block_size=block_size,
+        max_len=getattr(args, "max_len", None), tp=args.tp,
+        max_waste=getattr(args, "max_waste", 0.02))
+
+
+def run_size(args: argparse.Namespace) -> int:
+    """``pagedkv size``: print the sizing table (or ``--json``). Returns the exit code."""
+    from pagedkv.sim.model_spec import load_model_spec
+    from pagedkv.sim.report import size_table
+    from pagedkv.sim.sizing import size_kv_cache
+
+    try:
+        spec = load_model_spec(args.model)
+        shape = resolve_shape(args.dataset, args.prompt_len, args.output_len)
+        result = size_kv_cache(spec, _sizing_inputs(args, args.block_size), shape)
+    except ValueError as exc:
+        print(f"pagedkv size: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.as_dict(), indent=2) if args.json else size_table(result))
+    return 0
+
+
+def _capacity(args: argparse.Namespace) -> int:
+    if args.kv_tokens is not None:
+        if args.kv_tokens < 1:
+            raise ValueError(f"--kv-tokens: must be >= 1, got {args.kv_tokens}")
+        return int(args.kv_tokens)
+    if not args.model:
+        return 65536
+    from pagedkv.sim.distributions import SHAREGPT
+    from pagedkv.sim.model_spec import load_model_spec
+    from pagedkv.sim.sizing import size_kv_cache
+
+    result = size_kv_cache(load_model_spec(args.model), _sizing_inputs(args, 1), SHAREGPT)
+    return result.token_capacity
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    """``pagedkv simulate``: run every policy on one trace, print a table (or ``--json``)."""
+    from pagedkv.sim.policies import parse_block_sizes, parse_policies
+    from pagedkv.sim.report import plot_results, simulate_table
+    from pagedkv.sim.simulator import SimConfig, simulate
+    from pagedkv.sim.workload import WorkloadConfig, generate_workload, load_trace
+
+    try:
+        shape = resolve_shape(args.dataset, args.prompt_len, args.output_len)
+        specs = parse_policies(args.policies, parse_block_sizes(args.block_sizes))
+        workload = WorkloadConfig(
+            shape=shape, num_requests=args.num_requests, max_model_len=args.max_model_len,
+            rate=args.rate, clients=args.clients, think_steps=args.think_steps, turns=args.turns,
+            prefix_len=args.prefix_len, num_prefixes=args.num_prefixes, n=args.n,
+            beam_width=args.beam_width, seed=args.seed)
+        requests = load_trace(args.trace, workload) if args.trace else generate_workload(workload)
+        config = SimConfig(capacity=_capacity(args), max_model_len=args.max_model_len,
+                           max_num_seqs=args.max_num_seqs, watermark=args.watermark,
+                           beam_reshuffle=args.beam_reshuffle, sample_every=args.sample_every,
+                           seed=args.seed)
+        config.validate()
+    except (ValueError, OSError) as exc:
+        print(f"pagedkv simulate: error: {exc}", file=sys.stderr)
+        return 2
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(requests) * len(specs), unit="req", file=sys.stderr,
+               disable=args.quiet or not sys.stderr.isatty())
+    results = []
+    for spec in specs:
+        bar.set_description(spec.name)
+        results.append(simulate(requests, spec, config, on_complete=bar.update))
+    bar.close()
+    trace = args.trace or f"{shape.name}: prompt {shape.prompt.describe()}, " \
+                          f"output {shape.output.describe()}"
+    if args.plot:
+        plot_results(results, args.plot, title=f"{trace}, {config.capacity:,} KV slots")
+    if args.json:
+        print(json.dumps({
+            "workload": {"trace": trace, "num_requests": len(requests),
+                         "mean_prompt_len": sum(r.prompt_len for r in requests) / len(requests),
+                         "mean_output_len": sum(r.output_len for r in requests) / len(requests),
+                         "rate": None if math.isinf(args.rate) else args.rate,
+                         "clients": args.clients, "seed": args.seed},
+            "kv_tokens": config.capacity, "max_model_len": config.max_model_len,
+            "max_num_seqs": config.max_num_seqs,
+            "policies": [r.as_dict() for r in results],
+        }, indent=2))
+    else:
+        print(f"workload: {len(requests)} requests, {trace}; KV capacity {config.capacity:,} "
+              f"token slots; max_model_len {config.max_model_len}")
+        print(simulate_table(results))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pagedkv.sim {simulate,size} ...`` until the top-level CLI wires these in."""
+    parser = argparse.ArgumentParser(prog="python -m pagedkv.sim")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_simulate_parser(subparsers)
+    add_size_parser(subparsers)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
