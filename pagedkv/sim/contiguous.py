@@ -36,6 +36,9 @@ class SlotAllocator(Protocol):
         """Free slots lying in holes too small for a ``size``-slot reservation."""
         ...
 
+    @property
+    def free_slots(self) -> int: ...
+
 
 class ExtentAllocator:
     """First-fit over free extents ``[start, start + length)`` kept sorted by start.
@@ -157,3 +160,14 @@ class ReservationPolicy:
 
     def counters(self) -> dict[str, int]:
         return {}
+
+    def check_integrity(self) -> None:
+        """Held + free slots == capacity; running counts match the held entries."""
+        held = sum(entry[1] for entry in self.held.values())
+        free = self.allocator.free_slots
+        if held + free != self.capacity:
+            raise AssertionError(f"{self.name}: held {held} + free {free} != {self.capacity}")
+        if self.filled != sum(entry[2] for entry in self.held.values()):
+            raise AssertionError(f"{self.name}: filled count drifted")
+        if self.never != sum(entry[1] - entry[3] for entry in self.held.values()):
+            raise AssertionError(f"{self.name}: never-filled count drifted")

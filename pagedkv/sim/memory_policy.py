@@ -72,3 +72,7 @@ class MemoryPolicy(Protocol):
     def counters(self) -> dict[str, int]:
         """Policy-specific totals: prefix_query_tokens, prefix_hit_tokens, evictions, cow_copies."""
         ...
+
+    def check_integrity(self) -> None:
+        """Raise (``IntegrityError``/``AssertionError``) if the bookkeeping is inconsistent."""
+        ...

@@ -19,7 +19,7 @@ empty tails of the live sequences' last blocks, each physical block once: the sa
 
 from __future__ import annotations
 
-from pagedkv.memory import KVCacheManager, OutOfBlocksError
+from pagedkv.memory import IntegrityError, KVCacheManager, OutOfBlocksError
 from pagedkv.sim.memory_policy import MemoryUsage, SimSeq
 from pagedkv.sim.workload import Request
 
@@ -121,6 +121,21 @@ class PagedPolicy:
 
     def unusable_free_slots(self, request: Request) -> int:
         return 0  # any free block can hold any token
+
+    def check_integrity(self) -> None:
+        """The manager's own checks, plus: this adapter's usage equals ``stats()`` and it holds
+        exactly the sequences the manager knows. Raises ``IntegrityError``."""
+        mgr = self.manager
+        mgr.check_integrity()
+        stats, usage = mgr.stats(), self.usage()
+        if (usage.allocated_slots, usage.filled_slots) != (stats.allocated_slots, stats.filled_slots):
+            raise IntegrityError(f"{self.name}: usage {usage} disagrees with the manager's "
+                                 f"allocated {stats.allocated_slots} / filled {stats.filled_slots}")
+        if set(self.live) != set(mgr.seqs):
+            raise IntegrityError(f"{self.name}: live sequences differ from the manager's")
+        for seq in self.live.values():
+            if mgr.seqs[seq.seq_id].token_ids != seq.tokens:
+                raise IntegrityError(f"{self.name}: sequence {seq.seq_id} tokens differ")
 
     def counters(self) -> dict[str, int]:
         mgr = self.manager

@@ -163,8 +163,8 @@ def simulate(requests: list[Request], spec: PolicySpec, config: SimConfig,
             head = run.waiting[0].req if run.waiting else None
             unusable = policy.unusable_free_slots(head) if head is not None else 0
             metrics.sample(policy.usage(), unusable)
-        if config.check_integrity and hasattr(policy, "manager"):
-            policy.manager.check_integrity()  # type: ignore[attr-defined]
+        if config.check_integrity:
+            policy.check_integrity()
         step += 1
     return metrics.result(spec, steps=step, completed=run.completed, rejected=run.rejected,
                           preemptions=run.preemptions, counters=policy.counters())
