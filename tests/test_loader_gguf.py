@@ -1,0 +1,159 @@
+"""GGUF loading: a tiny llama GGUF written with gguf.GGUFWriter (q/k permuted like llama.cpp, F32 and
+Q8_0 tensors, a gpt2 BPE vocabulary) loads and matches transformers on the same weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest_models import hf_greedy, hf_logits, randomize_
+
+from pagedkv.models import load_model
+from pagedkv.models.gguf_loader import unpermute_rows
+from pagedkv.runner import ModelRunner, SeqChunk
+
+gguf = pytest.importorskip("gguf")
+from gguf.quants import dequantize, quantize  # noqa: E402
+from tokenizers import pre_tokenizers  # noqa: E402
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["h e", "l l", "he ll", "Ġ w", "o r", "Ġw or"]
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+HF_TO_GGUF = {
+    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def _vocab() -> list[str]:
+    tokens = list(SPECIALS) + sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens += [m.replace(" ", "") for m in MERGES]
+    return tokens
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # what llama.cpp's convert script does to q_proj / k_proj rows
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_name(hf: str) -> str:
+    if hf in HF_TO_GGUF:
+        return HF_TO_GGUF[hf]
+    parts = hf.split(".")
+    return f"blk.{parts[2]}." + HF_TO_GGUF[".".join(parts[3:])]
+
+
+def _write_gguf(path: Path, tied: bool, qtype: gguf.GGMLQuantizationType) -> torch.nn.Module:
+    """Write the GGUF; return the transformers reference carrying the same (dequantized) weights."""
+    import transformers
+
+    tokens = _vocab()
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(tokens), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
+        rope_theta=20000.0, tie_word_embeddings=tied,
+    )
+    ref = transformers.LlamaForCausalLM(cfg).eval()
+    randomize_(ref, seed=3)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(128)
+    w.add_embedding_length(64)
+    w.add_block_count(2)
+    w.add_feed_forward_length(96)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(20000.0)
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    w.add_chat_template(TEMPLATE)
+    state = ref.state_dict()
+    with torch.no_grad():
+        for name, t in state.items():
+            if tied and name == "lm_head.weight":
+                continue
+            arr = t.numpy().astype(np.float32)
+            if arr.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+                q = quantize(arr, qtype)
+                t.copy_(torch.from_numpy(dequantize(q, qtype).reshape(arr.shape)))  # the reference sees the rounding
+                arr_q = q
+            else:
+                arr_q = arr
+            if name.endswith("q_proj.weight"):
+                arr_q = _llama_cpp_permute(arr_q, 4)
+            elif name.endswith("k_proj.weight"):
+                arr_q = _llama_cpp_permute(arr_q, 2)
+            raw = qtype if (arr.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32) else None
+            w.add_tensor(_gguf_name(name), np.ascontiguousarray(arr_q), raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return ref
+
+
+def test_unpermute_inverts_llama_cpp_permute() -> None:
+    w = np.arange(8 * 16 * 3, dtype=np.float32).reshape(8 * 16, 3)
+    for n_head in (1, 2, 8):
+        assert np.array_equal(unpermute_rows(_llama_cpp_permute(w, n_head), n_head), w)
+
+
+@pytest.mark.parametrize("tied,qtype", [(False, gguf.GGMLQuantizationType.F32),
+                                        (True, gguf.GGMLQuantizationType.Q8_0),
+                                        (False, gguf.GGMLQuantizationType.Q4_0)])
+def test_gguf_matches_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tied: bool,
+                                   qtype: gguf.GGMLQuantizationType) -> None:
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    ref = _write_gguf(path, tied, qtype)
+    loaded = load_model(str(path))
+    assert loaded.config.tie_word_embeddings == tied
+    assert (loaded.config.num_key_value_heads, loaded.config.rope.theta) == (2, 20000.0)
+    ids = [5, 40, 77, 120, 9, 200, 33, 64, 100, 3, 250]
+    runner = ModelRunner(loaded, block_size=4, num_blocks=32)
+    got = runner.execute([SeqChunk(ids, 0, [9, 1, 30, 4, 2, 8, 7, 6, 5, 3, 0])], return_all_logits=True)
+    torch.testing.assert_close(got, hf_logits(ref, ids), atol=1e-4, rtol=1e-4)
+    # greedy continuation, token for token
+    table = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
+    out, pos, logits = [], len(ids), runner.execute([SeqChunk(ids, 0, table)])
+    for _ in range(24):
+        out.append(int(logits[0].argmax()))
+        logits = runner.execute([SeqChunk([out[-1]], pos, table)])
+        pos += 1
+    assert out == hf_greedy(ref, ids, 24)
+    # converted once: a second load reads the cached folder
+    assert len(list((tmp_path / "cache" / "gguf").glob("*/.complete"))) == 1
+    again = load_model(str(path))
+    assert torch.equal(again.model.embed_tokens.weight, loaded.model.embed_tokens.weight)
+
+
+def test_gguf_tokenizer_and_chat_template(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tok.gguf"
+    _write_gguf(path, True, gguf.GGMLQuantizationType.F32)
+    tok = load_model(str(path)).tokenizer
+    assert tok is not None
+    vocab = _vocab()
+    ids = tok.encode("hello world 42<|im_end|>", add_special_tokens=True)
+    assert [vocab[i] for i in ids] == ["hell", "o", "Ġwor", "l", "d", "Ġ", "4", "2", "<|im_end|>"]
+    assert tok.decode(ids) == "hello world 42"
+    assert tok.decode(ids, skip_special_tokens=False) == "hello world 42<|im_end|>"
+    assert tok.eos_token_ids == {2} and tok.bos_token_id == 1
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.encode(text)[:2] == [1, vocab.index("u")]
