@@ -1,0 +1,8 @@
+"""The engine: continuous batching, sampling, forks, beam search, preemption."""
+
+from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.errors import EngineDeadError, RequestRejectedError, RequestTooLongError
+from pagedkv.engine.llm_engine import EngineStats, LLMEngine
+
+__all__ = ["EngineConfig", "EngineDeadError", "EngineStats", "LLMEngine", "RequestRejectedError",
+           "RequestTooLongError"]

@@ -1,0 +1,100 @@
+"""The engine's one frozen, validated configuration (vLLM's option names)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from pagedkv.engine.faults import FaultSpec
+from pagedkv.memory import EVICTION_POLICIES
+
+PREEMPTION_MODES = ("recompute", "swap")
+DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_KV_CACHE_MEMORY = "1GiB"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Every engine option, validated once at construction; bad values raise ValueError naming
+    the field and the allowed range.
+
+    ``kv_cache_memory`` (bytes or a size string like "2GiB") or ``num_kv_blocks`` sizes the
+    device KV pool (default 1 GiB). ``swap_space`` is host memory in GiB for swapped-out blocks.
+    ``max_model_len`` defaults to the model's context length. ``fault_injection`` (or the
+    ``PAGEDKV_FAULT_INJECTION`` environment variable) takes a spec such as "seed=7,rate=0.05".
+    ``debug_integrity`` runs ``check_integrity()`` after every step.
+    """
+
+    model: str | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory: str | int | None = None
+    num_kv_blocks: int | None = None
+    swap_space: float = 0.5
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    preemption_mode: str = "recompute"
+    eviction_policy: str = "lru"
+    watermark: float = 0.01
+    dtype: str = "float32"
+    seed: int = 0
+    debug_integrity: bool = False
+    fault_injection: str | None = None
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        _int_in("block_size", self.block_size, 1, 256)
+        _int_in("max_num_seqs", self.max_num_seqs, 1, 1 << 20)
+        _int_in("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 24)
+        if self.num_kv_blocks is not None:
+            _int_in("num_kv_blocks", self.num_kv_blocks, 1, 1 << 30)
+            if self.kv_cache_memory is not None:
+                raise ValueError("give kv_cache_memory or num_kv_blocks, not both")
+        if self.max_model_len is not None:
+            _int_in("max_model_len", self.max_model_len, 1, 1 << 24)
+        if self.threads is not None:
+            _int_in("threads", self.threads, 1, 1024)
+        if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, (int, float)) \
+                or self.swap_space < 0:
+            raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
+                             f"got {self.preemption_mode!r}")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction_policy must be one of {EVICTION_POLICIES}, "
+                             f"got {self.eviction_policy!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.fault_injection:
+            FaultSpec.parse(self.fault_injection)
+
+    @classmethod
+    def from_options(cls, model: str | None = None, **options: object) -> EngineConfig:
+        """Build from keyword options; unknown names raise TypeError listing the valid ones.
+
+        ``fault_injection`` falls back to the PAGEDKV_FAULT_INJECTION environment variable.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; valid options: {sorted(names)}")
+        if options.get("fault_injection") is None and os.environ.get("PAGEDKV_FAULT_INJECTION"):
+            options["fault_injection"] = os.environ["PAGEDKV_FAULT_INJECTION"]
+        return cls(model=model, **options)  # type: ignore[arg-type]
+
+    def with_max_model_len(self, max_model_len: int) -> EngineConfig:
+        """The config with ``max_model_len`` resolved (done once, when the model is known)."""
+        return dataclasses.replace(self, max_model_len=max_model_len)
+
+    @property
+    def faults(self) -> FaultSpec | None:
+        return FaultSpec.parse(self.fault_injection) if self.fault_injection else None
+
+
+def _int_in(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")

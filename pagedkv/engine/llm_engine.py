@@ -1,0 +1,304 @@
+"""LLMEngine: the one place that wires the scheduler, the memory core and the model runner.
+
+    add_request ─> Scheduler.waiting
+    step():  Scheduler.schedule() ─> SchedulerOutput (frozen plan)
+             runner: swap out, copy-on-write copies, swap in, execute(chunks) ─> logits
+             Scheduler.on_step_done ─> KV marked computed (full blocks enter the prefix cache)
+             Sampler ─> next tokens; forks for n > 1 and beams; stop checks; finished freed
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+from pagedkv.engine.beam_search import select_beams
+from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.errors import RequestRejectedError, RequestTooLongError
+from pagedkv.engine.faults import FaultInjector
+from pagedkv.engine.output_processor import OutputProcessor
+from pagedkv.engine.sampler import Sampled, Sampler, SampleRow, make_generator, top_logprobs
+from pagedkv.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedkv.engine.sequence import Sequence, SequenceGroup
+from pagedkv.memory import KVCacheManager, KVStats
+from pagedkv.outputs import RequestOutput
+from pagedkv.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    kv: KVStats
+    num_running: int       # requests with device blocks
+    num_waiting: int
+    num_swapped: int
+    num_running_seqs: int
+    preemptions_recompute: int
+    preemptions_swap: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_steps: int
+    faults_fired: int
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["kv"] = self.kv.as_dict()
+        return d
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache.
+
+    Not thread-safe: one thread calls add_request / abort_request / step.
+    """
+
+    def __init__(self, config: EngineConfig, *, runner=None, tokenizer=None, model_name: str | None = None,
+                 max_position_embeddings: int | None = None) -> None:
+        if runner is None:
+            runner, tokenizer, model_name, max_position_embeddings = _build_runner(config)
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.model_name = model_name or "pagedkv-model"
+        B = runner.block_size
+        model_len = config.max_model_len or max_position_embeddings or runner.num_blocks * B
+        self.config = config.with_max_model_len(model_len)
+        self.kv = KVCacheManager(runner.num_blocks, B, num_host_blocks=runner.num_host_blocks,
+                                 enable_prefix_caching=config.enable_prefix_caching,
+                                 eviction_policy=config.eviction_policy, watermark=config.watermark)
+        spec = config.faults
+        self.faults = FaultInjector(spec) if spec else None
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   config.preemption_mode), self.kv, self.faults)
+        self.sampler = Sampler(config.seed)
+        self.outputs = OutputProcessor(tokenizer, model_len)
+        self._arrivals = 0
+        self._steps = 0
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+
+    @classmethod
+    def from_options(cls, model: str | None = None, **options) -> LLMEngine:
+        return cls(EngineConfig.from_options(model, **options))
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    *, cache_salt: str | None = None, priority: int = 0, beam_width: int = 0,
+                    length_penalty: float = 1.0) -> None:
+        """Queue a request. Raises RequestRejectedError (RequestTooLongError when it can never
+        fit) with a message saying what to change; the engine's other requests are untouched."""
+        params = params or SamplingParams()
+        if request_id in self.scheduler.groups:
+            raise RequestRejectedError(f"request id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        L = self.config.max_model_len
+        if len(ids) >= L:
+            raise RequestTooLongError(
+                f"the prompt has {len(ids)} tokens but max_model_len is {L}: use at most "
+                f"{L - 1} prompt tokens so that at least one token can be generated")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > L:
+            raise RequestTooLongError(
+                f"this model's maximum context length is {L} tokens; the request asks for "
+                f"{len(ids) + params.max_tokens} ({len(ids)} in the prompt, {params.max_tokens} "
+                f"max_tokens): lower max_tokens to at most {L - len(ids)}")
+        max_tokens = min(params.max_tokens or L, L - len(ids))
+        width = beam_width or params.n
+        kv = self.kv
+        # Forks share the prompt's blocks; each needs its own blocks for its output (plus one
+        # copy-on-write of the prompt's partial last block).
+        needed = (kv.blocks_for(len(ids) + max_tokens) if width == 1 else
+                  kv.blocks_for(len(ids)) + width * (kv.blocks_for(max_tokens) + 1))
+        if needed > kv.num_blocks:
+            raise RequestTooLongError(
+                f"the request needs about {needed} KV blocks ({len(ids)} prompt tokens, "
+                f"{max_tokens} new tokens x {width} sequences, block_size {kv.block_size}) but "
+                f"the pool has {kv.num_blocks}: shorten it or give the engine more kv_cache_memory")
+        group = SequenceGroup(request_id, text, ids, params, self._arrivals, priority, cache_salt,
+                              max_tokens, beam_width, length_penalty)
+        group.seqs.append(self._new_seq(group, 0, list(ids)))
+        group.metrics["arrival_time"] = time.time()
+        self._arrivals += 1
+        self._prompt_tokens += len(ids)
+        self.scheduler.add(group)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; unknown ids are ignored."""
+        group = self.scheduler.abort(request_id)
+        return self.outputs.make_output(group) if group else None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; return the state of every request that progressed."""
+        out = self.scheduler.schedule()
+        runner = self.runner
+        if out.swap_out:
+            runner.swap_out(out.swap_out)
+        if out.copies:
+            runner.copy_blocks(out.copies)
+        if out.swap_in:
+            runner.swap_in(out.swap_in)
+        progressed: dict[str, SequenceGroup] = {}
+        if out.scheduled:
+            chunks = [_chunk(s.seq.token_ids, s.start, s.num_tokens, self.kv.block_table(s.seq.seq_id))
+                      for s in out.scheduled]
+            logits = runner.execute(chunks)
+            self.scheduler.on_step_done(out)
+            self._sample(out, logits, progressed)
+        self._steps += 1
+        if self.config.debug_integrity:
+            self.kv.check_integrity()
+        return [self.outputs.make_output(g) for g in progressed.values()]
+
+    def _sample(self, out: SchedulerOutput, logits, progressed: dict[str, SequenceGroup]) -> None:
+        rows: list[SampleRow] = []
+        targets: list[tuple[SequenceGroup, Sequence]] = []
+        beam_rows: list[tuple[int, SequenceGroup, Sequence]] = []
+        for i, s in enumerate(out.scheduled):
+            if not s.samples:
+                continue
+            group, seq = s.group, s.seq
+            if group.beam_width:
+                beam_rows.append((i, group, seq))
+                continue
+            seqs = [seq]
+            if not group.forked:
+                group.forked = True
+                seqs += [self._fork(group, seq) for _ in range(group.params.n - 1)]
+            for q in seqs:
+                rows.append(SampleRow(i, group.params, q.rng))
+                targets.append((group, q))
+        for (group, seq), sampled in zip(targets, self.sampler.sample(logits, rows)):
+            self._append(group, seq, sampled)
+            progressed[group.request_id] = group
+        if beam_rows:
+            self._beam_step(logits, beam_rows, progressed)
+
+    def _append(self, group: SequenceGroup, seq: Sequence, sampled: Sampled) -> None:
+        seq.token_ids.append(sampled.token)
+        self.kv.append_tokens(seq.seq_id, (sampled.token,))
+        self._generation_tokens += 1
+        if sampled.top is not None:
+            seq.logprobs.append(sampled.top)  # type: ignore[union-attr]
+            seq.cumulative_logprob += sampled.logprob  # type: ignore[operator]
+        if "first_token_time" not in group.metrics:
+            group.metrics["first_token_time"] = time.time()
+        self.outputs.check_stop(group, seq, sampled.token)
+        if seq.finish_reason is not None:
+            self.scheduler.finish_seq(group, seq)
+            if group.is_finished:
+                group.metrics["finished_time"] = time.time()
+
+    def _beam_step(self, logits, beam_rows, progressed: dict[str, SequenceGroup]) -> None:
+        k = max(2 * g.beam_width for _, g, _ in beam_rows)
+        values, ids = top_logprobs(logits[[i for i, _, _ in beam_rows]], min(k, logits.shape[-1]))
+        for (_, group, seq), v, t in zip(beam_rows, values, ids):
+            group.beam_candidates[seq.seq_id] = (v[:2 * group.beam_width], t[:2 * group.beam_width])
+        for group in {id(g): g for _, g, _ in beam_rows}.values():
+            beams = group.live_seqs
+            if all(b.seq_id in group.beam_candidates and b.num_computed == b.num_tokens
+                   for b in beams):
+                self._advance_beams(group, beams)
+                progressed[group.request_id] = group
+
+    def _advance_beams(self, group: SequenceGroup, beams: list[Sequence]) -> None:
+        live, done = select_beams(beams, group.beam_candidates, group.beam_width,
+                                  self.outputs.eos_token_ids, group.params.ignore_eos)
+        group.beam_candidates.clear()
+        for prop in done:  # finished hypotheses hold no blocks
+            hyp = Sequence(f"{group.request_id}#h{len(group.finished_seqs)}", -1, prop.parent.prompt_len,
+                           prop.parent.token_ids + [prop.token], finish_reason="stop")
+            hyp.cumulative_logprob = prop.cumulative_logprob
+            group.finished_seqs.append(hyp)
+        used: set[str] = set()
+        assignments = []
+        for prop in live:  # the first use of a parent keeps it; later uses fork it
+            child = prop.parent if prop.parent.seq_id not in used else self._fork(group, prop.parent)
+            used.add(prop.parent.seq_id)
+            assignments.append((child, prop))
+        for beam in beams:
+            if beam.seq_id not in used:
+                beam.finish_reason = "pruned"
+                self.scheduler.finish_seq(group, beam)
+        self._generation_tokens += len(assignments)
+        for child, prop in assignments:
+            child.token_ids.append(prop.token)
+            self.kv.append_tokens(child.seq_id, (prop.token,))
+            child.cumulative_logprob = prop.cumulative_logprob
+        for child, _ in assignments:
+            if child.num_output_tokens >= group.max_tokens or child.num_tokens >= self.config.max_model_len:
+                child.finish_reason = "length"
+                group.finished_seqs.append(child)
+                self.scheduler.finish_seq(group, child)
+        if group.num_live == 0 and not group.is_finished:
+            self.scheduler.abort(group.request_id)  # no beam left: retire the group
+        if group.is_finished:
+            group.metrics["finished_time"] = time.time()
+
+    # ------------------------------------------------------------------ helpers
+    def _new_seq(self, group: SequenceGroup, index: int, token_ids: list[int]) -> Sequence:
+        seed = group.params.seed
+        rng = make_generator(seed * 1_000_003 + index) if seed is not None else None
+        return Sequence(f"{group.request_id}#{index}", index, len(group.prompt_token_ids), token_ids,
+                        logprobs=[] if group.params.logprobs is not None else None, rng=rng)
+
+    def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
+        child = self._new_seq(group, len(group.seqs), list(parent.token_ids))
+        child.cumulative_logprob = parent.cumulative_logprob
+        if parent.logprobs is not None:
+            child.logprobs = list(parent.logprobs)
+        self.scheduler.fork(group, parent, child)
+        return child
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestRejectedError("this engine has no tokenizer: give token ids")
+            ids = self.tokenizer.encode(prompt)
+            text: str | None = prompt
+        else:
+            ids, text = list(prompt), None
+            vocab = getattr(getattr(self.runner, "config", None), "vocab_size", None)
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab and t >= vocab):
+                    raise RequestRejectedError(f"prompt token id {t!r} is not in the vocabulary "
+                                               f"(0..{(vocab or 0) - 1})")
+        if not ids:
+            raise RequestRejectedError("the prompt is empty")
+        return text, ids
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            kv=self.kv.stats(), num_running=len(s.running), num_waiting=len(s.waiting),
+            num_swapped=len(s.swapped), num_running_seqs=s.num_running_seqs,
+            preemptions_recompute=s.preemptions["recompute"], preemptions_swap=s.preemptions["swap"],
+            prompt_tokens_total=self._prompt_tokens, generation_tokens_total=self._generation_tokens,
+            num_steps=self._steps,
+            faults_fired=sum(self.faults.fired.values()) if self.faults else 0)
+
+
+def _chunk(token_ids: list[int], start: int, n: int, block_table: list[int]):
+    from pagedkv.runner.batch import SeqChunk
+    return SeqChunk(token_ids[start:start + n], start, block_table)
+
+
+def _build_runner(config: EngineConfig):
+    import torch
+
+    from pagedkv.models import load_model
+    from pagedkv.runner import ModelRunner, bytes_per_block
+    from pagedkv.runner import parse_memory_size as _parse_size
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    dtype = getattr(torch, config.dtype)
+    loaded = load_model(config.model, dtype=dtype)
+    kv_memory = None if config.num_kv_blocks else (config.kv_cache_memory or "1GiB")
+    per_block = bytes_per_block(loaded.config, config.block_size, dtype)
+    # swap_space is GiB of host memory; more host blocks than 4x the device pool buy nothing.
+    device_blocks = config.num_kv_blocks or max(1, _parse_size(kv_memory) // per_block)
+    host_blocks = min(int(config.swap_space * (1 << 30)) // per_block, 4 * device_blocks)
+    runner = ModelRunner(loaded, block_size=config.block_size, num_blocks=config.num_kv_blocks,
+                         kv_cache_memory=kv_memory, num_host_blocks=host_blocks)
+    return runner, loaded.tokenizer, loaded.name, loaded.config.max_position_embeddings

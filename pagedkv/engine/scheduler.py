@@ -1,0 +1,292 @@
+"""Continuous batching by counters, with chunked prefill, preemption and swapping.
+
+Every step the scheduler builds a plan (``SchedulerOutput``) under a token budget:
+
+1. Running requests, in priority order (lower ``priority`` first, then arrival): each live
+   sequence computes its next tokens (1 for a decode, a chunk for a prefill). When blocks run out,
+   the running request that sorts last (highest priority value, then latest arrival) is preempted:
+   by swap to the host tier (``preemption_mode="swap"``, when the host has room) or by recompute
+   (blocks dropped, the request re-prefills its prompt and its output so far later). A request
+   that cannot grow even when it is the last one left preempts itself, always by recompute.
+2. If nothing was preempted: swapped requests come back (FCFS), then waiting requests are admitted
+   (prefix-cache hits skip their cached tokens) while the budget, ``max_num_seqs`` and the KV
+   pool allow. A waiting request that does not fit blocks the ones behind it (no starvation).
+
+Pure Python: the scheduler drives the memory core and never touches tensors.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from pagedkv.engine.faults import FaultInjector
+from pagedkv.engine.sequence import GroupStatus, Sequence, SequenceGroup
+from pagedkv.memory import CopyPair, KVCacheManager, OutOfBlocksError
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    preemption_mode: str = "recompute"  # "recompute" | "swap"
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    """One sequence's work in a step: compute ``num_tokens`` tokens from position ``start``."""
+
+    group: SequenceGroup
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the sequence's last token: its logits give the next token."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """The plan of one step. The runner performs ``swap_out``, then ``copies`` (copy-on-write),
+    then ``swap_in``, then computes ``scheduled``."""
+
+    scheduled: tuple[ScheduledSeq, ...]
+    copies: tuple[CopyPair, ...] = ()
+    swap_out: tuple[CopyPair, ...] = ()
+    swap_in: tuple[CopyPair, ...] = ()
+    preempted: tuple[str, ...] = ()
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.scheduled or self.copies or self.swap_out or self.swap_in)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 faults: FaultInjector | None = None) -> None:
+        self.config = config
+        self.kv = kv
+        self.faults = faults
+        self.waiting: list[SequenceGroup] = []   # each list sorted by SequenceGroup.sort_key
+        self.running: list[SequenceGroup] = []
+        self.swapped: list[SequenceGroup] = []
+        self.groups: dict[str, SequenceGroup] = {}
+        self.preemptions = {"recompute": 0, "swap": 0}
+        self._fail_next_alloc = False
+
+    # ------------------------------------------------------------------ requests
+    def add(self, group: SequenceGroup) -> None:
+        if group.request_id in self.groups:
+            raise ValueError(f"request id {group.request_id!r} is already in use")
+        self.groups[group.request_id] = group
+        self._enqueue(self.waiting, group, GroupStatus.WAITING)
+
+    def abort(self, request_id: str) -> SequenceGroup | None:
+        """Drop a request wherever it is and free its blocks. Unknown ids are ignored."""
+        group = self.groups.get(request_id)
+        if group is None:
+            return None
+        for seq in group.live_seqs:
+            seq.finish_reason = "abort"
+        self._retire(group)
+        return group
+
+    def finish_seq(self, group: SequenceGroup, seq: Sequence) -> None:
+        """A sequence ended (its finish_reason is set): free its blocks; retire the group when
+        no sequence is left."""
+        if seq.seq_id in self.kv:
+            self.kv.free(seq.seq_id)
+        if group.num_live == 0:
+            self._retire(group)
+
+    def fork(self, group: SequenceGroup, parent: Sequence, child: Sequence) -> None:
+        """Add ``child`` to a running group, sharing every block of ``parent``."""
+        self.kv.fork(parent.seq_id, child.seq_id)
+        child.num_computed = parent.num_computed
+        group.seqs.append(child)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.groups)
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(g.num_live for g in self.running)
+
+    # ------------------------------------------------------------------ the step
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        copies: list[CopyPair] = []
+        swap_out: list[CopyPair] = []
+        swap_in: list[CopyPair] = []
+        preempted: list[str] = []
+        self._inject_fault(swap_out, preempted)
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            group = self.running[i]
+            plan = self._schedule_running(group, budget, swap_out, preempted)
+            if plan is None:  # preempted itself
+                continue
+            entries, pairs = plan
+            scheduled += entries
+            copies += pairs
+            budget -= sum(e.num_tokens for e in entries)
+            i += 1
+
+        if not preempted:
+            budget = self._resume_swapped(budget, scheduled, copies, swap_in)
+            if not self.swapped:
+                self._admit_waiting(budget, scheduled)
+        return SchedulerOutput(tuple(scheduled), tuple(copies), tuple(swap_out), tuple(swap_in),
+                               tuple(preempted))
+
+    def on_step_done(self, output: SchedulerOutput) -> None:
+        """Record that the plan's tokens were computed (their KV is written)."""
+        kv = self.kv
+        for s in output.scheduled:
+            kv.mark_computed(s.seq.seq_id, s.num_tokens)
+            s.seq.num_computed += s.num_tokens
+
+    # ------------------------------------------------------------------ helpers
+    def _schedule_running(self, group: SequenceGroup, budget: int, swap_out: list[CopyPair],
+                          preempted: list[str]) -> tuple[list[ScheduledSeq], list[CopyPair]] | None:
+        entries: list[ScheduledSeq] = []
+        pairs: list[CopyPair] = []
+        for seq in group.live_seqs:
+            if budget <= 0:
+                break
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if n <= 0:
+                continue
+            if seq.seq_id not in self.kv:
+                # A sibling not yet back after a recompute: re-prefill when blocks allow.
+                try:
+                    self._check_injected_failure()
+                    seq.num_computed = self.kv.allocate_prompt(seq.seq_id, seq.token_ids, n,
+                                                               salt=group.salt)
+                except OutOfBlocksError:
+                    continue
+                n = min(seq.num_tokens - seq.num_computed, n)
+            else:
+                while True:
+                    try:
+                        self._check_injected_failure()
+                        pairs += self.kv.allocate_slots(seq.seq_id, n)
+                        break
+                    except OutOfBlocksError:
+                        victim = self.running[-1]
+                        if victim is group:
+                            self._preempt(group, "recompute", swap_out, preempted)
+                            return None
+                        self._preempt(victim, self.config.preemption_mode, swap_out, preempted)
+            entries.append(ScheduledSeq(group, seq, seq.num_computed, n))
+            budget -= n
+        return entries, pairs
+
+    def _resume_swapped(self, budget: int, scheduled: list[ScheduledSeq], copies: list[CopyPair],
+                        swap_in: list[CopyPair]) -> int:
+        while self.swapped and budget > 0:
+            group = self.swapped[0]
+            if self.num_running_seqs + group.num_live > self.config.max_num_seqs:
+                break
+            try:
+                self._check_injected_failure()
+                swap_in += self.kv.swap_in([s.seq_id for s in group.live_seqs])
+            except OutOfBlocksError:
+                break
+            self.swapped.pop(0)
+            self._enqueue(self.running, group, GroupStatus.RUNNING)
+            for seq in group.live_seqs:
+                n = min(seq.num_tokens - seq.num_computed, budget)
+                if n <= 0:
+                    continue
+                try:
+                    copies += self.kv.allocate_slots(seq.seq_id, n)
+                except OutOfBlocksError:
+                    continue  # runs next step; preemption will make room there
+                scheduled.append(ScheduledSeq(group, seq, seq.num_computed, n))
+                budget -= n
+        return budget
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> None:
+        while self.waiting and budget > 0:
+            group = self.waiting[0]
+            width = group.num_live if group.forked else group.width
+            if self.num_running_seqs + width > self.config.max_num_seqs and self.running:
+                break
+            # Only the first live sequence is allocated here; its siblings (after a recompute)
+            # follow in later steps, when they can hit the prefix it recomputes.
+            seq = group.live_seqs[0]
+            try:
+                self._check_injected_failure()
+                cached = self.kv.allocate_prompt(seq.seq_id, seq.token_ids, budget, salt=group.salt)
+            except OutOfBlocksError:
+                break
+            self.waiting.pop(0)
+            seq.num_computed = cached
+            if group.num_cached_tokens < 0:
+                group.num_cached_tokens = min(cached, len(group.prompt_token_ids))
+            self._enqueue(self.running, group, GroupStatus.RUNNING)
+            n = min(seq.num_tokens - cached, budget)
+            scheduled.append(ScheduledSeq(group, seq, cached, n))
+            budget -= n
+
+    def _preempt(self, group: SequenceGroup, mode: str, swap_out: list[CopyPair],
+                 preempted: list[str]) -> None:
+        self.running.remove(group)
+        preempted.append(group.request_id)
+        live = group.live_seqs
+        resident = [s for s in live if s.seq_id in self.kv]
+        # Swap only whole groups: siblings still waiting to re-prefill make it a recompute.
+        if mode == "swap" and len(resident) == len(live):
+            try:
+                swap_out += self.kv.swap_out([s.seq_id for s in live])
+            except OutOfBlocksError:
+                pass  # the host tier is full: fall back to recompute
+            else:
+                self.preemptions["swap"] += 1
+                self._enqueue(self.swapped, group, GroupStatus.SWAPPED)
+                return
+        for s in resident:
+            self.kv.free(s.seq_id)
+        for s in live:
+            s.num_computed = 0
+        self.preemptions["recompute"] += 1
+        self._enqueue(self.waiting, group, GroupStatus.WAITING)
+
+    def _retire(self, group: SequenceGroup) -> None:
+        for queue in (self.waiting, self.running, self.swapped):
+            if group in queue:
+                queue.remove(group)
+        for seq in group.seqs:
+            if seq.seq_id in self.kv:
+                self.kv.free(seq.seq_id)
+        group.status = GroupStatus.FINISHED
+        self.groups.pop(group.request_id, None)
+
+    def _enqueue(self, queue: list[SequenceGroup], group: SequenceGroup, status: GroupStatus) -> None:
+        group.status = status
+        bisect.insort(queue, group, key=lambda g: g.sort_key)
+
+    def _check_injected_failure(self) -> None:
+        if self._fail_next_alloc:
+            self._fail_next_alloc = False
+            raise OutOfBlocksError(1, 0)
+
+    def _inject_fault(self, swap_out: list[CopyPair], preempted: list[str]) -> None:
+        self._fail_next_alloc = False
+        kind = self.faults.draw() if self.faults else None
+        if kind == "evict":
+            self.kv.evict_cached()
+        elif kind == "alloc":
+            self._fail_next_alloc = True
+        elif kind in ("recompute", "swap") and self.running:
+            victim = self.running[self.faults.pick(len(self.running))]  # type: ignore[union-attr]
+            self._preempt(victim, kind, swap_out, preempted)

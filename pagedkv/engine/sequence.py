@@ -1,0 +1,100 @@
+"""Requests as the scheduler sees them: a group of sequences sharing one prompt.
+
+A request with ``n`` completions (or ``beam_width`` beams) is one ``SequenceGroup``. It starts
+with one sequence; after its prompt is computed the engine forks the others from it, so they all
+share the prompt's blocks (copy-on-write). Scheduling is by counters: each sequence computes
+tokens until ``num_computed == num_tokens``; a prefill chunk, a prefix-cache hit and a recompute
+after preemption are all just different starting values of ``num_computed``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pagedkv.sampling_params import SamplingParams
+
+
+class GroupStatus(enum.Enum):
+    WAITING = "waiting"    # not on the device: new, or preempted by recompute
+    RUNNING = "running"    # has device blocks
+    SWAPPED = "swapped"    # blocks on the host tier
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    seq_id: str
+    index: int                # completion index within the request (0 .. n-1)
+    prompt_len: int
+    token_ids: list[int]      # prompt + generated
+    num_computed: int = 0     # tokens whose KV is written (mirrors the KV cache manager)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    output_text: str = ""
+    text_tokens: int = -1     # output tokens that output_text was decoded from
+    logprobs: list | None = None
+    cumulative_logprob: float = 0.0
+    rng: object | None = None  # per-sequence random generator for seeded sampling (runner side)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.num_tokens - 1
+
+
+@dataclass(slots=True, eq=False)
+class SequenceGroup:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int              # admission order (ties broken by it after priority)
+    priority: int = 0         # lower runs first; the highest value is preempted first
+    salt: str | None = None
+    max_tokens: int = 16      # resolved limit on generated tokens
+    beam_width: int = 0       # > 0: native beam search (see engine.beam_search)
+    length_penalty: float = 1.0
+    seqs: list[Sequence] = field(default_factory=list)
+    status: GroupStatus = GroupStatus.WAITING
+    forked: bool = False      # children created after the prompt was computed
+    num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first admission
+    finished_seqs: list[Sequence] = field(default_factory=list)  # beams that ended (beam search)
+    beam_candidates: dict[str, tuple[list[float], list[int]]] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (self.priority, self.arrival)
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if s.finish_reason is None]
+
+    @property
+    def num_live(self) -> int:
+        return sum(1 for s in self.seqs if s.finish_reason is None)
+
+    @property
+    def width(self) -> int:
+        """Sequences this group will hold once forked."""
+        return self.beam_width or self.params.n
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is GroupStatus.FINISHED
