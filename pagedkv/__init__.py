@@ -1,0 +1,16 @@
+"""pagedkv: an LLM inference and serving engine built around paged KV-cache memory."""
+
+from pagedkv.outputs import CompletionOutput, RequestOutput
+from pagedkv.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch and the models; load it only when asked for, so that
+    # `import pagedkv.memory` (the pure-Python core) stays light.
+    if name == "LLM":
+        from pagedkv.llm import LLM
+        return LLM
+    raise AttributeError(f"module 'pagedkv' has no attribute {name!r}")

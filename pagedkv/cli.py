@@ -1,0 +1,108 @@
+"""The ``pagedkv`` command: serve | generate | bench | simulate | size."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default 64)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", dest="sampling_seed", type=int, default=None, help="per-request seed")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("-n", type=int, default=1, help="completions per prompt")
+    g.add_argument("--logprobs", type=int, default=None, help="print top-k logprobs per token")
+
+
+def add_generate_parser(subparsers) -> None:
+    from pagedkv.server.cli import ENGINE_FLAGS
+
+    p = subparsers.add_parser("generate", help="generate a completion for a prompt",
+                              description="Print the model's completion of --prompt.")
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: bundled model)")
+    p.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--stats", action="store_true", help="print KV-cache stats afterwards")
+    add_sampling_arguments(p)
+    g = p.add_argument_group("engine")
+    for flag, kwargs in ENGINE_FLAGS.items():
+        if flag != "--seed":
+            g.add_argument(flag, default=None, **kwargs)
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from pagedkv.engine import RequestRejectedError
+    from pagedkv.llm import LLM
+    from pagedkv.sampling_params import SamplingParams
+    from pagedkv.server.cli import engine_options
+
+    try:
+        params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                                seed=args.sampling_seed, stop=tuple(args.stop),
+                                ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+        llm = LLM(args.model, **engine_options(args))
+        if args.chat:
+            convs = [([{"role": "system", "content": args.system}] if args.system else [])
+                     + [{"role": "user", "content": text}] for text in args.prompt]
+            outputs = llm.chat(convs, params)
+        else:
+            outputs = llm.generate(args.prompt, params)
+    except (ValueError, RequestRejectedError, FileNotFoundError) as exc:
+        print(f"pagedkv generate: {exc}", file=sys.stderr)
+        return 2
+    for out in outputs:
+        for comp in out.outputs:
+            if len(outputs) > 1 or len(out.outputs) > 1:
+                print(f"--- prompt {outputs.index(out)} completion {comp.index} "
+                      f"({comp.finish_reason}, {len(comp.token_ids)} tokens)")
+            print(comp.text)
+            if args.logprobs is not None and comp.logprobs:
+                tok = llm.get_tokenizer()
+                for t, lp in zip(comp.token_ids, comp.logprobs):
+                    alts = ", ".join(f"{tok.decode([k])!r}:{v.logprob:.3f}" for k, v in lp.items())
+                    print(f"  {tok.decode([t])!r} {lp[t].logprob:.3f}  [{alts}]")
+    if args.stats:
+        s = llm.stats()
+        print(f"KV: {s.kv.used_blocks}/{s.kv.num_blocks} blocks used, "
+              f"prefix hits {s.kv.prefix_hit_tokens}/{s.kv.prefix_query_tokens} tokens, "
+              f"preemptions {s.preemptions_recompute + s.preemptions_swap}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pagedkv.server.cli import add_serve_parser
+    from pagedkv.sim.cli import add_simulate_parser, add_size_parser
+
+    parser = argparse.ArgumentParser(prog="pagedkv", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = add_serve_parser(sub)
+    from pagedkv.server.cli import run_serve
+    serve.set_defaults(func=run_serve)
+    add_generate_parser(sub)
+    try:
+        from pagedkv.bench_cli import add_bench_parser
+    except ImportError:
+        pass
+    else:
+        add_bench_parser(sub)
+    add_simulate_parser(sub)
+    add_size_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""The Python API: ``LLM`` and ``SamplingParams``, shaped like vLLM's offline interface.
+
+    from pagedkv import LLM, SamplingParams
+    llm = LLM()                                   # the bundled SmolLM2-135M-Instruct
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
+    print(out[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from pagedkv.engine import EngineStats, LLMEngine
+from pagedkv.outputs import RequestOutput
+from pagedkv.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """An engine plus a tokenizer, for offline batched generation.
+
+    ``model``: a Hugging Face folder, a ``.gguf`` file, or None for the bundled default model.
+    Engine options keep vLLM's names (``block_size``, ``enable_prefix_caching``,
+    ``kv_cache_memory`` / ``num_kv_blocks``, ``swap_space``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``max_model_len``, ``preemption_mode``, ``eviction_policy``,
+    ``dtype``, ``seed``, ``fault_injection``, ``debug_integrity``, ``threads``); see
+    ``pagedkv.engine.EngineConfig``.
+    """
+
+    def __init__(self, model: str | None = None, **engine_options) -> None:
+        self.engine = LLMEngine.from_options(model, **engine_options)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = False, cache_salt: str | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists); outputs keep the prompts' order.
+
+        A prompt the engine rejects raises before any request runs (all are validated first).
+        """
+        prompts = _as_prompt_list(prompts)
+        params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        prios = list(priority) if priority is not None else [0] * len(prompts)
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        added = []
+        try:
+            for rid, prompt, p, prio in zip(ids, prompts, params, prios):
+                self.engine.add_request(rid, prompt, p, cache_salt=cache_salt, priority=prio)
+                added.append(rid)
+        except Exception:
+            for rid in added:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool = False, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or to
+        a list of conversations, using the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
+                              add_special_tokens=False) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], beam_width: int, max_tokens: int, *,
+                    length_penalty: float = 1.0, ignore_eos: bool = False) -> list[RequestOutput]:
+        """Native beam search: beams are forks sharing the prompt's blocks (copy-on-write).
+
+        Each output holds the ``beam_width`` best hypotheses, best first, with their
+        ``cumulative_logprob``; see ``pagedkv.engine.beam_search`` for the exact rule.
+        """
+        prompts = _as_prompt_list(prompts)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+        ids = [f"beam-{next(self._ids)}" for _ in prompts]
+        for rid, prompt in zip(ids, prompts):
+            self.engine.add_request(rid, prompt, params, beam_width=beam_width,
+                                    length_penalty=length_penalty)
+        return self._run(ids, False)
+
+    def stats(self) -> EngineStats:
+        """KV figures of the memory core plus scheduler counters."""
+        return self.engine.stats()
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), desc="generate", unit="req", dynamic_ncols=True)
+        try:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                if not self.engine.has_unfinished_requests() and len(done) < len(ids):
+                    raise RuntimeError("the engine lost requests: " + str(sorted(wanted - set(done))))
+        except BaseException:
+            for rid in wanted - set(done):
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[i] for i in ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt of token ids
+    return prompts
+
+
+def _per_prompt(value, n: int, name: str) -> list:
+    if isinstance(value, SamplingParams):
+        return [value] * n
+    value = list(value)
+    if len(value) != n:
+        raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+    return value
