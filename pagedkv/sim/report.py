@@ -47,7 +47,8 @@ def size_table(result: SizingResult) -> str:
         ("block bytes", f"{r.block_bytes:,} ({format_bytes(r.block_bytes)})"),
         ("device memory", "-" if r.device_memory is None else
          f"{r.device_memory:,} ({format_bytes(r.device_memory)})"),
-        ("weights per rank", f"{r.weight_memory:,} ({format_bytes(r.weight_memory)})"),
+        ("weights per rank", f"{r.weight_memory:,} ({format_bytes(r.weight_memory)})"
+         + (" (not subtracted: --kv-memory given)" if r.device_memory is None else "")),
         ("reserved", f"{r.reserved_memory:,} ({format_bytes(r.reserved_memory)})"),
         ("KV memory per rank", f"{r.kv_memory:,} ({format_bytes(r.kv_memory)})"),
         ("KV blocks", f"{r.num_blocks:,} ({r.token_capacity:,} tokens)"),
