@@ -63,8 +63,9 @@ def test_buddy_roots_of_non_power_of_two_never_merge() -> None:
     assert b.alloc(17) is None  # no chunk of 32
     got = [b.alloc(8) for _ in range(3)]
     assert got == [(16, 8), (0, 8), (8, 8)]  # smallest fitting order first
-    for off, size in got:
-        b.free(off, size)
+    for item in got:
+        assert item is not None
+        b.free(*item)
     assert b.free_lists[4] == {0} and b.free_lists[3] == {16}
     assert b.largest_chunk() == 16
 

@@ -93,11 +93,13 @@ def test_device_budget_and_errors() -> None:
     assert r.num_blocks == r.kv_memory // (16 * 327_680 // 4)
     with pytest.raises(ValueError, match="--device-memory"):
         size_kv_cache(llama70, SizingInputs(device_memory=80 * 2**30), SHAREGPT)
-    for kwargs, flag in (({"kv_dtype": "fp4"}, "--kv-dtype"), ({"block_size": 0}, "--block-size"),
-                         ({"reserved_fraction": 1.0}, "--reserved-fraction"), ({}, "--kv-memory")):
+    bad = [(SizingInputs(kv_memory=1 << 30, kv_dtype="fp4"), "--kv-dtype"),
+           (SizingInputs(kv_memory=1 << 30, block_size=0), "--block-size"),
+           (SizingInputs(kv_memory=1 << 30, reserved_fraction=1.0), "--reserved-fraction"),
+           (SizingInputs(), "--kv-memory")]
+    for inputs, flag in bad:
         with pytest.raises(ValueError, match=flag):
-            size_kv_cache(llama70, SizingInputs(**({"kv_memory": 1 << 30} if kwargs else {}),
-                                                **kwargs), SHAREGPT)  # type: ignore[arg-type]
+            size_kv_cache(llama70, inputs, SHAREGPT)
 
 
 def test_block_size_recommendation() -> None:

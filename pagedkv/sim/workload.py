@@ -200,8 +200,9 @@ def load_trace(path: str | Path, config: WorkloadConfig) -> list[Request]:
                 raise ValueError(f"--trace {path}:{line_no}: lengths, n and beam_width must be >= 1")
             prompt_len = min(prompt_len, config.max_model_len - 1)
             output_len = min(output_len, config.max_model_len - prompt_len)
-            shared = min(config.prefix_len, prompt_len - 1) if prefix_id is not None else 0
-            prompt = prefix_tokens(prefix_id, shared) if shared else []
+            prompt = []
+            if prefix_id is not None:
+                prompt = prefix_tokens(prefix_id, min(config.prefix_len, prompt_len - 1))
             prompt += counter.take(prompt_len - len(prompt))
             req = Request(len(requests), prompt, output_len, n, beam, prefix_id)
             if config.clients:
