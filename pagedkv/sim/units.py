@@ -1,8 +1,9 @@
 """Byte sizes on the command line: parsing ``80GiB`` / ``71GB`` and printing them back.
 
-Decimal suffixes (``KB MB GB TB``) are powers of 1000, binary ones (``KiB MiB GiB TiB``) and the bare
-letters (``K M G T``, as ``nvidia-smi`` and ``torch`` print memory) are powers of 1024. A plain
-number is bytes. Case does not matter; spaces and ``_`` separators are ignored.
+Decimal suffixes (``KB MB GB TB`` and the bare letters ``K M G T``) are powers of 1000, binary ones
+(``KiB MiB GiB TiB``) powers of 1024: the same convention as the engine's ``kv_cache_memory``
+(``pagedkv.runner.kv_cache.parse_memory_size``). A plain number is bytes. Case does not matter;
+spaces and ``_`` separators are ignored.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ _UNITS: dict[str, int] = {
     "": 1, "b": 1,
     "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
-    "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
+    "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
 }
 _PATTERN = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
@@ -24,7 +25,7 @@ def parse_bytes(text: str, flag: str) -> int:
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise ValueError(f"{flag}: expected a size like 80GiB, 71GB or 1048576 (units "
-                         f"B, KB/MB/GB/TB = 1000^n, KiB/MiB/GiB/TiB or K/M/G/T = 1024^n), got {text!r}")
+                         f"B, KB/MB/GB/TB or K/M/G/T = 1000^n, KiB/MiB/GiB/TiB = 1024^n), got {text!r}")
     return int(float(match.group(1).replace("_", "")) * _UNITS[unit])
 
 
