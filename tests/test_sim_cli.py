@@ -86,6 +86,7 @@ def test_simulate_from_a_trace_and_a_model(tmp_path: Path, capsys: pytest.Captur
     (["simulate", "--policies", "paged+magic"], "--policies"),
     (["simulate", "--prompt-len", "fixed:-3"], "--prompt-len"),
     (["simulate", "--kv-tokens", "0"], "--kv-tokens"),
+    (["simulate", "--eviction-policy", "random"], "--eviction-policy"),
     (["size", "not-a-model"], "MODEL"),
     (["size", "llama-2-70b", "--tp", "3"], "--tp"),
     (["size", "llama-2-7b", "--device-memory", "lots"], "--device-memory"),

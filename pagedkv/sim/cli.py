@@ -64,6 +64,8 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     m.add_argument("--max-num-seqs", type=int, default=1024, help="running sequences cap")
     m.add_argument("--watermark", type=float, default=0.01,
                    help="paged: fraction of blocks a new prompt must leave free")
+    m.add_argument("--eviction-policy", default="lru",
+                   help="paged+prefix: which cached block to evict first (lru, fifo, lrc)")
     s = p.add_argument_group("policies and output")
     s.add_argument("--policies", default=DEFAULT_POLICIES,
                    help="contiguous-max, contiguous-oracle, buddy, paged[+prefix][+cow][@B]")
@@ -170,6 +172,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         requests = load_trace(args.trace, workload) if args.trace else generate_workload(workload)
         config = SimConfig(capacity=_capacity(args), max_model_len=args.max_model_len,
                            max_num_seqs=args.max_num_seqs, watermark=args.watermark,
+                           eviction_policy=args.eviction_policy,
                            beam_reshuffle=args.beam_reshuffle, sample_every=args.sample_every,
                            seed=args.seed)
         config.validate()

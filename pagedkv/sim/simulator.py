@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pagedkv.memory import EVICTION_POLICIES
 from pagedkv.sim.memory_policy import MemoryPolicy, SimSeq
 from pagedkv.sim.metrics import MetricsAccumulator, PolicyResult
 from pagedkv.sim.policies import PolicySpec, build_policy
@@ -43,6 +44,7 @@ class SimConfig:
     max_model_len: int
     max_num_seqs: int = 1024
     watermark: float = 0.01
+    eviction_policy: str = "lru"
     beam_reshuffle: float = 0.2
     sample_every: int = 1
     seed: int = 0
@@ -57,6 +59,8 @@ class SimConfig:
             (0.0 <= self.beam_reshuffle <= 1.0, "--beam-reshuffle", "in [0, 1]",
              self.beam_reshuffle),
             (self.sample_every >= 1, "--sample-every", ">= 1", self.sample_every),
+            (self.eviction_policy in EVICTION_POLICIES, "--eviction-policy",
+             f"one of {', '.join(EVICTION_POLICIES)}", self.eviction_policy),
         ]
         for ok, flag, allowed, value in checks:
             if not ok:
@@ -122,7 +126,8 @@ def simulate(requests: list[Request], spec: PolicySpec, config: SimConfig,
     Raises RuntimeError if the run exceeds ``config.max_steps``.
     """
     config.validate()
-    policy = build_policy(spec, config.capacity, config.max_model_len, watermark=config.watermark)
+    policy = build_policy(spec, config.capacity, config.max_model_len, watermark=config.watermark,
+                          eviction_policy=config.eviction_policy)
     run = _Run(policy, config)
     metrics = MetricsAccumulator(policy.capacity)
     fixed = deque(sorted((r for r in requests if r.after is None),
