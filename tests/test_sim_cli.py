@@ -117,3 +117,15 @@ def test_parsers_plug_into_a_parent_cli() -> None:
     assert args.func.__name__ == "run_size" and args.tp == 2
     args = parser.parse_args(["simulate", "--rate", "0.5"])
     assert args.func.__name__ == "run_simulate" and args.rate == 0.5
+
+
+def test_top_level_pagedkv_command_runs_size_and_simulate() -> None:
+    out = subprocess.run([sys.executable, "-m", "pagedkv.cli", "size", "llama-2-70b", "--tp", "2",
+                          "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["kv_bytes_per_token"] == 327_680 // 2
+    out = subprocess.run([sys.executable, "-m", "pagedkv.cli", "simulate", "--json", *SMALL,
+                          "--policies", "paged@16"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["policies"][0]["name"] == "paged@16"
