@@ -154,7 +154,7 @@ def simulate(requests: list[Request], spec: PolicySpec, config: SimConfig,
         while triggered and triggered[0][0] <= step:
             run.waiting.append(_arrive(run, heapq.heappop(triggered)[2], step))
 
-        done = _decode(run, step)
+        done = _decode(run)
         done += _admit(run)
         for req in done:
             for nxt in dependents.get(req.req_id, ()):
@@ -189,7 +189,7 @@ def _with_arrival(req: Request, step: int) -> Request:
                    step, req.after, req.delay)
 
 
-def _decode(run: _Run, step: int) -> list[Request]:
+def _decode(run: _Run) -> list[Request]:
     """Every running request gains one token per sequence; returns the requests that finished."""
     run.preempted_now = False
     done: list[Request] = []
@@ -198,7 +198,7 @@ def _decode(run: _Run, step: int) -> list[Request]:
     while i < len(run.running):
         group = run.running[i]
         if group.req.beam_width > 1 and group.grown == 0 and group.generated > 0:
-            if not _maybe_reshuffle(run, group, step):
+            if not _maybe_reshuffle(run, group):
                 continue  # group was preempted (it is no longer at index i)
         prompt_len = group.req.prompt_len
         alive = True
@@ -234,7 +234,7 @@ def _decode(run: _Run, step: int) -> list[Request]:
     return done
 
 
-def _maybe_reshuffle(run: _Run, group: _Group, step: int) -> bool:
+def _maybe_reshuffle(run: _Run, group: _Group) -> bool:
     """Beam search: with probability ``beam_reshuffle`` one beam is replaced by a copy of another.
 
     The decision depends only on (seed, request, step within the request), so every policy sees
