@@ -5,7 +5,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup.sh"
 cd "$root"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 if [ "${PAGEDKV_SLOW:-0}" = "1" ]; then
     exec .venv/bin/python -m pytest -m "slow or not slow" -q "$@"
 fi

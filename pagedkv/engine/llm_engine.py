@@ -132,12 +132,14 @@ class LLMEngine:
         """Run one scheduling step; return the state of every request that progressed."""
         out = self.scheduler.schedule()
         runner = self.runner
+        # Order matters: blocks swapped out may be reused by this step's copies; blocks swapped
+        # in may be the source of a copy-on-write.
         if out.swap_out:
             runner.swap_out(out.swap_out)
-        if out.copies:
-            runner.copy_blocks(out.copies)
         if out.swap_in:
             runner.swap_in(out.swap_in)
+        if out.copies:
+            runner.copy_blocks(out.copies)
         progressed: dict[str, SequenceGroup] = {}
         if out.scheduled:
             chunks = [_chunk(s.seq.token_ids, s.start, s.num_tokens, self.kv.block_table(s.seq.seq_id))

@@ -49,8 +49,13 @@ class ScheduledSeq:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
-    """The plan of one step. The runner performs ``swap_out``, then ``copies`` (copy-on-write),
-    then ``swap_in``, then computes ``scheduled``."""
+    """The plan of one step. The runner performs ``swap_out``, then ``swap_in``, then
+    ``copies`` (copy-on-write), then computes ``scheduled``.
+
+    That order is safe because a copy's source is held by a sequence scheduled in this step
+    (never freed or reused within it), a copy's destination may be a block just swapped out
+    (its old contents are saved first), and a swapped-in block may be a copy's source.
+    """
 
     scheduled: tuple[ScheduledSeq, ...]
     copies: tuple[CopyPair, ...] = ()

@@ -329,9 +329,11 @@ class KVCacheManager:
     def stats(self) -> KVStats:
         B = self.block_size
         filled: dict[int, int] = {}
+        table_blocks = 0
         for seq in self.seqs.values():
             if seq.on_host:
                 continue
+            table_blocks += len(seq.block_table)
             n = min(len(seq.token_ids), len(seq.block_table) * B)
             for i, block_id in enumerate(seq.block_table):
                 fill = min(B, n - i * B)
@@ -344,7 +346,7 @@ class KVCacheManager:
         evictable = sum(1 for b in pool.free_queue if b.block_hash is not None)
         return KVStats(
             num_blocks=pool.num_blocks, block_size=B, used_blocks=used, free_blocks=pool.num_free,
-            cached_blocks=len(pool.cached), evictable_blocks=evictable, num_seqs=len(self.seqs),
+            cached_blocks=len(pool.cached), evictable_blocks=evictable, num_seqs=len(self.seqs), table_blocks=table_blocks,
             filled_slots=sum(filled.values()), allocated_slots=used * B,
             prefix_query_tokens=self.prefix_query_tokens, prefix_hit_tokens=self.prefix_hit_tokens,
             evictions=pool.evictions, cow_copies=self.cow_copies,

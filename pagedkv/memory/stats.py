@@ -23,6 +23,7 @@ class KVStats:
     cached_blocks: int
     evictable_blocks: int
     num_seqs: int
+    table_blocks: int  # block-table entries over device sequences: blocks needed without sharing
     filled_slots: int
     allocated_slots: int
     prefix_query_tokens: int
@@ -43,6 +44,12 @@ class KVStats:
         return 1.0 - self.filled_slots / self.allocated_slots if self.allocated_slots else 0.0
 
     @property
+    def sharing_saving(self) -> float:
+        """Share of block-table entries served by a shared block (forks, prefix hits): the
+        memory that sharing saves against every sequence owning its blocks."""
+        return 1.0 - self.used_blocks / self.table_blocks if self.table_blocks else 0.0
+
+    @property
     def prefix_hit_rate(self) -> float:
         q = self.prefix_query_tokens
         return self.prefix_hit_tokens / q if q else 0.0
@@ -50,5 +57,5 @@ class KVStats:
     def as_dict(self) -> dict[str, float | int]:
         d: dict[str, float | int] = asdict(self)
         d.update(usage=self.usage, fragmentation=self.fragmentation,
-                 prefix_hit_rate=self.prefix_hit_rate)
+                 prefix_hit_rate=self.prefix_hit_rate, sharing_saving=self.sharing_saving)
         return d
