@@ -46,7 +46,8 @@ def test_decode_matches_reference(block_size: int, heads: int, kvh: int, d: int)
     lens = torch.randint(1, 300, (5,), generator=gen).tolist() + [1, block_size, block_size + 1]
     k_cache, v_cache, tables, ks, vs = _scatter_contexts(lens, block_size, kvh, d, gen)
     q = torch.randn(len(lens), heads, d, generator=gen)
-    meta = DecodeMetadata.build(tables, lens, block_size, kvh, d, torch.float32)
+    meta = DecodeMetadata.build(tables, lens, block_size=block_size, num_heads=heads, kv_heads=kvh,
+                                head_dim=d, dtype=torch.float32)
     got = paged_decode_attention(q, k_cache, v_cache, meta)
     for i, n in enumerate(lens):
         want = reference_attention(q[i:i + 1], ks[i], vs[i])

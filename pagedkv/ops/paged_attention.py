@@ -1,13 +1,17 @@
 """Paged attention in plain PyTorch: batched decode and (chunked) prefill over a block-table cache.
 
-Decode (one new token per sequence, ``B`` sequences of ragged lengths): the blocks of every sequence
-are gathered once per layer into a padded buffer and attended with one SDPA call under a padding
-mask. The gather index and the mask depend only on the block tables, so ``DecodeMetadata`` builds
-them once per step and every layer reuses them (and the buffers)::
+Decode (one new token per sequence, ``B`` sequences of ragged lengths, padded to ``L`` slots) is
+memory bound: the time goes into reading K and V. So each is read as few times as plain PyTorch
+allows, with every index built once per step (``DecodeMetadata``) and shared by all layers::
 
-    block_index  [B * max_blocks]        physical block ids, row-major; padding -> block 0
-    k_buf/v_buf  [B * max_blocks, block_size, kv_heads, d]  ==  [B, max_blocks * block_size, ...]
-    mask         [B, 1, 1, max_blocks * block_size]  True where the slot holds one of the B contexts
+    K: index_select rows (slot * kv_heads + h) of the cache   -> k_buf [B * kv_heads, L, d]  (head-major)
+       baddbmm(q [B * kv_heads, group, d], k_buf^T) + mask    -> scores [B * kv_heads, group, L] = [B, H, L]
+       softmax over L (padding slots hold -inf)
+    V: embedding_bag(rows (slot * kv_heads + kv_head(h)), weights = probabilities, mode="sum")
+       gathers and reduces V straight from the cache: no [B, L, ...] copy of V is ever made.
+
+Padding slots point at row 0 (any valid row): their score is -inf and their weight exactly 0.
+The cache is zero-initialised and only ever holds finite values, so 0 * V stays 0.
 
 Prefill (``n`` new tokens after ``start_pos`` cached ones): new tokens attend causally to the cached
 prefix and to themselves; key ``j`` is visible to query ``i`` iff ``j <= start_pos + i``.
@@ -15,6 +19,7 @@ prefix and to themselves; key ``j`` is visible to query ``i`` iff ``j <= start_p
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,31 +28,41 @@ import torch.nn.functional as F
 
 @dataclass(slots=True)
 class DecodeMetadata:
-    """Per-step gather index, padding mask and reusable buffers for batched decode."""
+    """Per-step gather indices, padding mask and the K buffer for batched decode."""
 
-    block_index: torch.Tensor  # [B * max_blocks] int64
-    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool
-    k_buf: torch.Tensor  # [B * max_blocks, block_size, kv_heads, head_dim]
-    v_buf: torch.Tensor  # [B * max_blocks, block_size, kv_heads, head_dim]
+    k_rows: torch.Tensor  # [B * kv_heads * L] int64: cache row (slot * kv_heads + h) per (seq, h, pos)
+    v_rows: torch.Tensor  # [B * heads, L] int64: cache row per (seq, query head, pos)
+    mask: torch.Tensor  # [B * kv_heads, 1, L] float: 0 for context slots, -inf for padding
+    k_buf: torch.Tensor  # [B * kv_heads * L, head_dim], reused by every layer
     num_seqs: int
     padded_len: int
 
     @classmethod
-    def build(cls, block_tables: list[list[int]], context_lens: list[int], block_size: int,
-              kv_heads: int, head_dim: int, dtype: torch.dtype) -> DecodeMetadata:
+    def build(cls, block_tables: list[list[int]], context_lens: list[int], *, block_size: int,
+              num_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> DecodeMetadata:
         """``context_lens[i]`` = tokens visible to sequence i (cached + the new one)."""
-        num_seqs = len(context_lens)
+        b = len(context_lens)
+        heads = num_heads
         max_blocks = max((n + block_size - 1) // block_size for n in context_lens)
-        rows = [table[: (n + block_size - 1) // block_size] for table, n in zip(block_tables, context_lens)]
-        padded = [r + [0] * (max_blocks - len(r)) for r in rows]
-        block_index = torch.tensor(padded, dtype=torch.long).view(-1)
-        padded_len = max_blocks * block_size
-        lens = torch.tensor(context_lens, dtype=torch.long)
-        mask = torch.arange(padded_len).view(1, -1) < lens.view(-1, 1)  # [B, padded_len]
-        buf_shape = (num_seqs * max_blocks, block_size, kv_heads, head_dim)
-        return cls(block_index, mask.view(num_seqs, 1, 1, padded_len),
-                   torch.empty(buf_shape, dtype=dtype), torch.empty(buf_shape, dtype=dtype),
-                   num_seqs, padded_len)
+        padded = [t[: (n + block_size - 1) // block_size] for t, n in zip(block_tables, context_lens)]
+        tables = torch.tensor([r + [0] * (max_blocks - len(r)) for r in padded], dtype=torch.long)
+        length = max(context_lens)
+        pos = torch.arange(length)
+        valid = pos.view(1, -1) < torch.tensor(context_lens).view(-1, 1)  # [B, L]
+        slots = tables[:, pos // block_size] * block_size + pos % block_size  # [B, L]
+        slots = torch.where(valid, slots, 0)
+        k_rows = slots.view(b, 1, length) * kv_heads + torch.arange(kv_heads).view(1, kv_heads, 1)
+        kv_of_head = torch.arange(heads) // (heads // kv_heads)  # [heads]
+        v_rows = slots.view(b, 1, length) * kv_heads + kv_of_head.view(1, heads, 1)  # [B, heads, L]
+        mask = torch.zeros(b, 1, 1, length, dtype=dtype).masked_fill(~valid.view(b, 1, 1, length), -math.inf)
+        return cls(
+            k_rows=k_rows.reshape(-1),
+            v_rows=v_rows.reshape(b * heads, length),
+            mask=mask.expand(b, kv_heads, 1, length).reshape(b * kv_heads, 1, length).contiguous(),
+            k_buf=torch.empty(b * kv_heads * length, head_dim, dtype=dtype),
+            num_seqs=b,
+            padded_len=length,
+        )
 
 
 def paged_decode_attention(
@@ -58,15 +73,18 @@ def paged_decode_attention(
     scale: float | None = None,
 ) -> torch.Tensor:
     """One query per sequence against its whole paged context; returns ``[B, heads, head_dim]``."""
-    b, kvh, d = meta.num_seqs, k_cache.shape[2], k_cache.shape[3]
-    torch.index_select(k_cache, 0, meta.block_index, out=meta.k_buf)
-    torch.index_select(v_cache, 0, meta.block_index, out=meta.v_buf)
-    k = meta.k_buf.view(b, meta.padded_len, kvh, d).transpose(1, 2)  # [B, kv_heads, L, d]
-    v = meta.v_buf.view(b, meta.padded_len, kvh, d).transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=meta.mask, scale=scale, enable_gqa=q.shape[1] != kvh
-    )  # [B, heads, 1, d]
-    return out.squeeze(2)
+    b, heads, d = q.shape
+    kvh = k_cache.shape[2]
+    if meta.v_rows.shape[0] != b * heads:
+        raise ValueError(f"DecodeMetadata was built for {meta.v_rows.shape[0] // b} heads, q has {heads}")
+    length = meta.padded_len
+    torch.index_select(k_cache.view(-1, d), 0, meta.k_rows, out=meta.k_buf)
+    keys = meta.k_buf.view(b * kvh, length, d)  # [B * kv_heads, L, d]
+    scores = torch.baddbmm(meta.mask, q.reshape(b * kvh, heads // kvh, d), keys.transpose(1, 2),
+                           alpha=scale if scale is not None else d ** -0.5)  # [B * kv_heads, group, L]
+    probs = torch.softmax(scores, dim=-1).view(b * heads, length)
+    out = F.embedding_bag(meta.v_rows, v_cache.view(-1, d), mode="sum", per_sample_weights=probs)
+    return out.view(b, heads, d)
 
 
 def paged_prefill_attention(

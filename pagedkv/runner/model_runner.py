@@ -94,7 +94,8 @@ class ModelRunner:
         """Validate chunks and build the step's shared indices (raises BatchError)."""
         cfg = self.config
         return build_step_inputs(list(chunks), block_size=self.block_size, num_blocks=self.num_blocks,
-                                 kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                                 num_heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+                                 head_dim=cfg.head_dim,
                                  dtype=self.cache.dtype)
 
     @torch.inference_mode()
