@@ -151,3 +151,27 @@ def test_queue_full_gets_429(model_dir: Path) -> None:
         s.wait_idle()
         assert http.post("/v1/completions", json={"prompt": "now", "max_tokens": 2}).status_code == 200
         assert s.wait_idle().kv.used_blocks == 0
+
+
+def test_failed_step_fails_only_requests_in_flight(server: ServerThread, http: httpx.Client) -> None:
+    engine = server.engine
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def flaky_step():  # the third step raises once, then the engine steps normally again
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected step failure")
+        return real_step()
+
+    engine.step = flaky_step
+    try:
+        r = http.post("/v1/completions", json={**GOOD, "max_tokens": 20, "ignore_eos": True})
+        err = assert_error(r, 500)
+        assert "injected step failure" in err["message"]
+        ok = http.post("/v1/completions", json={**GOOD, "max_tokens": 5, "ignore_eos": True})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 5
+        assert http.get("/health").status_code == 200
+    finally:
+        del engine.step
+    assert server.wait_idle().kv.used_blocks == 0

@@ -70,12 +70,15 @@ def _open_stream_and_drop(server: ServerThread, body: dict) -> None:
         sock.sendall(raw)
         received = b""
         while b"data: " not in received:
-            received += sock.recv(4096)
-        assert b" 200 " in received.split(b"\r\n", 1)[0]
+            chunk = sock.recv(4096)
+            assert chunk, received
+            received += chunk
+        assert received.startswith(b"HTTP/1.1 200"), received
 
 
 def test_disconnect_mid_stream_frees_blocks(server: ServerThread) -> None:
-    body = {"prompt": "a long story " * 20, "max_tokens": 400, "stream": True, "ignore_eos": True}
+    before = server.wait_idle().generation_tokens_total
+    body = {"prompt": "a long story " * 8, "max_tokens": 400, "stream": True, "ignore_eos": True}
     for _ in range(3):
         _open_stream_and_drop(server, body)
     # An httpx client that closes the stream early (the usual client-side cancel).
@@ -89,7 +92,7 @@ def test_disconnect_mid_stream_frees_blocks(server: ServerThread) -> None:
     stats = server.wait_idle(timeout=30)
     assert stats.kv.used_blocks == 0
     # Far fewer tokens were generated than the 4 x 400 asked for.
-    assert stats.generation_tokens_total < 4 * 400
+    assert stats.generation_tokens_total - before < 4 * 400
 
 
 def _samples(text: str) -> dict[str, float]:
@@ -113,6 +116,7 @@ def test_metrics_agree_with_engine(server: ServerThread) -> None:
     assert m["pagedkv_kv_blocks_used"] == kv.used_blocks == 0
     assert m["pagedkv_kv_blocks_free"] == kv.free_blocks
     assert m["pagedkv_kv_blocks_cached"] == kv.cached_blocks
+    assert m["pagedkv_kv_blocks_evictable"] == kv.evictable_blocks
     assert m["pagedkv_kv_cache_usage_ratio"] == pytest.approx(kv.usage)
     assert m["pagedkv_kv_fragmentation_ratio"] == pytest.approx(kv.fragmentation)
     assert m["pagedkv_prefix_cache_queries_total"] == kv.prefix_query_tokens

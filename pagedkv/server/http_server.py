@@ -2,7 +2,7 @@
 
 On the first SIGTERM/SIGINT the app flips to draining, so requests that still reach it get 503;
 uvicorn stops listening, lets in-flight responses (streams included) finish within its graceful
-timeout, then runs the app's lifespan shutdown, which stops the engine thread.
+timeout, then runs the app's lifespan shutdown, which stops the engine thread; the process exits 0.
 """
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ class DrainingServer(uvicorn.Server):
                   "request(s)", file=sys.stderr, flush=True)
         self.state.draining = True
         super().handle_exit(sig, frame)
+        # uvicorn re-raises captured signals after its shutdown, so the process would die by SIGTERM
+        # even after a clean drain; a drained server exits 0 instead.
+        captured = getattr(self, "_captured_signals", None)
+        if isinstance(captured, list):
+            captured.clear()
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)

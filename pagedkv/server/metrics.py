@@ -59,6 +59,11 @@ class EngineStatsCollector(Collector):
         yield gauge("kv_blocks_cached", "Blocks holding a reusable, hashed prefix.", kv.cached_blocks)
         yield gauge("kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0..1).", kv.usage)
         yield gauge("kv_fragmentation_ratio", "Allocated slots holding no token (0..1).", kv.fragmentation)
+        if hasattr(kv, "evictable_blocks"):
+            yield gauge("kv_blocks_evictable", "Free blocks that still hold a cached prefix.", kv.evictable_blocks)
+        if hasattr(kv, "host_blocks"):
+            yield gauge("kv_host_blocks_total", "Blocks in the host (swap) tier.", kv.host_blocks)
+            yield gauge("kv_host_blocks_used", "Host-tier blocks holding swapped-out KV.", kv.host_used_blocks)
         yield gauge("kv_filled_slots", "Token slots holding a token.", kv.filled_slots)
         yield gauge("kv_allocated_slots", "Token slots in allocated blocks.", kv.allocated_slots)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv.prefix_query_tokens)
@@ -85,6 +90,8 @@ class EngineStatsCollector(Collector):
         yield gauge("num_requests_swapped", "Requests swapped out to the host tier.", s.num_swapped)
         yield counter("prompt_tokens", "Prompt tokens processed.", s.prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens_total)
+        if hasattr(s, "num_steps"):
+            yield counter("engine_steps", "Engine scheduling steps run.", s.num_steps)
 
 
 class ServerMetrics:

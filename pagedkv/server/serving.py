@@ -189,6 +189,7 @@ class _Rendering:
         self.num_choices = len(gen.prompts) * self.n
         self.choices = [_ChoiceState() for _ in range(self.num_choices)]
         self.wants_logprobs = gen.params.logprobs is not None
+        self.holdback = max((len(stop) for stop in gen.params.stop), default=1) - 1
 
     def _choice_index(self, out: RequestOutput, comp: CompletionOutput) -> int:
         return int(out.request_id.rsplit("-", 1)[1]) * self.n + comp.index
@@ -268,15 +269,17 @@ class _Rendering:
         prefix = ""
         if self.gen.echo and st.num_tokens == 0 and st.text_len == 0:
             prefix = self._prompt_text(out)
-        # Text only grows, except when the engine trims a stop string it had already emitted part of;
-        # what was sent cannot be taken back, so only text beyond it is sent.
-        text = comp.text[st.text_len:] if len(comp.text) > st.text_len else ""
+        # Sent text cannot be taken back, and the engine cuts a stop string out of text it already
+        # returned: hold back the last len(longest stop) - 1 characters until the choice finishes.
+        finished = comp.finish_reason is not None
+        ready = len(comp.text) if finished else len(comp.text) - self.holdback
+        text = comp.text[st.text_len:ready] if ready > st.text_len else ""
         logprobs = None
         if len(comp.token_ids) > st.num_tokens:
             logprobs = self._logprobs(comp, st.num_tokens, len(prefix) + st.text_len)
-        st.text_len = max(st.text_len, len(comp.text))
+        st.text_len = max(st.text_len, ready)
         st.num_tokens = len(comp.token_ids)
-        st.done = comp.finish_reason is not None
+        st.done = finished
         if not text and not prefix and not st.done and logprobs is None:
             return None
         return self.gen.fmt.delta(index, prefix + text, logprobs, comp.finish_reason)

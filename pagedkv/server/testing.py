@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import time
@@ -84,13 +83,6 @@ class ServerThread:
 
 def tiny_engine(folder: str | Path, **options: Any) -> Any:
     """An engine on the tiny model folder written by :func:`write_tiny_model`."""
-    if os.environ.get("PAGEDKV_DEV_FAKE_ENGINE"):  # DEV ONLY, removed before the engine lands
-        import sys
-
-        sys.path.insert(0, "/tmp/pkvdev")
-        from fake_engine import FakeEngine  # type: ignore[import-not-found]
-
-        return FakeEngine(max_model_len=options.get("max_model_len", 512))
     from pagedkv.engine import LLMEngine
 
     return LLMEngine.from_options(model=str(folder), **options)
