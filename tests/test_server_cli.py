@@ -33,12 +33,12 @@ def test_flags_use_vllm_names() -> None:
                   "--max-num-seqs", "8", "--preemption-mode", "swap", "--swap-space", "0.5", "--seed", "3"])
     assert args.model == "m" and args.host == "127.0.0.1" and args.port == 8000
     assert engine_options(args) == {"block_size": 32, "enable_prefix_caching": False,
-                                    "kv_cache_memory": 64 * 2**20, "max_num_seqs": 8,
+                                    "kv_cache_memory": "64MiB", "max_num_seqs": 8,
                                     "preemption_mode": "swap", "swap_space": 0.5, "seed": 3}
     assert engine_options(parse([])) == {}
     assert parse([]).model is None
-    with pytest.raises(SystemExit):
-        parse(["--kv-cache-memory", "lots"])
+    assert engine_options(parse(["--kv-cache-memory", "1048576", "--threads", "2"])) == {
+        "kv_cache_memory": 1048576, "threads": 2}
 
 
 def _start(model_dir: Path, port: int, *extra: str) -> subprocess.Popen[str]:

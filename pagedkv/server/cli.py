@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from typing import Any
 
@@ -20,8 +19,8 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
     "--block-size": {"type": int, "help": "token slots per KV block (default 16)"},
     "--enable-prefix-caching": {"action": argparse.BooleanOptionalAction,
                                 "help": "share KV blocks of common prompt prefixes"},
-    "--kv-cache-memory": {"type": lambda s: _parse_bytes(s),
-                          "help": "bytes for the KV cache; suffixes K, M, G, KiB, MiB, GiB accepted"},
+    "--kv-cache-memory": {"type": lambda s: int(s) if s.isdigit() else s,
+                          "help": "device memory for the KV cache: bytes or a size such as 512MiB, 2GiB"},
     "--num-kv-blocks": {"type": int, "help": "number of KV blocks (overrides --kv-cache-memory)"},
     "--swap-space": {"type": float, "help": "host swap space for preempted blocks, in GiB"},
     "--max-num-seqs": {"type": int, "help": "most sequences in one batch"},
@@ -31,6 +30,7 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
     "--eviction-policy": {"type": str, "help": "which cached blocks to evict first (engine's choices)"},
     "--dtype": {"type": str, "help": "model dtype, e.g. float32, bfloat16, auto"},
     "--seed": {"type": int, "help": "global random seed"},
+    "--threads": {"type": int, "help": "torch CPU threads (default: the engine's choice)"},
 }
 
 
@@ -91,8 +91,8 @@ def run_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("PAGEDKV_API_KEY") or None
     try:
         engine = LLMEngine.from_options(model=args.model, **engine_options(args))
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"pagedkv serve: {exc}", file=sys.stderr)
+    except (ValueError, TypeError, OSError, RuntimeError) as exc:  # bad options, ModelLoadError
+        print(f"pagedkv serve: cannot start the engine: {exc}", file=sys.stderr)
         return 2
     app = create_app(AsyncEngine(engine), served_model_names=args.served_model_name, api_key=api_key,
                      max_queue=args.max_queue)
@@ -101,17 +101,6 @@ def run_serve(args: argparse.Namespace) -> int:
     server = DrainingServer(config, app.state.server)
     server.run()
     return 0
-
-
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9}
-
-
-def _parse_bytes(text: str) -> int:
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if m is None or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512MiB or 2G)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def main(argv: list[str] | None = None) -> int:
