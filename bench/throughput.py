@@ -1,0 +1,203 @@
+"""Output throughput of pagedkv against transformers (and optionally vLLM's CPU build).
+
+Workloads (seeded; see shared BENCHMARKS.md): a ShareGPT-like mix of 64 requests (log-normal
+prompts, median ~100, tail to ~1,000 tokens; 64..256 new tokens), case a (1 x 128 -> 128) and
+case b (32 requests, prompts uniform 32..256, 128 new tokens each). Greedy, ignore_eos, float32,
+threads pinned. transformers runs `generate` on padded static batches of the same requests in
+the same process; only the tokens each request asked for count as output.
+
+    .venv/bin/python bench/throughput.py [--threads 1] [--skip-hf] [--profile]
+        [--vllm-python /path/to/venv-with-vllm/bin/python]
+
+Last line: one JSON object (pagedkv_tok_s, hf_tok_s, ratio, kv_waste, case_a_tok_s, case_b_tok_s,
+and more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pagedkv.benchmark import Workload, case_a, case_b, case_c, run_pagedkv, sharegpt_like
+from pagedkv.engine import LLMEngine
+
+
+def hf_static_batches(model, workload: Workload, batch_size: int, pad_id: int) -> float:
+    """Seconds for transformers `generate` over padded static batches in arrival order."""
+    t0 = time.perf_counter()
+    for start in range(0, len(workload.prompts), batch_size):
+        prompts = workload.prompts[start:start + batch_size]
+        news = workload.new_tokens[start:start + batch_size]
+        width = max(map(len, prompts))
+        ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                           max_new_tokens=max(news), min_new_tokens=max(news), pad_token_id=pad_id)
+    return time.perf_counter() - t0
+
+
+VLLM_SCRIPT = r"""
+import json, sys, time
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+spec = json.load(open(sys.argv[1]))
+llm = LLM(model=spec["model"], dtype="float32", enable_prefix_caching=True,
+          max_model_len=2048, seed=0)
+out = {}
+for name, w in spec["workloads"].items():
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in w["new"]]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in w["prompts"]]
+    t0 = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    out[name] = sum(w["new"]) / (time.perf_counter() - t0)
+print("VLLM_RESULT " + json.dumps(out))
+"""
+
+
+def run_vllm(python: str, folder: Path, workloads: list[Workload], threads: int) -> dict[str, float]:
+    spec = {"model": str(folder), "workloads": {w.name: {"prompts": w.prompts, "new": w.new_tokens}
+                                                for w in workloads}}
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path = Path(tmp) / "spec.json"
+        script = Path(tmp) / "run_vllm.py"
+        spec_path.write_text(json.dumps(spec))
+        script.write_text(VLLM_SCRIPT)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "all"}
+        proc = subprocess.run([python, str(script), str(spec_path)], capture_output=True, text=True,
+                              env=env, timeout=3600)
+    for line in proc.stdout.splitlines():
+        if line.startswith("VLLM_RESULT "):
+            return json.loads(line[len("VLLM_RESULT "):])
+    print(proc.stderr[-3000:], file=sys.stderr)
+    raise RuntimeError("vLLM run failed (see its stderr above)")
+
+
+def profile_decode(engine: LLMEngine, workload: Workload, steps: int = 12) -> dict[str, float]:
+    """Where one decode step's time goes: model matmuls, attention, scheduler, bookkeeping."""
+    from pagedkv.benchmark import SamplingParams
+    for i, (p, n) in enumerate(zip(workload.prompts, workload.new_tokens)):
+        engine.add_request(f"prof-{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    while engine.stats().num_waiting or any(s.in_prefill for g in engine.scheduler.running
+                                             for s in g.live_seqs):
+        engine.step()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    for rid in list(engine.scheduler.groups):
+        engine.abort_request(rid)
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    groups = {"attention (paged ops)": ("paged_attention.py", "cache_ops.py"),
+              "scheduler": ("scheduler.py",), "memory core": ("pagedkv/memory/",),
+              "sampling + outputs": ("sampler.py", "output_processor.py", "beam_search.py"),
+              "step inputs": ("step_inputs.py",)}
+    total = sum(v[2] for v in stats.values())  # tottime of everything
+    out = {k: 0.0 for k in groups}
+    for (filename, _, _), v in stats.items():
+        for k, pats in groups.items():
+            if any(p in filename for p in pats):
+                out[k] += v[2]
+                break
+    out["model (matmuls, norms, rope, other torch)"] = total - sum(out.values())
+    return {k: v / steps * 1000 for k, v in out.items()}  # ms per step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model (default: bundled SmolLM2-135M-Instruct)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--hf-batch", type=int, default=16, help="transformers static batch size")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--cases", default="sharegpt,case_a,case_b", help="comma list (also case_c)")
+    ap.add_argument("--vllm-python", default=None, help="a Python with vllm (vllm-cpu) installed")
+    ap.add_argument("--profile", action="store_true", help="profile decode steps of case b")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    load = os.getloadavg()[0]
+
+    engine = LLMEngine.from_options(args.model, max_num_seqs=64, max_num_batched_tokens=2048,
+                                    kv_cache_memory="2GiB", threads=args.threads)
+    vocab = engine.runner.config.vocab_size
+    makers = {"sharegpt": sharegpt_like, "case_a": case_a, "case_b": case_b, "case_c": case_c}
+    workloads = [makers[c](vocab, args.seed) for c in args.cases.split(",")]
+    run_pagedkv(engine, case_a(vocab, 99))  # warm-up
+    results = {}
+    for w in workloads:
+        r = run_pagedkv(engine, w, progress=sys.stderr.isatty())
+        results[w.name] = r
+        print(f"pagedkv {w.name:<9} {r.tok_s:7.1f} tok/s  {r.seconds:6.1f}s  steps {r.steps}  "
+              f"peak blocks {r.peak_used_blocks}  KV waste {r.kv_waste:.2%}  "
+              f"prefix hits {r.prefix_hit_rate:.1%}", flush=True)
+
+    hf = {}
+    if not args.skip_hf:
+        import transformers
+        from pagedkv.models.gguf_loader import converted_folder
+        from pagedkv.models.loader import resolve_model_path
+        path, _ = resolve_model_path(args.model)
+        folder = converted_folder(path) if path.is_file() else path
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+        pad = engine.tokenizer.eos_token_ids and min(engine.tokenizer.eos_token_ids) or 0
+        for w in workloads:
+            bs = len(w.prompts) if w.name != "sharegpt" else args.hf_batch
+            secs = hf_static_batches(model, w, bs, pad)
+            hf[w.name] = w.output_tokens / secs
+            print(f"transformers {w.name:<9} {hf[w.name]:7.1f} tok/s  {secs:6.1f}s  (static batch {bs})",
+                  flush=True)
+
+    vllm = {}
+    if args.vllm_python:
+        from pagedkv.models.gguf_loader import converted_folder
+        from pagedkv.models.loader import resolve_model_path
+        path, _ = resolve_model_path(args.model)
+        vllm = run_vllm(args.vllm_python, converted_folder(path) if path.is_file() else path,
+                        workloads, args.threads)
+        for k, v in vllm.items():
+            print(f"vllm {k:<9} {v:7.1f} tok/s", flush=True)
+
+    print(f"\n{'workload':<10} {'pagedkv':>9} {'transformers':>13} {'ratio':>7} {'vllm':>8}")
+    for w in workloads:
+        p, h = results[w.name].tok_s, hf.get(w.name)
+        v = vllm.get(w.name)
+        print(f"{w.name:<10} {p:9.1f} {h or float('nan'):13.1f} {p / h if h else float('nan'):7.2f} "
+              f"{v or float('nan'):8.1f}")
+    profile = {}
+    if args.profile:
+        profile = profile_decode(engine, case_b(vocab, args.seed + 1))
+        print("\none decode step of 32 sequences (ms, cProfile tottime):")
+        for k, v in profile.items():
+            print(f"  {k:<45} {v:8.2f}")
+    sg = results.get("sharegpt")
+    summary = {
+        "threads": args.threads, "load_avg_1m": round(load, 2),
+        "pagedkv_tok_s": round(sg.tok_s, 2) if sg else None,
+        "hf_tok_s": round(hf["sharegpt"], 2) if "sharegpt" in hf else None,
+        "ratio": round(sg.tok_s / hf["sharegpt"], 3) if sg and "sharegpt" in hf else None,
+        "kv_waste": round(sg.kv_waste, 4) if sg else None,
+        "peak_used_blocks": sg.peak_used_blocks if sg else None,
+        **{f"{k}_tok_s": round(r.tok_s, 2) for k, r in results.items() if k != "sharegpt"},
+        **{f"hf_{k}_tok_s": round(v, 2) for k, v in hf.items() if k != "sharegpt"},
+        **{f"vllm_{k}_tok_s": round(v, 2) for k, v in vllm.items()},
+        **({"profile_ms": {k: round(v, 2) for k, v in profile.items()}} if profile else {}),
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
