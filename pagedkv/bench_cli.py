@@ -17,7 +17,6 @@ def add_bench_parser(subparsers) -> None:
                               description=__doc__)
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: bundled model)")
     p.add_argument("--case", default="case_b", choices=["case_a", "case_b", "case_c", "sharegpt"])
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--workload-seed", type=int, default=0)
     for flag, kwargs in ENGINE_FLAGS.items():
         p.add_argument(flag, default=None, **kwargs)
@@ -29,8 +28,9 @@ def run_bench(args: argparse.Namespace) -> int:
     from pagedkv.engine import LLMEngine
     from pagedkv.server.cli import engine_options
 
-    options = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, **engine_options(args),
-               "threads": args.threads}
+    # One thread by default: on shared 2-core machines two-thread runs are erratic.
+    options = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "threads": 1,
+               **engine_options(args)}
     try:
         engine = LLMEngine.from_options(args.model, **options)
     except (ValueError, FileNotFoundError) as exc:
@@ -44,5 +44,5 @@ def run_bench(args: argparse.Namespace) -> int:
           f"preemptions {r.preemptions}")
     print(json.dumps({"case": workload.name, "tok_s": round(r.tok_s, 2), "seconds": round(r.seconds, 2),
                       "kv_waste": round(r.kv_waste, 4), "peak_used_blocks": r.peak_used_blocks,
-                      "threads": args.threads}))
+                      "threads": options["threads"]}))
     return 0
