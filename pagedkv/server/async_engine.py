@@ -87,6 +87,11 @@ class OutputStream:
 _ABORTED = object()
 
 
+def _deliver(batch: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, out in batch:
+        stream.queue.put_nowait(out)
+
+
 class AsyncEngine:
     """Serve one engine to many asyncio tasks through one engine thread.
 
@@ -240,6 +245,8 @@ class AsyncEngine:
             if self.engine.has_unfinished_requests():
                 raise  # aborting did not clear the engine: it cannot go on
             return
+        # One wake-up of each event loop per step, however many requests progressed.
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -247,7 +254,9 @@ class AsyncEngine:
             if out.finished:
                 del self._streams[out.request_id]
                 self._num_in_flight -= 1
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+            batches.setdefault(stream.loop, []).append((stream, out))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_deliver, batch)
         if self._streams and not self.engine.has_unfinished_requests():
             # Cannot happen with an engine that keeps its contract; never leave a handler waiting.
             self._fail_all(RuntimeError("the engine dropped a request without finishing it"))
