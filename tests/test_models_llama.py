@@ -28,6 +28,7 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any] | None, tuple[str, ..
     "qwen2_bias": ("qwen2", {"tie_word_embeddings": True}, None, ()),
     "qwen2_untied": ("qwen2", {"tie_word_embeddings": False, "num_key_value_heads": 4}, None, ()),
     "mistral": ("mistral", {"sliding_window": None}, None, ()),
+    "mistral_sliding_window_8": ("mistral", {"sliding_window": 8}, None, ()),
     "head_dim_48": ("llama", {"hidden_size": 96, "num_attention_heads": 2, "num_key_value_heads": 1}, None, ()),
     "head_dim_80": ("llama", {"hidden_size": 160, "num_attention_heads": 2, "num_key_value_heads": 2}, None, ()),
     "head_dim_not_hidden_over_heads": ("llama", {"head_dim": 24}, None, ()),

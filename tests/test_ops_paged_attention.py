@@ -119,3 +119,26 @@ def test_swap_round_trip() -> None:
     dev[:, :, [4, 1]] = 0
     swap_blocks(host, dev, [(0, 5), (2, 3)])
     assert torch.equal(dev[:, :, [5, 3]], saved)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("window", [1, 5, 16, 1000])
+def test_sliding_window_decode_and_prefill(block_size: int, window: int) -> None:
+    heads, kvh, d = 4, 2, 16
+    gen = torch.Generator().manual_seed(block_size * 31 + window)
+    lens = [1, 3, 17, 40, 64]
+    k_cache, v_cache, tables, ks, vs = _scatter_contexts(lens, block_size, kvh, d, gen)
+    q = torch.randn(len(lens), heads, d, generator=gen)
+    meta = DecodeMetadata.build(tables, lens, block_size=block_size, num_heads=heads, kv_heads=kvh,
+                                head_dim=d, dtype=torch.float32, sliding_window=window)
+    got = paged_decode_attention(q, k_cache, v_cache, meta)
+    for i in range(len(lens)):
+        want = reference_attention(q[i:i + 1], ks[i], vs[i], sliding_window=window)
+        torch.testing.assert_close(got[i:i + 1], want, atol=2e-5, rtol=1e-4)
+    for prefix in (0, 10):
+        new = 64 - prefix
+        qp = torch.randn(new, heads, d, generator=gen)
+        out = paged_prefill_attention(qp, ks[4][prefix:], vs[4][prefix:], k_cache, v_cache,
+                                      torch.tensor(tables[4]), prefix, sliding_window=window)
+        torch.testing.assert_close(out, reference_attention(qp, ks[4], vs[4], sliding_window=window),
+                                   atol=2e-5, rtol=1e-4)

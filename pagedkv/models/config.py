@@ -134,7 +134,9 @@ class ModelConfig:
         head_dim = d.get("head_dim") or hidden // heads
         is_qwen2 = model_type == "qwen2"
         llama_bias = bool(d.get("attention_bias", False)) and model_type == "llama"
-        sliding = d.get("sliding_window") if (not is_qwen2 or d.get("use_sliding_window")) else None
+        if is_qwen2 and d.get("use_sliding_window"):
+            raise UnsupportedModelError("qwen2 with use_sliding_window=true (per-layer windows) is not supported")
+        sliding = None if is_qwen2 else d.get("sliding_window")
         return cls(
             model_type=model_type,
             vocab_size=vocab,

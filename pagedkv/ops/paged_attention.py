@@ -39,8 +39,10 @@ class DecodeMetadata:
 
     @classmethod
     def build(cls, block_tables: list[list[int]], context_lens: list[int], *, block_size: int,
-              num_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> DecodeMetadata:
-        """``context_lens[i]`` = tokens visible to sequence i (cached + the new one)."""
+              num_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+              sliding_window: int | None = None) -> DecodeMetadata:
+        """``context_lens[i]`` = tokens of sequence i (cached + the new one); with ``sliding_window``
+        only the last ``sliding_window`` of them are visible."""
         b = len(context_lens)
         heads = num_heads
         max_blocks = max((n + block_size - 1) // block_size for n in context_lens)
@@ -48,7 +50,10 @@ class DecodeMetadata:
         tables = torch.tensor([r + [0] * (max_blocks - len(r)) for r in padded], dtype=torch.long)
         length = max(context_lens)
         pos = torch.arange(length)
-        valid = pos.view(1, -1) < torch.tensor(context_lens).view(-1, 1)  # [B, L]
+        lens = torch.tensor(context_lens).view(-1, 1)
+        valid = pos.view(1, -1) < lens  # [B, L]
+        if sliding_window is not None:
+            valid &= pos.view(1, -1) >= lens - sliding_window
         slots = tables[:, pos // block_size] * block_size + pos % block_size  # [B, L]
         slots = torch.where(valid, slots, 0)
         k_rows = slots.view(b, 1, length) * kv_heads + torch.arange(kv_heads).view(1, kv_heads, 1)
@@ -96,13 +101,18 @@ def paged_prefill_attention(
     block_table: torch.Tensor,  # [>= ceil((start_pos + n) / block_size)] int64
     start_pos: int,
     scale: float | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of ``n`` new tokens over ``start_pos`` cached tokens plus themselves."""
+    """Causal attention of ``n`` new tokens over ``start_pos`` cached tokens plus themselves.
+
+    With ``sliding_window`` w, query i sees key j only when ``i - w < j`` (Mistral's rule).
+    """
     n, heads, d = q.shape
     kvh = k.shape[1]
     gqa = heads != kvh
     qh = q.transpose(0, 1)  # [heads, n, d]
-    if start_pos == 0:  # no cached prefix: the fresh K/V are the whole context
+    windowed = sliding_window is not None and start_pos + n > sliding_window
+    if start_pos == 0 and not windowed:  # no cached prefix: the fresh K/V are the whole context
         out = F.scaled_dot_product_attention(qh, k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
                                              scale=scale, enable_gqa=gqa)
         return out.transpose(0, 1)
@@ -111,7 +121,11 @@ def paged_prefill_attention(
     blocks = block_table[: (ctx + block_size - 1) // block_size]
     keys = k_cache.index_select(0, blocks).view(-1, kvh, d)[:ctx]  # [ctx, kv_heads, d]
     values = v_cache.index_select(0, blocks).view(-1, kvh, d)[:ctx]
-    mask = torch.arange(ctx).view(1, ctx) <= (torch.arange(n) + start_pos).view(n, 1)  # [n, ctx]
+    query_pos = (torch.arange(n) + start_pos).view(n, 1)
+    key_pos = torch.arange(ctx).view(1, ctx)
+    mask = key_pos <= query_pos  # [n, ctx]
+    if windowed:
+        mask &= key_pos > query_pos - sliding_window
     out = F.scaled_dot_product_attention(qh, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask,
                                          scale=scale, enable_gqa=gqa)
     return out.transpose(0, 1)  # [n, heads, d]

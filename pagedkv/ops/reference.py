@@ -12,6 +12,7 @@ def reference_attention(
     k: torch.Tensor,  # [ctx, kv_heads, d] the whole context, contiguous
     v: torch.Tensor,  # [ctx, kv_heads, d]
     scale: float | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal softmax attention written out in full (float64 inside); returns ``[n, heads, d]``."""
     n, heads, d = q.shape
@@ -22,6 +23,10 @@ def reference_attention(
     vd = v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,chd->hnc", qd, kd) * (scale if scale is not None else 1.0 / math.sqrt(d))
     query_pos = torch.arange(ctx - n, ctx).view(n, 1)
-    scores = scores.masked_fill(torch.arange(ctx).view(1, ctx) > query_pos, float("-inf"))
+    key_pos = torch.arange(ctx).view(1, ctx)
+    hidden = key_pos > query_pos
+    if sliding_window is not None:
+        hidden |= key_pos <= query_pos - sliding_window
+    scores = scores.masked_fill(hidden, float("-inf"))
     out = torch.einsum("hnc,chd->nhd", scores.softmax(-1), vd)
     return out.to(q.dtype)

@@ -25,11 +25,12 @@ from pagedkv.runner.step_inputs import BatchError, StepInputs, build_step_inputs
 class _StepAttention:
     """The model's AttentionFn for one step: cache write + paged attention, per layer."""
 
-    def __init__(self, cache: KVCache, inputs: StepInputs, num_heads: int, head_dim: int) -> None:
+    def __init__(self, cache: KVCache, inputs: StepInputs, config: ModelConfig) -> None:
         self.cache = cache
         self.inputs = inputs
-        self.num_heads = num_heads
-        self.head_dim = head_dim
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.sliding_window = config.sliding_window
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         inp = self.inputs
@@ -44,7 +45,8 @@ class _StepAttention:
             out.index_copy_(0, inp.decode_rows, paged_decode_attention(q_dec, k_cache, v_cache, inp.decode))
         for p in inp.prefills:
             out[p.start:p.end] = paged_prefill_attention(
-                q[p.start:p.end], k[p.start:p.end], v[p.start:p.end], k_cache, v_cache, p.block_table, p.start_pos
+                q[p.start:p.end], k[p.start:p.end], v[p.start:p.end], k_cache, v_cache, p.block_table,
+                p.start_pos, sliding_window=self.sliding_window,
             )
         return out
 
@@ -95,7 +97,7 @@ class ModelRunner:
         cfg = self.config
         return build_step_inputs(list(chunks), block_size=self.block_size, num_blocks=self.num_blocks,
                                  num_heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
-                                 head_dim=cfg.head_dim,
+                                 head_dim=cfg.head_dim, sliding_window=cfg.sliding_window,
                                  dtype=self.cache.dtype)
 
     @torch.inference_mode()
@@ -106,7 +108,7 @@ class ModelRunner:
         ``[total_tokens, vocab]`` (chunk order) with ``return_all_logits``. Raises BatchError.
         """
         inputs = self.prepare(chunks)
-        attention = _StepAttention(self.cache, inputs, self.config.num_attention_heads, self.config.head_dim)
+        attention = _StepAttention(self.cache, inputs, self.config)
         logits = self.model(inputs.input_ids, inputs.positions, attention,
                             logits_indices=None if return_all_logits else inputs.logits_indices,
                             max_position=inputs.max_position)

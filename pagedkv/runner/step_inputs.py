@@ -46,7 +46,8 @@ class StepInputs:
 
 
 def build_step_inputs(chunks: list[SeqChunk], *, block_size: int, num_blocks: int, num_heads: int,
-                      kv_heads: int, head_dim: int, dtype: torch.dtype) -> StepInputs:
+                      kv_heads: int, head_dim: int, dtype: torch.dtype,
+                      sliding_window: int | None = None) -> StepInputs:
     """Validate ``chunks`` and build every index the step's 30-odd layers share."""
     if not chunks:
         raise BatchError("execute() needs at least one chunk")
@@ -87,7 +88,8 @@ def build_step_inputs(chunks: list[SeqChunk], *, block_size: int, num_blocks: in
         else:
             prefills.append(PrefillItem(row, row + n, c.start_pos, torch.tensor(table, dtype=torch.long)))
     decode = (DecodeMetadata.build(dec_tables, dec_lens, block_size=block_size, num_heads=num_heads,
-                                   kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+                                   kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                                   sliding_window=sliding_window)
               if dec_rows else None)
     return StepInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.long),
