@@ -11,7 +11,6 @@ import pytest
 from pagedkv.server.testing import ServerThread, tiny_engine
 from pagedkv.server.tiny_model import write_tiny_model
 
-pytest.importorskip("pagedkv.engine")  # TEMP until the engine lands
 pytestmark = pytest.mark.timeout(120)
 
 # Counted exactly: the random model may emit EOS at any step, so tests that count tokens ignore it.

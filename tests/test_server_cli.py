@@ -60,7 +60,6 @@ def _start(model_dir: Path, port: int, *extra: str) -> subprocess.Popen[str]:
 
 
 def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
-    pytest.importorskip("pagedkv.engine")  # TEMP until the engine lands
     model_dir = write_tiny_model(tmp_path / "tiny")
     port = free_port()
     proc = _start(model_dir, port)

@@ -19,7 +19,6 @@ import pytest
 from pagedkv.server.testing import ServerThread, tiny_engine
 from pagedkv.server.tiny_model import write_tiny_model
 
-pytest.importorskip("pagedkv.engine")  # TEMP until the engine lands
 pytestmark = pytest.mark.timeout(120)
 
 KEY = "sk-test-key"

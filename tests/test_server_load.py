@@ -16,7 +16,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedkv.server.testing import ServerThread, tiny_engine
 from pagedkv.server.tiny_model import write_tiny_model
 
-pytest.importorskip("pagedkv.engine")  # TEMP until the engine lands
 pytestmark = pytest.mark.timeout(180)
 
 NUM_CONCURRENT = 64
