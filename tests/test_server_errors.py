@@ -174,3 +174,14 @@ def test_failed_step_fails_only_requests_in_flight(server: ServerThread, http: h
     finally:
         del engine.step
     assert server.wait_idle().kv.used_blocks == 0
+
+
+def test_draining_server_refuses_new_requests(server: ServerThread, http: httpx.Client) -> None:
+    server.state.draining = True  # what SIGTERM sets (see test_server_cli for the process-level drain)
+    try:
+        err = assert_error(http.post("/v1/completions", json=GOOD), 503)
+        assert err["code"] == "server_draining"
+        assert http.get("/health").status_code == 503
+    finally:
+        server.state.draining = False
+    assert http.post("/v1/completions", json=GOOD).status_code == 200

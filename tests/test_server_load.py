@@ -94,6 +94,27 @@ def test_disconnect_mid_stream_frees_blocks(server: ServerThread) -> None:
     assert stats.generation_tokens_total - before < 4 * 400
 
 
+def test_disconnect_while_waiting_for_a_full_response(server: ServerThread) -> None:
+    engine = server.engine
+    real_step = engine.step
+
+    def slow_step():  # 10 ms a step: 480 tokens take ~5 s, far longer than the client waits
+        time.sleep(0.01)
+        return real_step()
+
+    before = server.wait_idle().generation_tokens_total
+    engine.step = slow_step
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/completions", timeout=0.5,
+                       json={"prompt": "never read", "max_tokens": 480, "ignore_eos": True})
+        stats = server.wait_idle(timeout=10)
+    finally:
+        del engine.step
+    assert stats.kv.used_blocks == 0
+    assert stats.generation_tokens_total - before < 300
+
+
 def _samples(text: str) -> dict[str, float]:
     out = {}
     for family in text_string_to_metric_families(text):
