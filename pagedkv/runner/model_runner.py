@@ -36,13 +36,12 @@ class _StepAttention:
         inp = self.inputs
         k_cache, v_cache = self.cache.layer(layer_idx)
         write_kv(k_cache, v_cache, k, v, inp.slot_mapping)
-        if inp.all_decode:
-            assert inp.decode is not None
-            return paged_decode_attention(q, k_cache, v_cache, inp.decode)  # [T, H, d]
+        if inp.identity_decode:
+            return paged_decode_attention(q, k_cache, v_cache, inp.decode_groups[0].meta)  # [T, H, d]
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype)  # [T, H, d]
-        if inp.decode is not None and inp.decode_rows is not None:
-            q_dec = q.index_select(0, inp.decode_rows)
-            out.index_copy_(0, inp.decode_rows, paged_decode_attention(q_dec, k_cache, v_cache, inp.decode))
+        for group in inp.decode_groups:
+            q_dec = q.index_select(0, group.rows)
+            out.index_copy_(0, group.rows, paged_decode_attention(q_dec, k_cache, v_cache, group.meta))
         for p in inp.prefills:
             out[p.start:p.end] = paged_prefill_attention(
                 q[p.start:p.end], k[p.start:p.end], v[p.start:p.end], k_cache, v_cache, p.block_table,

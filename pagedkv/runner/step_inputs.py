@@ -1,7 +1,10 @@
 """Flatten a list of ``SeqChunk`` into the tensors one forward pass needs, built once per step.
 
 Token order is chunk order: chunk 0's tokens, then chunk 1's, ... Decode chunks (one token) are
-grouped into one batched paged-attention call; prefill chunks (several tokens) each get their own.
+batched into few paged-attention calls: sorted by context length and cut into at most
+``MAX_DECODE_GROUPS`` groups where that saves more padded slots than a group costs, because the
+padded slots are what decode attention spends its time reading. Prefill chunks (several tokens)
+each get their own call.
 """
 
 from __future__ import annotations
@@ -28,6 +31,44 @@ class PrefillItem:
     block_table: torch.Tensor  # [num_blocks_used] int64
 
 
+MAX_DECODE_GROUPS = 4
+GROUP_COST_SLOTS = 256  # a group's fixed per-layer cost (~6 small ops), in padded slots
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """Decode tokens attended together: their rows of the flattened tokens and shared metadata."""
+
+    rows: torch.Tensor  # [B_g] int64
+    meta: DecodeMetadata
+
+
+def split_decode_groups(lens: list[int], max_groups: int = MAX_DECODE_GROUPS,
+                        group_cost: int = GROUP_COST_SLOTS) -> list[list[int]]:
+    """Indices into ``lens`` grouped to minimise sum(len(group) * max_len(group)) + cost per group."""
+    order = sorted(range(len(lens)), key=lambda i: lens[i])
+    n = len(order)
+    inf = float("inf")
+    # best[g][j]: cheapest split of the first j sorted sequences into g groups; cut[g][j]: last cut
+    best = [[inf] * (n + 1) for _ in range(max_groups + 1)]
+    cut = [[0] * (n + 1) for _ in range(max_groups + 1)]
+    best[0][0] = 0.0
+    for g in range(1, max_groups + 1):
+        for j in range(1, n + 1):
+            for i in range(g - 1, j):
+                c = best[g - 1][i] + (j - i) * lens[order[j - 1]] + group_cost
+                if c < best[g][j]:
+                    best[g][j], cut[g][j] = c, i
+    g = min(range(1, max_groups + 1), key=lambda k: best[k][n])
+    groups: list[list[int]] = []
+    j = n
+    while g > 0:
+        i = cut[g][j]
+        groups.append(order[i:j])
+        j, g = i, g - 1
+    return groups[::-1]
+
+
 @dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
@@ -35,10 +76,9 @@ class StepInputs:
     slot_mapping: torch.Tensor  # [T] int64
     logits_indices: torch.Tensor  # [len(chunks)] int64: each chunk's last token
     max_position: int
-    decode_rows: torch.Tensor | None  # [B] rows of T that are decode tokens
-    decode: DecodeMetadata | None
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillItem]
-    all_decode: bool  # every chunk is a decode, in order: decode output is the whole output
+    identity_decode: bool  # one decode group covering every token in order: its output is the output
 
     @property
     def num_tokens(self) -> int:
@@ -87,18 +127,21 @@ def build_step_inputs(chunks: list[SeqChunk], *, block_size: int, num_blocks: in
             dec_lens.append(ctx)
         else:
             prefills.append(PrefillItem(row, row + n, c.start_pos, torch.tensor(table, dtype=torch.long)))
-    decode = (DecodeMetadata.build(dec_tables, dec_lens, block_size=block_size, num_heads=num_heads,
-                                   kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
-                                   sliding_window=sliding_window)
-              if dec_rows else None)
+    groups = []
+    for members in (split_decode_groups(dec_lens) if dec_rows else []):
+        meta = DecodeMetadata.build([dec_tables[i] for i in members], [dec_lens[i] for i in members],
+                                    block_size=block_size, num_heads=num_heads, kv_heads=kv_heads,
+                                    head_dim=head_dim, dtype=dtype, sliding_window=sliding_window)
+        groups.append(DecodeGroup(torch.tensor([dec_rows[i] for i in members], dtype=torch.long), meta))
+    identity = (not prefills and len(groups) == 1
+                and groups[0].rows.tolist() == list(range(len(input_ids))))
     return StepInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.long),
         positions=torch.tensor(positions, dtype=torch.long),
         slot_mapping=torch.tensor(slots, dtype=torch.long),
         logits_indices=torch.tensor(last_rows, dtype=torch.long),
         max_position=max(positions),
-        decode_rows=torch.tensor(dec_rows, dtype=torch.long) if dec_rows else None,
-        decode=decode,
+        decode_groups=groups,
         prefills=prefills,
-        all_decode=not prefills,
+        identity_decode=identity,
     )
