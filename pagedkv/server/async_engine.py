@@ -198,7 +198,7 @@ class AsyncEngine:
         with self._cond:
             if self._dead is not None:
                 if command.future is not None:
-                    command.future.set_exception(EngineDeadError(f"engine stopped: {self._dead!r}"))
+                    command.future.set_exception(EngineDeadError(str(self._dead)))
                 return
             self._commands.append(command)
             self._cond.notify()
@@ -212,6 +212,8 @@ class AsyncEngine:
                         self._cond.wait()
                     commands, self._commands = self._commands, deque()
                     if self._stopping and not commands and not self._has_work():
+                        # Under the lock: a command posted from now on fails at once, never hangs.
+                        self._die(EngineDeadError("the engine was shut down"))
                         return
                 for command in commands:
                     self._execute(command)
@@ -273,10 +275,10 @@ class AsyncEngine:
         self._streams.clear()
 
     def _die(self, exc: BaseException) -> None:
+        error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"engine stopped: {exc!r}")
         with self._cond:
-            self._dead = exc
+            self._dead = error
             commands, self._commands = self._commands, deque()
-        error = EngineDeadError(f"engine stopped: {exc!r}")
         for command in commands:
             if command.future is not None and not command.future.done():
                 command.future.set_exception(error)
