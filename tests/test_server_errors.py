@@ -68,6 +68,8 @@ BAD_COMPLETIONS = [
     pytest.param(json.dumps({**GOOD, "n": 0}).encode(), "n", id="zero-n"),
     pytest.param(json.dumps({**GOOD, "prompt": 5}).encode(), "prompt", id="int-prompt"),
     pytest.param(json.dumps({**GOOD, "prompt": [-3]}).encode(), "prompt", id="negative-token-id"),
+    pytest.param(json.dumps({**GOOD, "prompt": [999999]}).encode(), "prompt", id="token-id-not-in-vocab"),
+    pytest.param(json.dumps({**GOOD, "prompt": []}).encode(), "prompt", id="empty-prompt-list"),
     pytest.param(json.dumps({**GOOD, "stop": 3}).encode(), "stop", id="int-stop"),
     pytest.param(json.dumps({**GOOD, "logprobs": 50}).encode(), "logprobs", id="too-many-logprobs"),
 ]

@@ -21,16 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from pagedkv.engine import EngineDeadError
 from pagedkv.outputs import RequestOutput
 from pagedkv.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped after an unexpected error; no request can be served."""
 
 
 @dataclass(slots=True)
@@ -241,6 +238,8 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except EngineDeadError:
+            raise
         except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving if the engine recovers
             logger.exception("engine step failed; failing the %d request(s) in flight", len(self._streams))
             self._fail_all(RuntimeError(f"engine step failed: {exc!r}"))

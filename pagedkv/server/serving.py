@@ -22,9 +22,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from pagedkv.engine import EngineDeadError, RequestTooLongError
 from pagedkv.outputs import CompletionOutput, RequestOutput
 from pagedkv.sampling_params import SamplingParams
-from pagedkv.server.async_engine import AsyncEngine, EngineDeadError, OutputStream
+from pagedkv.server.async_engine import AsyncEngine, OutputStream
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import APIError, bad_request
 from pagedkv.server.responses import ResponseFormat, Usage
@@ -129,9 +130,9 @@ async def serve_generation(state: ServerState, request: Request, gen: Generation
     except EngineDeadError as exc:
         release()
         raise APIError(503, str(exc), type="service_unavailable", code="engine_dead") from exc
-    except ValueError as exc:  # RequestRejectedError, RequestTooLongError
+    except ValueError as exc:  # RequestRejectedError, RequestTooLongError, bad token ids
         release()
-        code = "context_length_exceeded" if type(exc).__name__ == "RequestTooLongError" else "invalid_prompt"
+        code = "context_length_exceeded" if isinstance(exc, RequestTooLongError) else "invalid_prompt"
         raise bad_request(str(exc), param=gen.fmt.prompt_param, code=code) from exc
     except BaseException:
         release()
