@@ -72,6 +72,7 @@ BAD_COMPLETIONS = [
     pytest.param(json.dumps({**GOOD, "prompt": []}).encode(), "prompt", id="empty-prompt-list"),
     pytest.param(json.dumps({**GOOD, "stop": 3}).encode(), "stop", id="int-stop"),
     pytest.param(json.dumps({**GOOD, "logprobs": 50}).encode(), "logprobs", id="too-many-logprobs"),
+    pytest.param(json.dumps({**GOOD, "presence_penalty": 0.5}).encode(), "presence_penalty", id="unsupported"),
 ]
 
 

@@ -79,8 +79,31 @@ class _SamplingFields(_Body):
     cache_salt: str | None = Field(default=None, min_length=1)
     priority: int = 0
     user: str | None = None
+    # Accepted at their neutral values only, so that a client relying on them hears it is not served.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def _reject_unsupported(self) -> None:
+        neutral = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+        for name, value in neutral.items():
+            if getattr(self, name) != value:
+                raise bad_request(f"{name} is not supported (leave it at {value})", param=name)
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", param="logit_bias")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of is not supported (use n)", param="best_of")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise bad_request("only response_format {\"type\": \"text\"} is supported", param="response_format")
+        if self.tools:
+            raise bad_request("tools are not supported", param="tools")
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        self._reject_unsupported()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
             return SamplingParams(
