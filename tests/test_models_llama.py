@@ -132,3 +132,26 @@ def test_copy_on_write_fork_continues_identically(tmp_path_factory: pytest.TempP
     runner.swap_in([(3, 17)])
     b = runner.execute([SeqChunk([tok], 10, child)])
     torch.testing.assert_close(b[0], a[1], atol=1e-6, rtol=0)
+
+
+def test_decode_length_buckets_match_sequences_run_alone(tmp_path_factory: pytest.TempPathFactory,
+                                                         built: dict[str, Any]) -> None:
+    """Very ragged contexts split the decode batch into several length groups; each sequence's
+    logits must equal a batch of one, and the groups must interleave with a prefill chunk."""
+    _, loaded = _case("llama_gqa", tmp_path_factory, built)
+    vocab = loaded.config.vocab_size
+    lens = [3, 40, 250, 251, 2, 180]
+    runner = ModelRunner(loaded, block_size=8, num_blocks=256)
+    alloc = TinyAllocator(256, seed=9)
+    tables = [alloc.take(-(-(n + 1) // 8)) for n in lens]
+    prompts = [_prompt(n, vocab, 50 + n) for n in lens]
+    runner.execute([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)])
+    extra_table = alloc.take(4)
+    chunks = [SeqChunk([7 + i], n, t) for i, (n, t) in enumerate(zip(lens, tables))]
+    mixed = chunks[:3] + [SeqChunk(_prompt(20, vocab, 99), 0, extra_table)] + chunks[3:]
+    assert len(runner.prepare(mixed).decode_groups) > 1
+    together = runner.execute(mixed)
+    together = torch.cat([together[:3], together[4:]])
+    for i, c in enumerate(chunks):
+        alone = runner.execute([c])
+        torch.testing.assert_close(together[i], alone[0], atol=1e-5, rtol=1e-5)
