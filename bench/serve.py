@@ -80,8 +80,11 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any],
     return Result(True, ttft=ttft, e2e=time.perf_counter() - start, output_tokens=tokens)
 
 
-async def run_rate(url: str, rate: float, args: argparse.Namespace, headers: dict[str, str]) -> dict[str, Any]:
-    rng = random.Random(args.seed)
+async def run_rate(url: str, rate: float, run: int, args: argparse.Namespace,
+                   headers: dict[str, str]) -> dict[str, Any]:
+    # Prompts start with the run number so no run reuses another's cached prefix blocks.
+    rng = random.Random(args.seed + run)
+    arrivals = random.Random(args.seed + 1000 + run)
     limits = httpx.Limits(max_connections=args.num_requests + 8, max_keepalive_connections=args.num_requests)
     results: list[Result] = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.max_seconds), limits=limits) as client:
@@ -89,11 +92,11 @@ async def run_rate(url: str, rate: float, args: argparse.Namespace, headers: dic
         start = time.perf_counter()
         for i in range(args.num_requests):
             words = [rng.choice(_WORDS) for _ in range(args.input_len)]
-            body = {"prompt": f"{i}: " + " ".join(words), "max_tokens": args.output_len, "stream": True,
+            body = {"prompt": f"run {run} request {i}: " + " ".join(words), "max_tokens": args.output_len, "stream": True,
                     "temperature": 0.0, "ignore_eos": True, "stream_options": {"include_usage": True}}
             tasks.append(asyncio.create_task(one_request(client, url, body, headers)))
             if math.isfinite(rate):
-                await asyncio.sleep(rng.expovariate(rate))
+                await asyncio.sleep(arrivals.expovariate(rate))
         done, pending = await asyncio.wait(tasks, timeout=max(0.0, args.max_seconds - (time.perf_counter() - start)))
         for t in pending:
             t.cancel()
@@ -114,6 +117,26 @@ async def run_rate(url: str, rate: float, args: argparse.Namespace, headers: dic
         "e2e_s": percentiles([r.e2e for r in ok]),
         "errors": errors[:3],
     }
+
+
+_SERVER_COUNTERS = ("pagedkv_prompt_tokens_total", "pagedkv_generation_tokens_total",
+                    "pagedkv_prefix_cache_hits_total", "pagedkv_preemptions_total", "pagedkv_engine_steps_total")
+
+
+async def server_counters(url: str) -> dict[str, float]:
+    """The server's own counters from /metrics (summed over labels), to report per-rate deltas."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with httpx.AsyncClient(timeout=30) as client:
+        r = await client.get(f"{url}/metrics")
+    if r.status_code != 200:
+        return {}
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            if sample.name in _SERVER_COUNTERS:
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
@@ -177,8 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         asyncio.run(one_request_warmup(url, headers))
         reports = []
-        for rate in rates:
-            report = asyncio.run(run_rate(url, rate, args, headers))
+        for run, rate in enumerate(rates):
+            before = asyncio.run(server_counters(url))
+            report = asyncio.run(run_rate(url, rate, run, args, headers))
+            after = asyncio.run(server_counters(url))
+            report["server"] = {k.removeprefix("pagedkv_").removesuffix("_total"): after[k] - before.get(k, 0.0)
+                                for k in after}
             reports.append(report)
             print(f"rate {report['rate']:>5} req/s: {report['completed']}/{args.num_requests} ok in "
                   f"{report['duration_s']:.1f}s, {report['output_token_throughput']:.1f} tok/s, "
