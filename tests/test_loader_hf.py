@@ -161,3 +161,34 @@ def test_pagedkv_never_imports_transformers() -> None:
             "bad = [m for m in ('transformers', 'huggingface_hub') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("rope_parameters", [
+    {"rope_type": "default", "rope_theta": 10000.0},
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+])
+def test_rope_frequencies_match_transformers(rope_parameters: dict) -> None:
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from pagedkv.models.config import RopeConfig
+    from pagedkv.models.rope import inv_frequencies
+
+    hf_cfg = transformers.LlamaConfig(hidden_size=512, num_attention_heads=4, max_position_embeddings=131072,
+                                      rope_parameters=dict(rope_parameters))
+    rope_type = rope_parameters["rope_type"]
+    if rope_type == "default":
+        want = 1.0 / (10000.0 ** (torch.arange(0, 128, 2, dtype=torch.int64).float() / 128))
+    else:
+        want, _ = ROPE_INIT_FUNCTIONS[rope_type](hf_cfg, "cpu")
+    ours = ModelConfig.from_hf_dict({**hf_cfg.to_dict(), "architectures": ["LlamaForCausalLM"]})
+    got = inv_frequencies(ours.rope, ours.head_dim, ours.max_position_embeddings)
+    torch.testing.assert_close(got, want.float(), atol=0, rtol=1e-6)
+    # GGUF llama3 models carry the same scaling as per-frequency divisors (rope_freqs.weight)
+    base = inv_frequencies(RopeConfig(theta=ours.rope.theta), ours.head_dim, ours.max_position_embeddings)
+    factors = tuple((base / got).tolist())
+    via_factors = inv_frequencies(RopeConfig(theta=ours.rope.theta, freq_factors=factors), ours.head_dim,
+                                  ours.max_position_embeddings)
+    torch.testing.assert_close(via_factors, got, atol=0, rtol=1e-6)

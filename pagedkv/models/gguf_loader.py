@@ -17,6 +17,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from pagedkv.models.cache_dir import cache_root, file_key
-from pagedkv.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeConfig
+from pagedkv.models.config import ModelConfig, RopeConfig
 from pagedkv.models.errors import ModelLoadError, UnsupportedModelError
 from pagedkv.models.gguf_tokenizer import build_gguf_tokenizer
 
@@ -74,10 +75,7 @@ def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
-    if f is None:
-        return default
-    value = f.contents()
-    return value
+    return default if f is None else f.contents()
 
 
 def gguf_config(reader: Any, tensor_names: set[str]) -> tuple[ModelConfig, dict[str, Any]]:
@@ -174,8 +172,6 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
 
 
 def _with_freq_factors(config: ModelConfig, factors: tuple[float, ...]) -> ModelConfig:
-    from dataclasses import replace
-
     return replace(config, rope=replace(config.rope, freq_factors=factors))
 
 
@@ -226,5 +222,4 @@ def converted_folder(path: Path) -> Path:
     return folder
 
 
-__all__ = ["converted_folder", "convert_gguf", "gguf_config", "hf_name", "unpermute_rows",
-           "SUPPORTED_ARCHITECTURES"]
+__all__ = ["converted_folder", "convert_gguf", "gguf_config", "hf_name", "unpermute_rows"]
