@@ -192,3 +192,19 @@ def test_rope_frequencies_match_transformers(rope_parameters: dict) -> None:
     via_factors = inv_frequencies(RopeConfig(theta=ours.rope.theta, freq_factors=factors), ours.head_dim,
                                   ours.max_position_embeddings)
     torch.testing.assert_close(via_factors, got, atol=0, rtol=1e-6)
+
+
+def test_dtype_option(tmp_path: Path) -> None:
+    folder = make_hf_checkpoint(tmp_path, "qwen2")
+    f32 = load_model(str(folder))
+    bf16 = load_model(str(folder), dtype=torch.bfloat16)
+    assert next(bf16.model.parameters()).dtype == torch.bfloat16
+    ids = [4, 8, 15, 16, 23, 42]
+    a = ModelRunner(f32, block_size=4, num_blocks=4).execute([SeqChunk(ids, 0, [0, 1])])
+    runner = ModelRunner(bf16, block_size=4, num_blocks=4)
+    assert runner.cache.kv.dtype == torch.bfloat16
+    b = runner.execute([SeqChunk(ids, 0, [0, 1])])
+    b2 = runner.execute([SeqChunk(ids[:5], 0, [0, 1]), SeqChunk([ids[5]], 5, [0, 1])])
+    assert b.dtype == torch.float32
+    torch.testing.assert_close(b, a, atol=0.15, rtol=0.05)
+    torch.testing.assert_close(b2[1], b[0], atol=0.1, rtol=0.05)
