@@ -44,28 +44,36 @@ class DecodeGroup:
 
 
 def split_decode_groups(lens: list[int], max_groups: int = MAX_DECODE_GROUPS,
-                        group_cost: int = GROUP_COST_SLOTS) -> list[list[int]]:
-    """Indices into ``lens`` grouped to minimise sum(len(group) * max_len(group)) + cost per group."""
+                        group_cost: int = GROUP_COST_SLOTS, max_cuts: int = 32) -> list[list[int]]:
+    """Indices into ``lens`` grouped to minimise sum(len(group) * max_len(group)) + cost per group.
+
+    Dynamic programme over the sequences sorted by length; cuts are only considered at up to
+    ``max_cuts`` evenly spaced places, so a step of 256 decodes costs a few thousand operations.
+    """
     order = sorted(range(len(lens)), key=lambda i: lens[i])
     n = len(order)
+    stride = max(1, -(-n // max_cuts))
+    cuts = sorted(set(range(0, n, stride)) | {n})  # candidate group boundaries
     inf = float("inf")
-    # best[g][j]: cheapest split of the first j sorted sequences into g groups; cut[g][j]: last cut
-    best = [[inf] * (n + 1) for _ in range(max_groups + 1)]
-    cut = [[0] * (n + 1) for _ in range(max_groups + 1)]
+    # best[g][c]: cheapest split of the first cuts[c] sorted sequences into g groups; back[g][c]: previous cut
+    best = [[inf] * len(cuts) for _ in range(max_groups + 1)]
+    back = [[0] * len(cuts) for _ in range(max_groups + 1)]
     best[0][0] = 0.0
     for g in range(1, max_groups + 1):
-        for j in range(1, n + 1):
-            for i in range(g - 1, j):
-                c = best[g - 1][i] + (j - i) * lens[order[j - 1]] + group_cost
-                if c < best[g][j]:
-                    best[g][j], cut[g][j] = c, i
-    g = min(range(1, max_groups + 1), key=lambda k: best[k][n])
+        for c in range(1, len(cuts)):
+            j = cuts[c]
+            for b in range(c):
+                cost = best[g - 1][b] + (j - cuts[b]) * lens[order[j - 1]] + group_cost
+                if cost < best[g][c]:
+                    best[g][c], back[g][c] = cost, b
+    last = len(cuts) - 1
+    g = min(range(1, max_groups + 1), key=lambda k: best[k][last])
     groups: list[list[int]] = []
-    j = n
+    c = last
     while g > 0:
-        i = cut[g][j]
-        groups.append(order[i:j])
-        j, g = i, g - 1
+        b = back[g][c]
+        groups.append(order[cuts[b]:cuts[c]])
+        c, g = b, g - 1
     return groups[::-1]
 
 
