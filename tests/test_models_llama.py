@@ -131,7 +131,7 @@ def test_copy_on_write_fork_continues_identically(tmp_path_factory: pytest.TempP
     runner.cache.kv[:, :, 17].fill_(123.0)
     runner.swap_in([(3, 17)])
     b = runner.execute([SeqChunk([tok], 10, child)])
-    torch.testing.assert_close(b[0], a[1], atol=1e-6, rtol=0)
+    torch.testing.assert_close(b[0], a[1], atol=1e-5, rtol=1e-5)
 
 
 def test_decode_length_buckets_match_sequences_run_alone(tmp_path_factory: pytest.TempPathFactory,

@@ -96,8 +96,9 @@ class LlamaForCausalLM(nn.Module):
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = (None if config.tie_word_embeddings
-                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        self.lm_head: nn.Module | None = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
         # Not a submodule: its tables are derived data, never part of the state dict.
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
 
@@ -118,5 +119,6 @@ class LlamaForCausalLM(nn.Module):
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)  # [N, hidden]: only the rows we sample from
         x = self.norm(x)
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head)  # [N, vocab]
+        if self.lm_head is None:  # tied: the embedding matrix is the head
+            return F.linear(x, self.embed_tokens.weight)  # [N, vocab]
+        return self.lm_head(x)  # [N, vocab]

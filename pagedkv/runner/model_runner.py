@@ -15,6 +15,7 @@ import torch
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.loader import LoadedModel
+from pagedkv.models.packed_linear import pack_lm_head as pack_head
 from pagedkv.ops.cache_ops import copy_blocks, swap_blocks, write_kv
 from pagedkv.ops.paged_attention import paged_decode_attention, paged_prefill_attention
 from pagedkv.runner.batch import SeqChunk
@@ -54,7 +55,8 @@ class ModelRunner:
     """Owns the KV cache of one model and executes steps described by ``SeqChunk`` lists.
 
     Size the device pool with ``num_blocks`` or ``kv_cache_memory`` (bytes or "2GiB"; exactly one);
-    ``num_host_blocks`` sizes the host pool used by swap_out/swap_in.
+    ``num_host_blocks`` sizes the host pool used by swap_out/swap_in. ``pack_lm_head`` replaces
+    the model's LM head with a oneDNN-packed copy (float32 CPU only; the model is for inference).
     """
 
     def __init__(
@@ -66,8 +68,11 @@ class ModelRunner:
         kv_cache_memory: str | int | None = None,
         num_host_blocks: int = 0,
         kv_cache_dtype: torch.dtype | None = None,
+        pack_lm_head: bool = True,
     ) -> None:
         net = model.model if isinstance(model, LoadedModel) else model
+        if pack_lm_head:  # ~2x faster LM head at decode batch sizes; see models/packed_linear.py
+            pack_head(net)
         self.model: LlamaForCausalLM = net
         self.config: ModelConfig = net.config
         dtype = kv_cache_dtype or next(net.parameters()).dtype
