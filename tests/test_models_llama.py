@@ -155,3 +155,21 @@ def test_decode_length_buckets_match_sequences_run_alone(tmp_path_factory: pytes
     for i, c in enumerate(chunks):
         alone = runner.execute([c])
         torch.testing.assert_close(together[i], alone[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_packed_lm_head_matches_plain(tmp_path: Any, tied: bool) -> None:
+    from pagedkv.models.packed_linear import PackedLinear, pack_lm_head, packing_available
+
+    folder = make_hf_checkpoint(tmp_path, "llama", tie_word_embeddings=tied)
+    plain, packed = load_model(str(folder)), load_model(str(folder))
+    ids = _prompt(30, plain.config.vocab_size, 4)
+    a = ModelRunner(plain, block_size=8, num_blocks=8, pack_lm_head=False).execute(
+        [SeqChunk(ids, 0, [0, 1, 2, 3])], return_all_logits=True)
+    runner = ModelRunner(packed, block_size=8, num_blocks=8)
+    b = runner.execute([SeqChunk(ids, 0, [0, 1, 2, 3])], return_all_logits=True)
+    torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    if packing_available():
+        assert isinstance(packed.model.lm_head, PackedLinear)
+        assert pack_lm_head(packed.model)  # idempotent
+    assert plain.model.lm_head is None if tied else isinstance(plain.model.lm_head, torch.nn.Linear)
