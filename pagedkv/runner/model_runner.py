@@ -75,7 +75,12 @@ class ModelRunner:
             pack_head(net)
         self.model: LlamaForCausalLM = net
         self.config: ModelConfig = net.config
-        dtype = kv_cache_dtype or next(net.parameters()).dtype
+        model_dtype = next(net.parameters()).dtype
+        dtype = kv_cache_dtype or model_dtype
+        if dtype != model_dtype:
+            raise ValueError(
+                f"kv_cache_dtype {dtype} must equal the model dtype {model_dtype} (no KV quantization yet)"
+            )
         if (num_blocks is None) == (kv_cache_memory is None):
             raise ValueError("give exactly one of num_blocks and kv_cache_memory")
         if num_blocks is None:
