@@ -48,16 +48,13 @@ class BlockPool:
         """Take ``n`` blocks with ref count 1, or raise OutOfBlocksError and take none."""
         if n > len(self.free_queue):
             raise OutOfBlocksError(n, len(self.free_queue), self.name)
-        queue = self.free_queue
-        out: list[Block] = []
-        for _ in range(n):
-            block = queue.popleft() if self._lru else self._pop_victim()
+        out = self.free_queue.popleft_n(n) if self._lru else [self._pop_victim() for _ in range(n)]
+        for block in out:
             if block.block_hash is not None:
                 del self.cached[block.block_hash]
                 block.block_hash = None
                 self.evictions += 1
             block.ref_count = 1
-            out.append(block)
         return out
 
     def _pop_victim(self) -> Block:
@@ -96,16 +93,21 @@ class BlockPool:
     def lookup(self, block_hash: bytes) -> Block | None:
         return self.cached.get(block_hash)
 
-    def cache(self, block: Block, block_hash: bytes) -> bool:
-        """Register a full, computed block under its hash. False if another block has it."""
-        if block_hash in self.cached or block.block_hash is not None:
-            return False
+    def cache(self, blocks: Iterable[Block], hashes: Iterable[bytes]) -> None:
+        """Register full, computed blocks under their hashes.
+
+        A block that already has a hash (a prefix hit) keeps it; a hash another block already
+        holds (two sequences computed the same prefix at once) stays with that block.
+        """
         self.clock += 1
-        block.block_hash = block_hash
-        block.cached_at = block.last_used = self.clock
-        block.uses = 1
-        self.cached[block_hash] = block
-        return True
+        now = self.clock
+        cached = self.cached
+        for block, block_hash in zip(blocks, hashes):
+            if block.block_hash is None and block_hash not in cached:
+                block.block_hash = block_hash
+                block.cached_at = block.last_used = now
+                block.uses = 1
+                cached[block_hash] = block
 
     def evict_cached(self, max_blocks: int | None = None) -> int:
         """Drop cached-free blocks' hashes (their KV is forgotten); returns how many."""

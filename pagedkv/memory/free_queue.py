@@ -71,6 +71,22 @@ class FreeBlockQueue:
         self.remove(block)
         return block
 
+    def popleft_n(self, n: int) -> list[Block]:
+        """Pop the ``n`` first blocks (the caller checked ``n <= len(self)``) in one pass."""
+        out = []
+        head = self._head
+        node = head.next
+        for _ in range(n):
+            assert node is not None and node is not self._tail
+            nxt = node.next
+            node.prev = node.next = None
+            out.append(node)
+            node = nxt
+        head.next = node
+        node.prev = head  # type: ignore[union-attr]
+        self._size -= n
+        return out
+
     def remove(self, block: Block) -> None:
         """Unlink ``block`` from anywhere in the queue in O(1)."""
         prev, nxt = block.prev, block.next

@@ -97,6 +97,15 @@ class KVCacheManager:
         """Device blocks an allocation can take now (free plus evictable cached)."""
         return self.pool.num_free
 
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_blocks - self.pool.num_free
+
+    @property
+    def evictions(self) -> int:
+        """Cached blocks whose prefix was forgotten to make room (or by evict_cached)."""
+        return self.pool.evictions
+
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.pool.num_free
 
@@ -229,8 +238,8 @@ class KVCacheManager:
         full = seq.num_computed // self.block_size
         self._hash_full_blocks(seq)
         blocks = self.pool.blocks
-        for i in range(seq.num_cached_blocks, full):
-            self.pool.cache(blocks[seq.block_table[i]], seq.block_hashes[i])
+        start = seq.num_cached_blocks
+        self.pool.cache((blocks[i] for i in seq.block_table[start:full]), seq.block_hashes[start:full])
         seq.num_cached_blocks = full
 
     # ------------------------------------------------------------------ forks and freeing

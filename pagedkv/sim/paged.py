@@ -142,6 +142,6 @@ class PagedPolicy:
         return {
             "prefix_query_tokens": mgr.prefix_query_tokens,
             "prefix_hit_tokens": mgr.prefix_hit_tokens,
-            "evictions": mgr.pool.evictions,
+            "evictions": mgr.evictions,
             "cow_copies": mgr.cow_copies,
         }
