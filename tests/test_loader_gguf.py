@@ -30,6 +30,8 @@ HF_TO_GGUF = {
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
 }
 
 
@@ -51,19 +53,22 @@ def _gguf_name(hf: str) -> str:
     return f"blk.{parts[2]}." + HF_TO_GGUF[".".join(parts[3:])]
 
 
-def _write_gguf(path: Path, tied: bool, qtype: gguf.GGMLQuantizationType) -> torch.nn.Module:
+def _write_gguf(path: Path, tied: bool, qtype: gguf.GGMLQuantizationType, arch: str = "llama"
+                ) -> torch.nn.Module:
     """Write the GGUF; return the transformers reference carrying the same (dequantized) weights."""
     import transformers
 
     tokens = _vocab()
-    cfg = transformers.LlamaConfig(
+    config_cls, model_cls = ((transformers.LlamaConfig, transformers.LlamaForCausalLM) if arch == "llama"
+                             else (transformers.Qwen2Config, transformers.Qwen2ForCausalLM))
+    cfg = config_cls(
         vocab_size=len(tokens), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
         rope_theta=20000.0, tie_word_embeddings=tied,
     )
-    ref = transformers.LlamaForCausalLM(cfg).eval()
+    ref = model_cls(cfg).eval()
     randomize_(ref, seed=3)
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(128)
     w.add_embedding_length(64)
     w.add_block_count(2)
@@ -94,9 +99,9 @@ def _write_gguf(path: Path, tied: bool, qtype: gguf.GGMLQuantizationType) -> tor
                 arr_q = q
             else:
                 arr_q = arr
-            if name.endswith("q_proj.weight"):
+            if arch == "llama" and name.endswith("q_proj.weight"):  # llama.cpp permutes llama only
                 arr_q = _llama_cpp_permute(arr_q, 4)
-            elif name.endswith("k_proj.weight"):
+            elif arch == "llama" and name.endswith("k_proj.weight"):
                 arr_q = _llama_cpp_permute(arr_q, 2)
             raw = qtype if (arr.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32) else None
             w.add_tensor(_gguf_name(name), np.ascontiguousarray(arr_q), raw_dtype=raw)
@@ -113,15 +118,17 @@ def test_unpermute_inverts_llama_cpp_permute() -> None:
         assert np.array_equal(unpermute_rows(_llama_cpp_permute(w, n_head), n_head), w)
 
 
-@pytest.mark.parametrize("tied,qtype", [(False, gguf.GGMLQuantizationType.F32),
-                                        (True, gguf.GGMLQuantizationType.Q8_0),
-                                        (False, gguf.GGMLQuantizationType.Q4_0)])
-def test_gguf_matches_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tied: bool,
+@pytest.mark.parametrize("arch,tied,qtype", [("llama", False, gguf.GGMLQuantizationType.F32),
+                                             ("llama", True, gguf.GGMLQuantizationType.Q8_0),
+                                             ("llama", False, gguf.GGMLQuantizationType.Q4_0),
+                                             ("qwen2", True, gguf.GGMLQuantizationType.Q8_0)])
+def test_gguf_matches_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, tied: bool,
                                    qtype: gguf.GGMLQuantizationType) -> None:
     monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / f"tiny-{qtype.name}.gguf"
-    ref = _write_gguf(path, tied, qtype)
+    ref = _write_gguf(path, tied, qtype, arch)
     loaded = load_model(str(path))
+    assert loaded.config.model_type == arch and loaded.config.attention_bias == (arch == "qwen2")
     assert loaded.config.tie_word_embeddings == tied
     assert (loaded.config.num_key_value_heads, loaded.config.rope.theta) == (2, 20000.0)
     ids = [5, 40, 77, 120, 9, 200, 33, 64, 100, 3, 250]
