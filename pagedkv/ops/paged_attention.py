@@ -110,12 +110,13 @@ def paged_prefill_attention(
     n, heads, d = q.shape
     kvh = k.shape[1]
     gqa = heads != kvh
-    qh = q.transpose(0, 1)  # [heads, n, d]
+    # 4-D inputs: torch's CPU flash kernel (2-3x faster than the math path 3-D inputs take)
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
     windowed = sliding_window is not None and start_pos + n > sliding_window
     if start_pos == 0 and not windowed:  # no cached prefix: the fresh K/V are the whole context
-        out = F.scaled_dot_product_attention(qh, k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
-                                             scale=scale, enable_gqa=gqa)
-        return out.transpose(0, 1)
+        out = F.scaled_dot_product_attention(qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                                             is_causal=True, scale=scale, enable_gqa=gqa)
+        return out[0].transpose(0, 1)
     ctx = start_pos + n
     block_size = k_cache.shape[1]
     blocks = block_table[: (ctx + block_size - 1) // block_size]
@@ -126,6 +127,6 @@ def paged_prefill_attention(
     mask = key_pos <= query_pos  # [n, ctx]
     if windowed:
         mask &= key_pos > query_pos - sliding_window
-    out = F.scaled_dot_product_attention(qh, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask,
-                                         scale=scale, enable_gqa=gqa)
-    return out.transpose(0, 1)  # [n, heads, d]
+    out = F.scaled_dot_product_attention(qh, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
+                                         attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out[0].transpose(0, 1)  # [n, heads, d]
