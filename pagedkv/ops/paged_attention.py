@@ -43,8 +43,7 @@ class DecodeMetadata:
               sliding_window: int | None = None) -> DecodeMetadata:
         """``context_lens[i]`` = tokens of sequence i (cached + the new one); with ``sliding_window``
         only the last ``sliding_window`` of them are visible."""
-        b = len(context_lens)
-        heads = num_heads
+        b, heads = len(context_lens), num_heads
         max_blocks = max((n + block_size - 1) // block_size for n in context_lens)
         padded = [t[: (n + block_size - 1) // block_size] for t, n in zip(block_tables, context_lens)]
         tables = torch.tensor([r + [0] * (max_blocks - len(r)) for r in padded], dtype=torch.long)
