@@ -145,7 +145,8 @@ def test_gguf_matches_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert out == hf_greedy(ref, ids, 24)
     # converted once: a second load reads the cached folder
     assert len(list((tmp_path / "cache" / "gguf").glob("*/.complete"))) == 1
-    again = load_model(str(path))
+    again = load_model(str(path.parent))  # a folder holding one .gguf file loads that file
+    assert again.path == path
     assert torch.equal(again.model.embed_tokens.weight, loaded.model.embed_tokens.weight)
 
 

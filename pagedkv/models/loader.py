@@ -28,11 +28,15 @@ class LoadedModel:
 
 
 def resolve_model_path(model: str | Path | None) -> tuple[Path, str]:
-    """(path, display name): None -> bundled default GGUF; a folder -> HF; ``*.gguf`` -> GGUF."""
+    """(path, display name): None -> bundled default GGUF; a folder -> HF (or its only ``*.gguf``
+    when it has no config.json); ``*.gguf`` -> GGUF. Raises ModelLoadError for anything else."""
     if model is None or str(model) in ("", "default", DEFAULT_MODEL_NAME):
         return default_model_path(), DEFAULT_MODEL_NAME
     path = Path(model).expanduser()
     if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").exists() and len(ggufs) == 1:  # a folder holding one GGUF file
+            return ggufs[0], ggufs[0].stem
         return path, path.name
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
