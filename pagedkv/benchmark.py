@@ -33,26 +33,31 @@ def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(VOCAB_LOW, vocab) for _ in range(n)]
 
 
+def _rng(name: str, seed: int) -> random.Random:
+    """Each workload draws from its own stream, so no two share prompt tokens by accident."""
+    return random.Random(f"{name}-{seed}")
+
+
 def case_a(vocab: int, seed: int = 0) -> Workload:
-    rng = random.Random(seed)
+    rng = _rng("case_a", seed)
     return Workload("case_a", [_tokens(rng, 128, vocab)], [128])
 
 
 def case_b(vocab: int, seed: int = 0) -> Workload:
-    rng = random.Random(seed)
+    rng = _rng("case_b", seed)
     prompts = [_tokens(rng, rng.randint(32, 256), vocab) for _ in range(32)]
     return Workload("case_b", prompts, [128] * 32)
 
 
 def case_c(vocab: int, seed: int = 0) -> Workload:
-    rng = random.Random(seed)
+    rng = _rng("case_c", seed)
     shared = _tokens(rng, 512, vocab)
     return Workload("case_c", [shared + _tokens(rng, 32, vocab) for _ in range(64)], [128] * 64)
 
 
 def sharegpt_like(vocab: int, seed: int = 0, num_requests: int = 64, max_len: int = 2048) -> Workload:
     """Log-normal prompt lengths (median ~100, tail to ~1,000), outputs uniform in 64..256."""
-    rng = random.Random(seed)
+    rng = _rng("sharegpt", seed)
     prompts, outs = [], []
     for _ in range(num_requests):
         n = int(min(max(4, rng.lognormvariate(math.log(100), 0.8)), 1000))
