@@ -34,7 +34,7 @@ def test_greedy_batch_equals_transformers(tiny):
     folder, ref = tiny
     prompts = ragged_prompts(0, [3, 17, 40, 9, 64, 1])
     llm = LLM(str(folder), block_size=4, num_kv_blocks=200, max_num_batched_tokens=48,
-              debug_integrity=True)
+              debug_integrity=True, prefix_index="radix")
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         assert out.prompt_token_ids == prompt

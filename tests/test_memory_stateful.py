@@ -20,12 +20,15 @@ TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=20)
 class MemoryCoreMachine(RuleBasedStateMachine):
     @initialize(block_size=st.sampled_from([1, 2, 3, 4, 8]), num_blocks=st.integers(4, 24),
                 num_host_blocks=st.integers(0, 16), policy=st.sampled_from(["lru", "fifo", "lrc"]),
-                caching=st.booleans(), watermark=st.sampled_from([0.0, 0.1]))
-    def setup(self, block_size, num_blocks, num_host_blocks, policy, caching, watermark):
+                caching=st.booleans(), watermark=st.sampled_from([0.0, 0.1]),
+                index=st.sampled_from(["hash", "radix"]))
+    def setup(self, block_size, num_blocks, num_host_blocks, policy, caching, watermark, index):
         self.B = block_size
+        # With index="radix" the radix tree serves lookups and check_integrity() proves it
+        # names exactly the blocks the hash chain does.
         self.mgr = KVCacheManager(num_blocks, block_size, num_host_blocks=num_host_blocks,
                                   enable_prefix_caching=caching, eviction_policy=policy,
-                                  watermark=watermark)
+                                  watermark=watermark, prefix_index=index)
         self.device: dict[int, list] = {}  # block id -> slot contents
         self.host: dict[int, list] = {}
         self.ref: dict[int, tuple[list[int], str | None]] = {}  # seq -> (tokens, salt)
@@ -160,6 +163,6 @@ class MemoryCoreMachine(RuleBasedStateMachine):
 
 
 MemoryCoreMachine.TestCase.settings = settings(
-    max_examples=120, stateful_step_count=40, deadline=None,
+    max_examples=150, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestMemoryCore = MemoryCoreMachine.TestCase

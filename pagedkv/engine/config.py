@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from pagedkv.engine.faults import FaultSpec
 from pagedkv.memory import EVICTION_POLICIES
+from pagedkv.memory.kv_cache_manager import PREFIX_INDEXES
 
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -23,7 +24,9 @@ class EngineConfig:
     device KV pool (default 1 GiB). ``swap_space`` is host memory in GiB for swapped-out blocks.
     ``max_model_len`` defaults to the model's context length. ``fault_injection`` (or the
     ``PAGEDKV_FAULT_INJECTION`` environment variable) takes a spec such as "seed=7,rate=0.05".
-    ``debug_integrity`` runs ``check_integrity()`` after every step.
+    ``debug_integrity`` runs ``check_integrity()`` after every step. ``prefix_index`` picks the
+    structure that finds cached prefixes: the SHA-256 hash chain ("hash") or a radix tree over
+    token ids ("radix"); both find the same blocks.
     """
 
     model: str | None = None
@@ -37,6 +40,7 @@ class EngineConfig:
     max_model_len: int | None = None
     preemption_mode: str = "recompute"
     eviction_policy: str = "lru"
+    prefix_index: str = "hash"
     watermark: float = 0.01
     dtype: str = "float32"
     seed: int = 0
@@ -67,6 +71,8 @@ class EngineConfig:
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction_policy must be one of {EVICTION_POLICIES}, "
                              f"got {self.eviction_policy!r}")
+        if self.prefix_index not in PREFIX_INDEXES:
+            raise ValueError(f"prefix_index must be one of {PREFIX_INDEXES}, got {self.prefix_index!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.fault_injection:

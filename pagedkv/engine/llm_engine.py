@@ -63,7 +63,8 @@ class LLMEngine:
         self.config = config.with_max_model_len(model_len)
         self.kv = KVCacheManager(runner.num_blocks, B, num_host_blocks=runner.num_host_blocks,
                                  enable_prefix_caching=config.enable_prefix_caching,
-                                 eviction_policy=config.eviction_policy, watermark=config.watermark)
+                                 eviction_policy=config.eviction_policy, watermark=config.watermark,
+                                 prefix_index=config.prefix_index)
         spec = config.faults
         self.faults = FaultInjector(spec) if spec else None
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,

@@ -8,10 +8,11 @@ from pagedkv.memory.eviction import EVICTION_POLICIES, make_eviction_policy
 from pagedkv.memory.free_queue import FreeBlockQueue
 from pagedkv.memory.kv_cache_manager import CopyPair, KVCacheManager
 from pagedkv.memory.prefix_hash import chain_hashes, root_hash
+from pagedkv.memory.radix_index import RadixPrefixIndex
 from pagedkv.memory.stats import KVStats
 
 __all__ = [
     "Block", "BlockPool", "CopyPair", "EVICTION_POLICIES", "FreeBlockQueue", "IntegrityError",
-    "KVCacheManager", "KVStats", "OutOfBlocksError", "chain_hashes", "make_eviction_policy",
+    "KVCacheManager", "KVStats", "OutOfBlocksError", "RadixPrefixIndex", "chain_hashes", "make_eviction_policy",
     "root_hash",
 ]

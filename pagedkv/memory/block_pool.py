@@ -13,7 +13,7 @@ middle of the queue in O(1).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from pagedkv.memory.block import Block
 from pagedkv.memory.errors import IntegrityError, OutOfBlocksError
@@ -34,6 +34,7 @@ class BlockPool:
         self._lru = isinstance(self.policy, LRUPolicy)
         self.clock = 0
         self.evictions = 0
+        self.on_evict: Callable[[Block], None] | None = None  # told before a hash is dropped
 
     @property
     def num_blocks(self) -> int:
@@ -51,6 +52,8 @@ class BlockPool:
         out = self.free_queue.popleft_n(n) if self._lru else [self._pop_victim() for _ in range(n)]
         for block in out:
             if block.block_hash is not None:
+                if self.on_evict is not None:
+                    self.on_evict(block)
                 del self.cached[block.block_hash]
                 block.block_hash = None
                 self.evictions += 1
@@ -115,6 +118,8 @@ class BlockPool:
         if max_blocks is not None:
             victims = victims[:max_blocks]
         for block in victims:
+            if self.on_evict is not None:
+                self.on_evict(block)
             del self.cached[block.block_hash]  # type: ignore[arg-type]
             block.block_hash = None
             # Empty blocks belong at the head of the queue.

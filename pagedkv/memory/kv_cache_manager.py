@@ -29,9 +29,11 @@ from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.errors import IntegrityError, OutOfBlocksError
 from pagedkv.memory.eviction import make_eviction_policy
 from pagedkv.memory.prefix_hash import chain_hashes, root_hash
+from pagedkv.memory.radix_index import RadixPrefixIndex
 from pagedkv.memory.stats import KVStats
 
 CopyPair = tuple[int, int]  # (source block id, destination block id)
+PREFIX_INDEXES = ("hash", "radix")
 
 
 @dataclass(slots=True)
@@ -65,7 +67,8 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, *, num_host_blocks: int = 0,
                  enable_prefix_caching: bool = True, eviction_policy: str = "lru",
-                 watermark: float = 0.0, lrc_alpha: float = 0.7, lrc_beta: float = 0.3) -> None:
+                 watermark: float = 0.0, lrc_alpha: float = 0.7, lrc_beta: float = 0.3,
+                 prefix_index: str = "hash") -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
         if not isinstance(num_blocks, int) or num_blocks < 1:
@@ -74,12 +77,20 @@ class KVCacheManager:
             raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        if prefix_index not in PREFIX_INDEXES:
+            raise ValueError(f"prefix_index must be one of {PREFIX_INDEXES}, got {prefix_index!r}")
         kwargs = {"alpha": lrc_alpha, "beta": lrc_beta} if eviction_policy == "lrc" else {}
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, eviction_policy=make_eviction_policy(eviction_policy, **kwargs))
         self.host_pool = BlockPool(num_host_blocks, name="host")
         self.watermark_blocks = int(watermark * num_blocks)
+        # The hash chain always names cached blocks; with prefix_index="radix" a radix tree over
+        # token ids serves the lookups instead, and check_integrity() proves the two agree.
+        self.radix = (RadixPrefixIndex(block_size)
+                      if enable_prefix_caching and prefix_index == "radix" else None)
+        if self.radix is not None:
+            self.pool.on_evict = lambda block: self.radix.remove(block.block_id)  # type: ignore[union-attr]
         self.seqs: dict[Hashable, SeqState] = {}
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -148,11 +159,15 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self._hash_full_blocks(seq)
             # The block holding the last prompt token is never a hit: it must be computed.
-            for block_hash in seq.block_hashes[:(len(token_ids) - 1) // B]:
-                block = pool.lookup(block_hash)
-                if block is None:
-                    break
-                hits.append(block)
+            max_hits = (len(token_ids) - 1) // B
+            if self.radix is not None:
+                hits = [pool.blocks[i] for i in self.radix.match(seq.root, token_ids, max_hits)]
+            else:
+                for block_hash in seq.block_hashes[:max_hits]:
+                    block = pool.lookup(block_hash)
+                    if block is None:
+                        break
+                    hits.append(block)
         num_cached = len(hits) * B
         remaining = len(token_ids) - num_cached
         num_new = remaining if num_new_tokens is None else max(1, min(num_new_tokens, remaining))
@@ -240,6 +255,11 @@ class KVCacheManager:
         blocks = self.pool.blocks
         start = seq.num_cached_blocks
         self.pool.cache((blocks[i] for i in seq.block_table[start:full]), seq.block_hashes[start:full])
+        if self.radix is not None:
+            # Index only the blocks the hash index took, so both name the same blocks.
+            ids = [b if blocks[b].block_hash == h else None
+                   for b, h in zip(seq.block_table[:full], seq.block_hashes[:full])]
+            self.radix.insert(seq.root, seq.token_ids[:full * self.block_size], ids)
         seq.num_cached_blocks = full
 
     # ------------------------------------------------------------------ forks and freeing
@@ -391,12 +411,32 @@ class KVCacheManager:
                     if h is not None and h != seq.block_hashes[i]:
                         raise IntegrityError(f"sequence {seq.seq_id!r} block {i} holds another "
                                              f"prefix's hash")
+        if self.radix is not None:
+            self._check_radix()
         for pool, counts in ((self.pool, refs[False]), (self.host_pool, refs[True])):
             for block in pool.blocks:
                 expected = counts[block.block_id] + block.pinned
                 if block.ref_count != expected:
                     raise IntegrityError(f"{pool.name} {block}: ref count {block.ref_count} but "
                                          f"{expected} references")
+
+    def _check_radix(self) -> None:
+        """The radix tree and the hash index name exactly the same blocks: every block the
+        tree holds sits at the path whose chained hash the hash index maps to it."""
+        assert self.radix is not None
+        problems = self.radix.check_integrity()
+        if problems:
+            raise IntegrityError("; ".join(problems))
+        paths = self.radix.paths()
+        if len(paths) != len(self.pool.cached):
+            raise IntegrityError(f"radix tree holds {len(paths)} blocks, hash index "
+                                 f"{len(self.pool.cached)}")
+        B = self.block_size
+        for tenant, tokens, block_id in paths:
+            h = chain_hashes(tenant, list(tokens), B, 0, len(tokens) // B)[-1]  # type: ignore[arg-type]
+            if self.pool.cached.get(h) is not self.pool.blocks[block_id]:
+                raise IntegrityError(f"radix tree puts block {block_id} where the hash index "
+                                     f"does not")
 
     def pretty_print(self) -> str:
         """A readable dump of every sequence's block table and the cached blocks."""
