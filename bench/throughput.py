@@ -87,7 +87,13 @@ def run_vllm(python: str, folder: Path, workloads: list[Workload], threads: int)
 
 
 def profile_decode(engine: LLMEngine, workload: Workload, steps: int = 12) -> dict[str, float]:
-    """Where one decode step's time goes: model matmuls, attention, scheduler, bookkeeping."""
+    """Where one decode step's time goes (ms per step, from cProfile's cumulative times).
+
+    model = the runner's forward pass, split into attention (cache writes + paged attention),
+    LM head and the rest (layer matmuls, norms, RoPE); step inputs = building slot mappings and
+    gather indices; scheduler (including the memory core, shown separately too); sampling and
+    outputs; bookkeeping = the rest of ``LLMEngine.step``.
+    """
     from pagedkv.benchmark import SamplingParams
     for i, (p, n) in enumerate(zip(workload.prompts, workload.new_tokens)):
         engine.add_request(f"prof-{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
@@ -102,19 +108,32 @@ def profile_decode(engine: LLMEngine, workload: Workload, steps: int = 12) -> di
     for rid in list(engine.scheduler.groups):
         engine.abort_request(rid)
     stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
-    groups = {"attention (paged ops)": ("paged_attention.py", "cache_ops.py"),
-              "scheduler": ("scheduler.py",), "memory core": ("pagedkv/memory/",),
-              "sampling + outputs": ("sampler.py", "output_processor.py", "beam_search.py"),
-              "step inputs": ("step_inputs.py",)}
-    total = sum(v[2] for v in stats.values())  # tottime of everything
-    out = {k: 0.0 for k in groups}
-    for (filename, _, _), v in stats.items():
-        for k, pats in groups.items():
-            if any(p in filename for p in pats):
-                out[k] += v[2]
-                break
-    out["model (matmuls, norms, rope, other torch)"] = total - sum(out.values())
-    return {k: v / steps * 1000 for k, v in out.items()}  # ms per step
+
+    def cum(*names: str, file: str = "") -> float:
+        return sum(v[3] for (f, _, fn), v in stats.items() if fn in names and file in f)
+
+    def tot(file: str) -> float:
+        return sum(v[2] for (f, _, _), v in stats.items() if file in f)
+
+    step = cum("step", file="llm_engine.py")
+    execute = cum("execute", file="model_runner.py")
+    attention = cum("__call__", file="model_runner.py")
+    head = cum("forward", file="packed_linear.py") or cum("linear")
+    inputs = cum("prepare", file="model_runner.py")
+    schedule = cum("schedule", "on_step_done", file="scheduler.py")
+    sample = cum("_sample", file="llm_engine.py")
+    out = {
+        "model: attention (cache write + paged attention)": attention,
+        "model: LM head": head,
+        "model: layer matmuls, norms, RoPE, other": execute - attention - head - inputs,
+        "step inputs (slot mapping, gather indices)": inputs,
+        "scheduler (incl. memory core)": schedule,
+        "  of which memory core": tot("pagedkv/memory/"),
+        "sampling + outputs": sample,
+        "bookkeeping (rest of step)": step - execute - schedule - sample,
+        "total step": step,
+    }
+    return {k: v / steps * 1000 for k, v in out.items()}
 
 
 def main() -> None:
