@@ -145,25 +145,18 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
         from pagedkv.server.tiny_model import write_tiny_model
 
         model = str(write_tiny_model(Path(tempfile.mkdtemp(prefix="pagedkv-bench-")) / "tiny"))
-    from pagedkv.server.testing import free_port
+    from pagedkv.server.testing import free_port, spawn_server
 
     port = free_port()
-    cmd = [sys.executable, "-m", "pagedkv.server.cli", "--port", str(port), "--log-level", "error"]
+    cmd = ["--port", str(port), "--log-level", "error"]
     if model not in (None, "default"):
-        cmd.insert(3, model)
+        cmd.insert(0, model)
     cmd += args.server_args.split() if args.server_args else []
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    deadline = time.monotonic() + args.startup_timeout
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if "listening on" in line:
-            return proc, f"http://127.0.0.1:{port}"
-    proc.kill()
-    raise SystemExit(f"server did not start: {proc.stdout.read()[-2000:]}")
+    try:
+        proc, _ = spawn_server(cmd, timeout=args.startup_timeout)
+    except RuntimeError as exc:
+        raise SystemExit(str(exc)) from None
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def stop_server(proc: subprocess.Popen[str]) -> None:

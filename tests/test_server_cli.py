@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from pagedkv.server.cli import add_serve_parser, engine_options
-from pagedkv.server.testing import free_port
+from pagedkv.server.testing import free_port, spawn_server
 from pagedkv.server.tiny_model import write_tiny_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -42,21 +39,10 @@ def test_flags_use_vllm_names() -> None:
 
 
 def _start(model_dir: Path, port: int, *extra: str) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "pagedkv.server.cli", str(model_dir), "--port", str(port),
-           "--num-kv-blocks", "128", "--max-model-len", "512", *extra]
-    env = {**os.environ, "PAGEDKV_API_KEY": "env-key", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    deadline = time.monotonic() + 90
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if "listening on" in line:
-            assert f"http://127.0.0.1:{port}" in line
-            return proc
-    proc.kill()
-    raise AssertionError(f"server did not start: {proc.stdout.read()}")
+    proc, line = spawn_server([str(model_dir), "--port", str(port), "--num-kv-blocks", "128",
+                               "--max-model-len", "512", *extra], env={"PAGEDKV_API_KEY": "env-key"})
+    assert f"http://127.0.0.1:{port}" in line
+    return proc
 
 
 def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:

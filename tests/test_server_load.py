@@ -6,7 +6,6 @@ import asyncio
 import socket
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai

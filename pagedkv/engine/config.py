@@ -65,16 +65,10 @@ class EngineConfig:
             raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
-                             f"got {self.preemption_mode!r}")
-        if self.eviction_policy not in EVICTION_POLICIES:
-            raise ValueError(f"eviction_policy must be one of {EVICTION_POLICIES}, "
-                             f"got {self.eviction_policy!r}")
-        if self.prefix_index not in PREFIX_INDEXES:
-            raise ValueError(f"prefix_index must be one of {PREFIX_INDEXES}, got {self.prefix_index!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        _one_of("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
+        _one_of("prefix_index", self.prefix_index, PREFIX_INDEXES)
+        _one_of("dtype", self.dtype, DTYPES)
         if self.fault_injection:
             FaultSpec.parse(self.fault_injection)
 
@@ -104,3 +98,8 @@ class EngineConfig:
 def _int_in(name: str, value: object, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+
+
+def _one_of(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")

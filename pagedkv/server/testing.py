@@ -6,7 +6,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -23,6 +26,28 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def spawn_server(args: list[str], *, env: dict[str, str] | None = None,
+                 timeout: float = 90.0) -> tuple[subprocess.Popen[str], str]:
+    """Start ``python -m pagedkv.server.cli ARGS`` and wait until it says where it listens.
+
+    Returns the process and that line; raises RuntimeError (with the server's output) if it
+    exits or stays silent for ``timeout`` seconds.
+    """
+    cmd = [sys.executable, "-m", "pagedkv.server.cli", *args]
+    env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if "listening on" in line:
+            return proc, line
+    proc.kill()
+    raise RuntimeError(f"server did not start: {proc.stdout.read()[-2000:]}")
 
 
 class ServerThread:
