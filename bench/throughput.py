@@ -199,7 +199,7 @@ def main() -> None:
     profile = {}
     if args.profile:
         profile = profile_decode(engine, case_b(vocab, args.seed + 1))
-        print("\none decode step of 32 sequences (ms, cProfile tottime):")
+        print("\none decode step of 32 sequences (ms per step, cProfile cumulative times):")
         for k, v in profile.items():
             print(f"  {k:<45} {v:8.2f}")
     sg = results.get("sharegpt")

@@ -22,6 +22,7 @@ from pagedkv.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedkv.engine.sequence import Sequence, SequenceGroup
 from pagedkv.memory import KVCacheManager, KVStats
 from pagedkv.outputs import RequestOutput
+from pagedkv.runner.batch import SeqChunk
 from pagedkv.sampling_params import SamplingParams
 
 
@@ -281,8 +282,7 @@ class LLMEngine:
             faults_fired=sum(self.faults.fired.values()) if self.faults else 0)
 
 
-def _chunk(token_ids: list[int], start: int, n: int, block_table: list[int]):
-    from pagedkv.runner.batch import SeqChunk
+def _chunk(token_ids: list[int], start: int, n: int, block_table: list[int]) -> SeqChunk:
     return SeqChunk(token_ids[start:start + n], start, block_table)
 
 
