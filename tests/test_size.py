@@ -15,7 +15,7 @@ from pagedkv.sim.presets import PRESETS, find_preset
 from pagedkv.sim.sizing import (
     SizingInputs, kv_bytes_per_token, kv_heads_per_rank, scale_bytes_per_block, size_kv_cache,
 )
-from pagedkv.sim.units import format_bytes, parse_bytes
+from pagedkv.units import format_bytes, parse_bytes
 
 # 2 (K and V) * layers * kv_heads * head_dim * 2 bytes (fp16), by hand.
 HAND_FP16 = {

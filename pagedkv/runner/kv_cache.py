@@ -9,33 +9,19 @@ so ``kv[layer, 0]`` is one layer's K cache ``[num_blocks, block_size, kv_heads, 
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from pagedkv.models.config import ModelConfig
-
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
-}
+from pagedkv.units import parse_bytes
 
 
 def parse_memory_size(value: str | int) -> int:
     """Bytes from an int or a string like ``"2GiB"``, ``"512 MB"``, ``"1.5g"``; raises ValueError."""
     if isinstance(value, bool):
         raise ValueError(f"kv_cache_memory must be bytes or a size string, got {value!r}")
-    if isinstance(value, int):
-        if value <= 0:
-            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {value}")
-        return value
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"kv_cache_memory {value!r} is not a size like '2GiB', '512MB' or an int of bytes")
-    size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    size = value if isinstance(value, int) else parse_bytes(value, "kv_cache_memory")
     if size <= 0:
-        raise ValueError(f"kv_cache_memory must be > 0, got {value!r}")
+        raise ValueError(f"kv_cache_memory must be > 0 bytes, got {value!r}")
     return size
 
 

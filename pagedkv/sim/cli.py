@@ -108,7 +108,7 @@ def add_size_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _sizing_inputs(args: argparse.Namespace, block_size: int) -> Any:
     from pagedkv.sim.sizing import SizingInputs
-    from pagedkv.sim.units import parse_bytes
+    from pagedkv.units import parse_bytes
 
     kv_memory = getattr(args, "kv_memory", None)
     weight_memory = getattr(args, "weight_memory", None)

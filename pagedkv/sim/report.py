@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from pagedkv.sim.metrics import PolicyResult
 from pagedkv.sim.sizing import SizingResult
-from pagedkv.sim.units import format_bytes
+from pagedkv.units import format_bytes
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

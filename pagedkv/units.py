@@ -1,9 +1,9 @@
 """Byte sizes on the command line: parsing ``80GiB`` / ``71GB`` and printing them back.
 
 Decimal suffixes (``KB MB GB TB`` and the bare letters ``K M G T``) are powers of 1000, binary ones
-(``KiB MiB GiB TiB``) powers of 1024: the same convention as the engine's ``kv_cache_memory``
-(``pagedkv.runner.kv_cache.parse_memory_size``). A plain number is bytes. Case does not matter;
-spaces and ``_`` separators are ignored.
+(``KiB MiB GiB TiB``) powers of 1024. A plain number is bytes. Case does not matter; spaces and
+``_`` separators are ignored. Pure Python: the engine's ``kv_cache_memory``, ``pagedkv size`` and
+``pagedkv simulate`` all read sizes here.
 """
 
 from __future__ import annotations
