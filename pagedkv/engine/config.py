@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pagedkv.engine.faults import FaultSpec
 from pagedkv.memory import EVICTION_POLICIES
 from pagedkv.memory.kv_cache_manager import PREFIX_INDEXES
+from pagedkv.units import parse_bytes
 
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -52,6 +53,12 @@ class EngineConfig:
         _int_in("block_size", self.block_size, 1, 256)
         _int_in("max_num_seqs", self.max_num_seqs, 1, 1 << 20)
         _int_in("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 24)
+        if self.kv_cache_memory is not None:
+            size = (self.kv_cache_memory if isinstance(self.kv_cache_memory, int)
+                    and not isinstance(self.kv_cache_memory, bool)
+                    else parse_bytes(str(self.kv_cache_memory), "kv_cache_memory"))
+            if size <= 0:
+                raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory!r}")
         if self.num_kv_blocks is not None:
             _int_in("num_kv_blocks", self.num_kv_blocks, 1, 1 << 30)
             if self.kv_cache_memory is not None:
