@@ -52,19 +52,26 @@ def hf_static_batches(model, workload: Workload, batch_size: int, pad_id: int) -
 
 VLLM_SCRIPT = r"""
 import json, sys, time
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
-spec = json.load(open(sys.argv[1]))
-llm = LLM(model=spec["model"], dtype="float32", enable_prefix_caching=True,
-          max_model_len=2048, seed=0)
-out = {}
-for name, w in spec["workloads"].items():
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in w["new"]]
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in w["prompts"]]
-    t0 = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    out[name] = sum(w["new"]) / (time.perf_counter() - t0)
-print("VLLM_RESULT " + json.dumps(out))
+
+
+def main():  # vLLM starts its engine core with spawn: the module must be import-safe
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    spec = json.load(open(sys.argv[1]))
+    llm = LLM(model=spec["model"], dtype="float32", enable_prefix_caching=True,
+              max_model_len=2048, seed=0, gpu_memory_utilization=0.3)
+    out = {}
+    for name, w in spec["workloads"].items():
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in w["new"]]
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in w["prompts"]]
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        out[name] = sum(w["new"]) / (time.perf_counter() - t0)
+    print("VLLM_RESULT " + json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
 """
 
 
@@ -76,7 +83,8 @@ def run_vllm(python: str, folder: Path, workloads: list[Workload], threads: int)
         script = Path(tmp) / "run_vllm.py"
         spec_path.write_text(json.dumps(spec))
         script.write_text(VLLM_SCRIPT)
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "all"}
+        cores = "0" if threads == 1 else f"0-{threads - 1}"  # vLLM pins its OpenMP threads
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": cores}
         proc = subprocess.run([python, str(script), str(spec_path)], capture_output=True, text=True,
                               env=env, timeout=3600)
     for line in proc.stdout.splitlines():
