@@ -48,15 +48,8 @@ class LLM:
         params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
         prios = list(priority) if priority is not None else [0] * len(prompts)
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        added = []
-        try:
-            for rid, prompt, p, prio in zip(ids, prompts, params, prios):
-                self.engine.add_request(rid, prompt, p, cache_salt=cache_salt, priority=prio)
-                added.append(rid)
-        except Exception:
-            for rid in added:
-                self.engine.abort_request(rid)
-            raise
+        self.engine.add_requests(list(zip(ids, prompts, params)), cache_salt=cache_salt,
+                                 priorities=prios)
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
@@ -98,7 +91,7 @@ class LLM:
             bar = tqdm(total=len(ids), desc="generate", unit="req", dynamic_ncols=True)
         try:
             while len(done) < len(ids):
-                for out in self.engine.step():
+                for out in self.engine.step(only_finished=True):
                     if out.finished and out.request_id in wanted:
                         done[out.request_id] = out
                         if bar is not None:

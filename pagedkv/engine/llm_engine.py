@@ -121,6 +121,21 @@ class LLMEngine:
         self._prompt_tokens += len(ids)
         self.scheduler.add(group)
 
+    def add_requests(self, requests: list[tuple[str, str | list[int], SamplingParams]], *,
+                     cache_salt: str | None = None, priorities: list[int] | None = None) -> None:
+        """Add ``(request_id, prompt, params)`` requests atomically: all of them, or (when one is
+        rejected) none, and the error is raised."""
+        added: list[str] = []
+        try:
+            for i, (rid, prompt, params) in enumerate(requests):
+                self.add_request(rid, prompt, params, cache_salt=cache_salt,
+                                 priority=priorities[i] if priorities else 0)
+                added.append(rid)
+        except BaseException:
+            for rid in added:
+                self.abort_request(rid)
+            raise
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; unknown ids are ignored."""
         group = self.scheduler.abort(request_id)
@@ -130,8 +145,9 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # ------------------------------------------------------------------ the step
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; return the state of every request that progressed."""
+    def step(self, only_finished: bool = False) -> list[RequestOutput]:
+        """Run one scheduling step; return the state of every request that progressed (or, with
+        ``only_finished``, of those that finished, sparing the per-step detokenization)."""
         out = self.scheduler.schedule()
         runner = self.runner
         # Order matters: blocks swapped out may be reused by this step's copies; blocks swapped
@@ -152,7 +168,8 @@ class LLMEngine:
         self._steps += 1
         if self.config.debug_integrity:
             self.kv.check_integrity()
-        return [self.outputs.make_output(g) for g in progressed.values()]
+        return [self.outputs.make_output(g) for g in progressed.values()
+                if not only_finished or g.is_finished]
 
     def _sample(self, out: SchedulerOutput, logits, progressed: dict[str, SequenceGroup]) -> None:
         rows: list[SampleRow] = []

@@ -145,18 +145,11 @@ class AsyncEngine:
         request_ids = [rid for rid, _ in prompts]
 
         def add() -> None:
-            added: list[str] = []
-            try:
-                for rid, prompt in prompts:
-                    self.engine.add_request(rid, prompt, params, cache_salt=cache_salt, priority=priority)
-                    added.append(rid)
-            except BaseException:
-                for rid in added:
-                    self.engine.abort_request(rid)
-                raise
-            for rid in added:
+            self.engine.add_requests([(rid, prompt, params) for rid, prompt in prompts],
+                                     cache_salt=cache_salt, priorities=[priority] * len(prompts))
+            for rid in request_ids:
                 self._streams[rid] = stream
-            self._num_in_flight += len(added)
+            self._num_in_flight += len(request_ids)
 
         try:
             await self._submit(add)
