@@ -25,7 +25,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
@@ -37,7 +37,11 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """The state of one request: its prompt, cached-prefix count and completions so far."""
+    """The state of one request: its prompt, cached-prefix count and completions so far.
+
+    ``error`` says why the engine failed this request (its completions then end with
+    finish_reason "error"); the engine's other requests go on unaffected.
+    """
 
     request_id: str
     prompt: str | None
@@ -46,3 +50,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -12,7 +13,8 @@ class SamplingParams:
     Greedy when ``temperature == 0``. A per-request ``seed`` makes sampling reproducible whatever
     else shares the batch. ``n > 1`` returns ``n`` completions that share the prompt's KV blocks
     (copy-on-write forks). ``logprobs=k`` returns the chosen token's log-probability and the top
-    ``k`` alternatives at every step. Invalid values raise ``ValueError`` naming the field.
+    ``k`` alternatives at every step. Invalid values (NaN and infinities included) raise
+    ``ValueError`` naming the field.
     """
 
     n: int = 1
@@ -51,6 +53,8 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=20)
         _check_int("min_tokens", self.min_tokens, low=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
@@ -74,8 +78,12 @@ def _check_int(name: str, value: object, *, low: int | None, high: int | None = 
 def _check_number(name: str, value: object, *, low: float, high: float | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    if value != value or value < low or (high is not None and value > high):
-        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        finite = False
+    if not finite or value < low or (high is not None and value > high):
+        bound = f"a finite number in [{low}, {high}]" if high is not None else f"a finite number >= {low}"
         raise ValueError(f"{name} must be {bound}, got {value}")
 
 

@@ -11,3 +11,8 @@ class RequestTooLongError(RequestRejectedError):
 
 class EngineDeadError(RuntimeError):
     """The engine failed and cannot take more requests."""
+
+
+class RequestFailedError(RuntimeError):
+    """Processing one request failed (sampling, stop checks, detokenization, or the forward pass
+    of its batch); that request ended, and the engine goes on serving the others."""

@@ -9,21 +9,42 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 from pagedkv.engine.beam_search import select_beams
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.errors import RequestRejectedError, RequestTooLongError
 from pagedkv.engine.faults import FaultInjector
 from pagedkv.engine.output_processor import OutputProcessor
-from pagedkv.engine.sampler import Sampled, Sampler, SampleRow, make_generator, top_logprobs
+from pagedkv.engine.sampler import (
+    NO_CANDIDATE,
+    Sampled,
+    Sampler,
+    SampleRow,
+    SamplingError,
+    make_generator,
+    top_logprobs,
+)
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedkv.engine.sequence import Sequence, SequenceGroup
 from pagedkv.memory import KVCacheManager, KVStats
 from pagedkv.outputs import RequestOutput
 from pagedkv.runner.batch import SeqChunk
 from pagedkv.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+class TokenizedPrompt(NamedTuple):
+    """A prompt already through :meth:`LLMEngine.tokenize`: its text (None for token ids) and ids."""
+
+    text: str | None
+    token_ids: list[int]
+
+
+PromptInput = str | list[int] | TokenizedPrompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +103,7 @@ class LLMEngine:
         return cls(EngineConfig.from_options(model, **options))
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
                     *, cache_salt: str | None = None, priority: int = 0, beam_width: int = 0,
                     length_penalty: float = 1.0) -> None:
         """Queue a request. Raises RequestRejectedError (RequestTooLongError when it can never
@@ -90,12 +111,8 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.scheduler.groups:
             raise RequestRejectedError(f"request id {request_id!r} is already in use")
-        text, ids = self._tokenize(prompt)
+        text, ids = self.tokenize(prompt)
         L = self.config.max_model_len
-        if len(ids) >= L:
-            raise RequestTooLongError(
-                f"the prompt has {len(ids)} tokens but max_model_len is {L}: use at most "
-                f"{L - 1} prompt tokens so that at least one token can be generated")
         if params.max_tokens is not None and len(ids) + params.max_tokens > L:
             raise RequestTooLongError(
                 f"this model's maximum context length is {L} tokens; the request asks for "
@@ -121,7 +138,7 @@ class LLMEngine:
         self._prompt_tokens += len(ids)
         self.scheduler.add(group)
 
-    def add_requests(self, requests: list[tuple[str, str | list[int], SamplingParams]], *,
+    def add_requests(self, requests: list[tuple[str, PromptInput, SamplingParams]], *,
                      cache_salt: str | None = None, priorities: list[int] | None = None) -> None:
         """Add ``(request_id, prompt, params)`` requests atomically: all of them, or (when one is
         rejected) none, and the error is raised."""
@@ -147,8 +164,34 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self, only_finished: bool = False) -> list[RequestOutput]:
         """Run one scheduling step; return the state of every request that progressed (or, with
-        ``only_finished``, of those that finished, sparing the per-step detokenization)."""
+        ``only_finished``, of those that finished, sparing the per-step detokenization).
+
+        Failures are contained. Work on one request (forking, sampling, stop checks,
+        detokenization, beam bookkeeping) that raises fails that request alone: it finishes with
+        ``error`` set and its blocks freed, and the rest of the step goes on. A failure of the
+        shared work (block swaps and copies, the forward pass) fails the requests of this plan
+        only; waiting requests are untouched and the engine keeps serving.
+        """
         out = self.scheduler.schedule()
+        progressed: dict[str, SequenceGroup] = {}
+        try:
+            logits = self._execute(out)
+        except Exception as exc:  # noqa: BLE001 - fail this plan's requests, keep the engine
+            logger.exception("a step's forward pass failed; failing its %d request(s)", len(out.request_ids))
+            for rid in out.request_ids:
+                if (group := self.scheduler.groups.get(rid)) is not None:
+                    self._fail(group, f"the forward pass of this request's batch failed: {exc!r}", progressed)
+        else:
+            if logits is not None:
+                self.scheduler.on_step_done(out)
+                self._sample(out, logits, progressed)
+        self._steps += 1
+        if self.config.debug_integrity:
+            self.kv.check_integrity()
+        return [self._output(g) for g in progressed.values() if not only_finished or g.is_finished]
+
+    def _execute(self, out: SchedulerOutput):
+        """The plan's shared work on the runner; the logits of its sampled rows, or None."""
         runner = self.runner
         # Order matters: blocks swapped out may be reused by this step's copies; blocks swapped
         # in may be the source of a copy-on-write.
@@ -158,25 +201,34 @@ class LLMEngine:
             runner.swap_in(out.swap_in)
         if out.copies:
             runner.copy_blocks(out.copies)
-        progressed: dict[str, SequenceGroup] = {}
-        if out.scheduled:
-            chunks = [_chunk(s.seq.token_ids, s.start, s.num_tokens, self.kv.block_table(s.seq.seq_id))
-                      for s in out.scheduled]
-            logits = runner.execute(chunks)
-            self.scheduler.on_step_done(out)
-            self._sample(out, logits, progressed)
-        self._steps += 1
-        if self.config.debug_integrity:
-            self.kv.check_integrity()
-        return [self.outputs.make_output(g) for g in progressed.values()
-                if not only_finished or g.is_finished]
+        if not out.scheduled:
+            return None
+        chunks = [_chunk(s.seq.token_ids, s.start, s.num_tokens, self.kv.block_table(s.seq.seq_id))
+                  for s in out.scheduled]
+        return runner.execute(chunks)
+
+    def _fail(self, group: SequenceGroup, message: str, progressed: dict[str, SequenceGroup]) -> None:
+        """End ``group`` with ``message`` as its error, freeing its blocks."""
+        if group.error is None:
+            group.error = message
+        self.scheduler.abort(group.request_id, reason="error")
+        group.metrics.setdefault("finished_time", time.time())
+        progressed[group.request_id] = group
+
+    def _output(self, group: SequenceGroup) -> RequestOutput:
+        try:
+            return self.outputs.make_output(group)
+        except Exception as exc:  # noqa: BLE001 - e.g. detokenization; fail this request alone
+            logger.exception("building the output of %s failed", group.request_id)
+            self._fail(group, f"building this request's output failed: {exc!r}", {})
+            return self.outputs.make_output(group)  # the error path does not detokenize
 
     def _sample(self, out: SchedulerOutput, logits, progressed: dict[str, SequenceGroup]) -> None:
         rows: list[SampleRow] = []
         targets: list[tuple[SequenceGroup, Sequence]] = []
         beam_rows: list[tuple[int, SequenceGroup, Sequence]] = []
         for i, s in enumerate(out.scheduled):
-            if not s.samples:
+            if not s.samples or s.group.is_finished:
                 continue
             group, seq = s.group, s.seq
             if group.beam_width:
@@ -184,16 +236,42 @@ class LLMEngine:
                 continue
             seqs = [seq]
             if not group.forked:
-                group.forked = True
-                seqs += [self._fork(group, seq) for _ in range(group.params.n - 1)]
+                try:
+                    group.forked = True
+                    seqs += [self._fork(group, seq) for _ in range(group.params.n - 1)]
+                except Exception as exc:  # noqa: BLE001
+                    self._fail_request(group, "forking", exc, progressed)
+                    continue
             for q in seqs:
                 rows.append(SampleRow(i, group.params, q.rng))
                 targets.append((group, q))
-        for (group, seq), sampled in zip(targets, self.sampler.sample(logits, rows)):
-            self._append(group, seq, sampled)
-            progressed[group.request_id] = group
+        if rows:
+            try:
+                batch = self.sampler.prepare(logits, rows)
+            except Exception as exc:  # noqa: BLE001 - shared work: fail the sampled requests
+                for group, _ in targets:
+                    self._fail_request(group, "sampling", exc, progressed)
+                targets = []
+            for (group, seq), row in zip(targets, rows):
+                if group.is_finished:
+                    continue  # a sibling failed it earlier in this step
+                try:
+                    self._append(group, seq, batch.sample(row))
+                except Exception as exc:  # noqa: BLE001 - sampling, stop checks, detokenization
+                    self._fail_request(group, "sampling", exc, progressed)
+                else:
+                    progressed[group.request_id] = group
         if beam_rows:
             self._beam_step(logits, beam_rows, progressed)
+
+    def _fail_request(self, group: SequenceGroup, stage: str, exc: Exception,
+                      progressed: dict[str, SequenceGroup]) -> None:
+        if isinstance(exc, SamplingError):
+            message = str(exc)
+        else:
+            logger.exception("%s failed for request %s", stage, group.request_id)
+            message = f"{stage} failed for this request: {type(exc).__name__}: {exc}"
+        self._fail(group, message, progressed)
 
     def _append(self, group: SequenceGroup, seq: Sequence, sampled: Sampled) -> None:
         seq.token_ids.append(sampled.token)
@@ -212,15 +290,28 @@ class LLMEngine:
 
     def _beam_step(self, logits, beam_rows, progressed: dict[str, SequenceGroup]) -> None:
         k = max(2 * g.beam_width for _, g, _ in beam_rows)
-        values, ids = top_logprobs(logits[[i for i, _, _ in beam_rows]], min(k, logits.shape[-1]))
+        try:
+            values, ids = top_logprobs(logits[[i for i, _, _ in beam_rows]], min(k, logits.shape[-1]))
+        except Exception as exc:  # noqa: BLE001 - shared work: fail the beam requests
+            for _, group, _ in beam_rows:
+                self._fail_request(group, "beam search", exc, progressed)
+            return
         for (_, group, seq), v, t in zip(beam_rows, values, ids):
             group.beam_candidates[seq.seq_id] = (v[:2 * group.beam_width], t[:2 * group.beam_width])
         for group in {id(g): g for _, g, _ in beam_rows}.values():
+            if group.is_finished:
+                continue
             beams = group.live_seqs
             if all(b.seq_id in group.beam_candidates and b.num_computed == b.num_tokens
                    for b in beams):
-                self._advance_beams(group, beams)
-                progressed[group.request_id] = group
+                try:
+                    if any(x != x for v, _ in group.beam_candidates.values() for x in v):
+                        raise SamplingError(NO_CANDIDATE)
+                    self._advance_beams(group, beams)
+                except Exception as exc:  # noqa: BLE001
+                    self._fail_request(group, "beam search", exc, progressed)
+                else:
+                    progressed[group.request_id] = group
 
     def _advance_beams(self, group: SequenceGroup, beams: list[Sequence]) -> None:
         live, done = select_beams(beams, group.beam_candidates, group.beam_width,
@@ -271,22 +362,48 @@ class LLMEngine:
         self.scheduler.fork(group, parent, child)
         return child
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: PromptInput) -> TokenizedPrompt:
+        """Tokenize and check a prompt without touching the engine's state, so any thread may call
+        it (the server does, off the engine thread). Raises RequestRejectedError (bad token ids,
+        an empty prompt, text the tokenizer cannot take) or RequestTooLongError (at least
+        ``max_model_len`` tokens).
+
+        A text prompt so long that it must have ``max_model_len`` tokens or more (each token
+        stands for at most ``tokenizer.max_chars_per_token`` characters) is refused before any of
+        it is tokenized, so a huge prompt costs no memory; the rule never refuses a prompt that
+        fits. Token-id prompts are measured before their ids are checked.
+        """
+        if isinstance(prompt, TokenizedPrompt):
+            return prompt
+        L = self.config.max_model_len
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestRejectedError("this engine has no tokenizer: give token ids")
-            ids = self.tokenizer.encode(prompt)
+            per_token = getattr(self.tokenizer, "max_chars_per_token", None)
+            if per_token and len(prompt) > L * per_token:
+                raise RequestTooLongError(
+                    f"the prompt has {len(prompt)} characters, so more than {L} tokens (one token stands "
+                    f"for at most {per_token} characters), but max_model_len is {L}: shorten it")
+            try:
+                ids = self.tokenizer.encode(prompt)
+            except Exception as exc:  # noqa: BLE001 - e.g. a lone surrogate the tokenizer refuses
+                raise RequestRejectedError(f"the prompt cannot be tokenized: {exc}") from exc
             text: str | None = prompt
         else:
             ids, text = list(prompt), None
-            vocab = getattr(getattr(self.runner, "config", None), "vocab_size", None)
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab and t >= vocab):
-                    raise RequestRejectedError(f"prompt token id {t!r} is not in the vocabulary "
-                                               f"(0..{(vocab or 0) - 1})")
+            if len(ids) < L:
+                vocab = getattr(getattr(self.runner, "config", None), "vocab_size", None)
+                for t in ids:
+                    if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab and t >= vocab):
+                        raise RequestRejectedError(f"prompt token id {t!r} is not in the vocabulary "
+                                                   f"(0..{(vocab or 0) - 1})")
         if not ids:
             raise RequestRejectedError("the prompt is empty")
-        return text, ids
+        if len(ids) >= L:
+            raise RequestTooLongError(
+                f"the prompt has {len(ids)} tokens but max_model_len is {L}: use at most "
+                f"{L - 1} prompt tokens so that at least one token can be generated")
+        return TokenizedPrompt(text, ids)
 
     def stats(self) -> EngineStats:
         s = self.scheduler

@@ -64,7 +64,9 @@ class OutputProcessor:
             seqs = sorted(group.seqs, key=lambda s: s.index)
         outs = []
         for k, seq in enumerate(seqs):
-            text = self.decode(seq)  # (a stop string already cut it, and it is not redone)
+            # A stop string already cut the text (not redone); a failed request is not decoded
+            # again, as decoding may be what failed.
+            text = seq.output_text if group.error else self.decode(seq)
             if seq.finish_reason is None and text.endswith("\ufffd"):
                 text = text.rstrip("\ufffd")  # an incomplete UTF-8 character: wait for the rest
             outs.append(CompletionOutput(
@@ -77,7 +79,7 @@ class OutputProcessor:
             request_id=group.request_id, prompt=group.prompt,
             prompt_token_ids=list(group.prompt_token_ids), outputs=outs,
             finished=group.is_finished, num_cached_tokens=max(group.num_cached_tokens, 0),
-            metrics=dict(group.metrics))
+            metrics=dict(group.metrics), error=group.error)
 
 
 def beam_score(seq: Sequence, group: SequenceGroup) -> float:

@@ -2,6 +2,17 @@
 
 Each row to sample names its logits row, its SamplingParams and its own random generator (for
 seeded requests), so a seeded request draws the same tokens whatever else is in the batch.
+
+Numeric guards, for every valid parameter and any logits a model can produce:
+
+- NaN logits count as -inf; in a row holding +inf, exactly the +inf tokens are candidates
+  (equally likely); a row with no finite or +inf value raises :class:`SamplingError` for that
+  row alone.
+- Temperature is applied as ``(logits - max) / temperature`` in float64: every value is <= 0
+  with 0 at the maximum, so no temperature in (0, inf) can overflow, and a subnormal one is
+  simply greedy-with-ties.
+- Log-probabilities are finite: -inf (a token the model rules out) is reported as
+  :data:`MIN_LOGPROB`, as JSON has no infinities.
 """
 
 from __future__ import annotations
@@ -12,6 +23,12 @@ import torch
 
 from pagedkv.outputs import Logprob
 from pagedkv.sampling_params import SamplingParams
+
+MIN_LOGPROB = -9999.0  # the log-probability reported for a token of probability 0
+
+
+class SamplingError(RuntimeError):
+    """One row's logits cannot be sampled (all NaN or -inf); the request fails, not the batch."""
 
 
 @dataclass(slots=True)
@@ -39,35 +56,76 @@ class Sampler:
         self.default_generator = make_generator(seed)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
-        """One token per row. ``logits``: float32 ``[num_rows_in_step, vocab]``."""
-        if not rows:
-            return []
-        greedy_rows = [r.row for r in rows if r.params.temperature == 0.0]
-        greedy = {}
+    def prepare(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleBatch:
+        """Sanitize ``logits`` (float32 ``[num_rows_in_step, vocab]``) once and take every greedy
+        row's argmax in one call; then :meth:`SampleBatch.sample` draws one row at a time."""
+        logits = sanitize_logits(logits)
+        greedy_rows = sorted({r.row for r in rows if r.params.temperature == 0.0})
+        greedy: dict[int, int] = {}
         if greedy_rows:
             idx = torch.tensor(greedy_rows)
             greedy = dict(zip(greedy_rows, logits.index_select(0, idx).argmax(-1).tolist()))
-        out = []
-        for r in rows:
-            p = r.params
-            if p.temperature == 0.0:
-                token = greedy[r.row]
-            else:
-                probs = _filtered_probs(logits[r.row], p)
-                g = r.generator or self.default_generator
-                token = int(torch.multinomial(probs, 1, generator=g).item())
-            out.append(_with_logprobs(logits[r.row], token, p.logprobs) if p.logprobs is not None
-                       else Sampled(token))
-        return out
+        return SampleBatch(logits, greedy, self.default_generator)
+
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
+        """One token per row; raises SamplingError for the first row that cannot be sampled."""
+        batch = self.prepare(logits, rows)
+        return [batch.sample(r) for r in rows]
 
 
-def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    x = logits / p.temperature  # [vocab]
-    if p.top_k > 0 and p.top_k < x.numel():
+@dataclass(slots=True)
+class SampleBatch:
+    logits: torch.Tensor              # sanitized: no NaN, no +inf
+    greedy: dict[int, int]            # row -> argmax, for rows sampled greedily
+    default_generator: torch.Generator
+
+    @torch.inference_mode()
+    def sample(self, r: SampleRow) -> Sampled:
+        """Draw the token of one row; raises SamplingError if the row has no candidate."""
+        row = self.logits[r.row]
+        p = r.params
+        if p.temperature == 0.0:
+            token = self.greedy[r.row]
+            if row[token] == float("-inf"):
+                raise SamplingError(NO_CANDIDATE)
+        else:
+            probs = filtered_probs(row, p)
+            token = int(torch.multinomial(probs, 1, generator=r.generator or self.default_generator).item())
+        return _with_logprobs(row, token, p.logprobs) if p.logprobs is not None else Sampled(token)
+
+
+NO_CANDIDATE = "the model produced no finite logits for this request (all NaN or -inf)"
+
+
+def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:
+    """NaN -> -inf; in a row with +inf values, those become 0 and every other value -inf.
+
+    Returns ``logits`` itself (no copy) when every value is finite, the common case.
+    """
+    if bool(torch.isfinite(logits).all()):
+        return logits
+    x = logits.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    pos = x == float("inf")
+    rows = pos.any(dim=-1)
+    if bool(rows.any()):
+        x[rows] = torch.where(pos[rows], 0.0, float("-inf"))
+    return x
+
+
+def filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The sampling distribution of one sanitized logits row (float64 ``[vocab]``).
+
+    Raises SamplingError when the row has no finite value.
+    """
+    x = row.double()
+    top = x.max()
+    if top == float("-inf"):
+        raise SamplingError(NO_CANDIDATE)
+    x = (x - top) / p.temperature  # <= 0, exactly 0 at the maximum: exp cannot overflow
+    if 0 < p.top_k < x.numel():
         kth = torch.topk(x, p.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
+    probs = torch.softmax(x, dim=-1)  # the maximum contributes exp(0) = 1: the sum is >= 1
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
     if p.top_p < 1.0:
@@ -79,13 +137,13 @@ def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def _with_logprobs(logits: torch.Tensor, token: int, k: int) -> Sampled:
-    lp = torch.log_softmax(logits, dim=-1)  # the model's distribution, before sampling filters
+def _with_logprobs(row: torch.Tensor, token: int, k: int) -> Sampled:
+    lp = torch.log_softmax(row, dim=-1).clamp_(min=MIN_LOGPROB)  # the model's distribution
     chosen = float(lp[token])
     rank = int((lp > lp[token]).sum()) + 1
     top = {token: Logprob(chosen, rank)}
     if k:
-        values, ids = torch.topk(lp, k)
+        values, ids = torch.topk(lp, min(k, lp.numel()))
         for i, (v, t) in enumerate(zip(values.tolist(), ids.tolist())):
             top.setdefault(t, Logprob(v, i + 1))
     return Sampled(token, chosen, top)
@@ -93,5 +151,6 @@ def _with_logprobs(logits: torch.Tensor, token: int, k: int) -> Sampled:
 
 def top_logprobs(logits: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
     """Top-k log-probabilities and token ids of each row (beam search's candidates)."""
-    values, ids = torch.topk(torch.log_softmax(logits, dim=-1), k, dim=-1)
+    lp = torch.log_softmax(sanitize_logits(logits), dim=-1).clamp_(min=MIN_LOGPROB)
+    values, ids = torch.topk(lp, k, dim=-1)
     return values.tolist(), ids.tolist()

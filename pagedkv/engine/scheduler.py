@@ -62,6 +62,12 @@ class SchedulerOutput:
     swap_out: tuple[CopyPair, ...] = ()
     swap_in: tuple[CopyPair, ...] = ()
     preempted: tuple[str, ...] = ()
+    resumed: tuple[str, ...] = ()  # request ids whose blocks come back by swap_in
+
+    @property
+    def request_ids(self) -> set[str]:
+        """Every request this plan touches (computes, swaps out or swaps in)."""
+        return {s.group.request_id for s in self.scheduled} | set(self.preempted) | set(self.resumed)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -92,13 +98,14 @@ class Scheduler:
         self.groups[group.request_id] = group
         self._enqueue(self.waiting, group, GroupStatus.WAITING)
 
-    def abort(self, request_id: str) -> SequenceGroup | None:
-        """Drop a request wherever it is and free its blocks. Unknown ids are ignored."""
+    def abort(self, request_id: str, reason: str = "abort") -> SequenceGroup | None:
+        """Drop a request wherever it is and free its blocks; its live sequences finish with
+        ``reason`` ("abort", or "error" when the engine failed it). Unknown ids are ignored."""
         group = self.groups.get(request_id)
         if group is None:
             return None
         for seq in group.live_seqs:
-            seq.finish_reason = "abort"
+            seq.finish_reason = reason
         self._retire(group)
         return group
 
@@ -131,6 +138,7 @@ class Scheduler:
         swap_out: list[CopyPair] = []
         swap_in: list[CopyPair] = []
         preempted: list[str] = []
+        resumed: list[str] = []
         self._inject_fault(swap_out, preempted)
 
         i = 0
@@ -146,11 +154,11 @@ class Scheduler:
             i += 1
 
         if not preempted:
-            budget = self._resume_swapped(budget, scheduled, copies, swap_in)
+            budget = self._resume_swapped(budget, scheduled, copies, swap_in, resumed)
             if not self.swapped:
                 self._admit_waiting(budget, scheduled)
         return SchedulerOutput(tuple(scheduled), tuple(copies), tuple(swap_out), tuple(swap_in),
-                               tuple(preempted))
+                               tuple(preempted), tuple(resumed))
 
     def on_step_done(self, output: SchedulerOutput) -> None:
         """Record that the plan's tokens were computed (their KV is written)."""
@@ -196,7 +204,7 @@ class Scheduler:
         return entries, pairs
 
     def _resume_swapped(self, budget: int, scheduled: list[ScheduledSeq], copies: list[CopyPair],
-                        swap_in: list[CopyPair]) -> int:
+                        swap_in: list[CopyPair], resumed: list[str]) -> int:
         while self.swapped and budget > 0:
             group = self.swapped[0]
             if self.num_running_seqs + group.num_live > self.config.max_num_seqs:
@@ -207,6 +215,7 @@ class Scheduler:
             except OutOfBlocksError:
                 break
             self.swapped.pop(0)
+            resumed.append(group.request_id)
             self._enqueue(self.running, group, GroupStatus.RUNNING)
             for seq in group.live_seqs:
                 n = min(seq.num_tokens - seq.num_computed, budget)

@@ -77,6 +77,7 @@ class SequenceGroup:
     finished_seqs: list[Sequence] = field(default_factory=list)  # beams that ended (beam search)
     beam_candidates: dict[str, tuple[list[float], list[int]]] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # why the engine failed this request (it then finishes at once)
 
     @property
     def sort_key(self) -> tuple[int, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -42,6 +43,17 @@ class Tokenizer:
         # Only when the tokenizer's own post-processor does not already add BOS.
         self._prepend_bos = add_bos_token and bos_token_id is not None and not self._post_adds_bos()
         self._template: jinja2.Template | None = None
+        self._max_chars_per_token: object = _UNSET
+
+    @property
+    def max_chars_per_token(self) -> int | None:
+        """An upper bound on the prompt characters one token can stand for, or None when this
+        tokenizer's pipeline may drop text (then no such bound exists). A prompt longer than
+        ``n * max_chars_per_token`` characters has more than ``n`` tokens, so it can be refused
+        before it is tokenized. Computed once."""
+        if self._max_chars_per_token is _UNSET:
+            self._max_chars_per_token = max_chars_per_token(self._tok)
+        return self._max_chars_per_token  # type: ignore[return-value]
 
     @property
     def backend(self) -> HFTokenizer:
@@ -102,3 +114,73 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
+
+
+_UNSET = object()
+
+# How many input characters a normalizer may fold into one: the canonical compositions of NFC/NFKC
+# join at most 4 code points (a base and up to three marks) into one; the others never shrink text.
+# A normalizer that is not listed (Strip, StripAccents, BertNormalizer, Precompiled, ...) may drop
+# characters, and then no bound exists.
+_NORMALIZER_SHRINK = {"NFC": 4, "NFKC": 4, "NFD": 1, "NFKD": 1, "Lowercase": 1, "Prepend": 1}
+# Pre-tokenizers that split without dropping anything (Whitespace-style ones drop the spaces).
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "Split", "UnicodeScripts"}
+
+
+def max_chars_per_token(tokenizer: HFTokenizer) -> int | None:
+    """Characters of text one token of ``tokenizer`` stands for, at most; None if unbounded.
+
+    Every character of the text survives into some token when no normalizer or pre-tokenizer
+    drops text and the model covers every character (byte-level, byte fallback, or one unknown
+    token per unknown character). Then a token covers at most as many characters as its own
+    vocabulary string has (byte-level and byte-fallback strings are at least as long as the
+    text they encode), times what the normalizer may fold into one character.
+    """
+    spec = json.loads(tokenizer.to_str())
+    shrink = _normalizer_shrink(spec.get("normalizer"))
+    pre = spec.get("pre_tokenizer")
+    if shrink is None or not _keeps_text(pre):
+        return None
+    model = spec.get("model") or {}
+    byte_level = "ByteLevel" in json.dumps(pre) if pre else False
+    if model.get("type") == "BPE":
+        covers = byte_level or model.get("byte_fallback") or (model.get("unk_token") and not model.get("fuse_unk"))
+    elif model.get("type") == "Unigram":
+        covers = bool(model.get("byte_fallback"))
+    else:
+        covers = False  # WordPiece and WordLevel map a whole unknown word to one token
+    if not covers:
+        return None
+    longest = max((len(t) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1)
+    return max(longest, 1) * shrink
+
+
+def _normalizer_shrink(spec: dict[str, Any] | None) -> int | None:
+    if spec is None:
+        return 1
+    kind = spec.get("type")
+    if kind == "Sequence":
+        total = 1
+        for part in spec.get("normalizers", []):
+            factor = _normalizer_shrink(part)
+            if factor is None:
+                return None
+            total *= factor
+        return total
+    if kind == "Replace":
+        pattern, content = spec.get("pattern", {}), spec.get("content", "")
+        if "String" not in pattern or not content:
+            return None  # a regular expression or an empty replacement may drop text
+        return max(1, -(-len(pattern["String"]) // len(content)))
+    return _NORMALIZER_SHRINK.get(kind)  # type: ignore[arg-type]
+
+
+def _keeps_text(spec: dict[str, Any] | None) -> bool:
+    if spec is None:
+        return True
+    kind = spec.get("type")
+    if kind == "Sequence":
+        return all(_keeps_text(p) for p in spec.get("pretokenizers", []))
+    if kind in ("Split", "Punctuation") and str(spec.get("behavior", "")).lower() == "removed":
+        return False
+    return kind in _KEEPING_PRE_TOKENIZERS

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pagedkv.engine import EngineDeadError
+from pagedkv.engine import EngineDeadError, RequestFailedError
 from pagedkv.outputs import RequestOutput
 from pagedkv.sampling_params import SamplingParams
 
@@ -46,7 +46,8 @@ class OutputStream:
     """Outputs of a group of requests, in arrival order; ends when all have finished or on abort.
 
     ``abort`` (idempotent) aborts the unfinished ones and wakes a consumer waiting on the stream.
-    An engine failure is raised from ``__anext__`` as EngineDeadError.
+    An engine failure is raised from ``__anext__`` as EngineDeadError; a request the engine
+    failed alone (its output carries ``error``) as RequestFailedError.
     """
 
     def __init__(self, owner: AsyncEngine, request_ids: list[str], queue: asyncio.Queue[Any]) -> None:
@@ -69,6 +70,8 @@ class OutputStream:
             raise item
         if item.finished:
             self.unfinished.discard(item.request_id)
+            if item.error is not None:
+                raise RequestFailedError(item.error)
         return item
 
     def abort(self) -> None:
