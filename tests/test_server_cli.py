@@ -46,7 +46,8 @@ def _start(model_dir: Path, port: int, *extra: str) -> subprocess.Popen[str]:
 
 
 def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
-    model_dir = write_tiny_model(tmp_path / "tiny")
+    # Wide enough that 300 tokens take seconds: the drain is observable from outside.
+    model_dir = write_tiny_model(tmp_path / "tiny", hidden_size=256, num_layers=6, intermediate_size=1024)
     port = free_port()
     proc = _start(model_dir, port)
     url = f"http://127.0.0.1:{port}"
@@ -57,7 +58,7 @@ def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
         first_event = threading.Event()
 
         def stream() -> None:
-            body = {"prompt": "keep going", "max_tokens": 120, "stream": True, "ignore_eos": True,
+            body = {"prompt": "keep going", "max_tokens": 300, "stream": True, "ignore_eos": True,
                     "stream_options": {"include_usage": True}}
             with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=60) as r:
                 for line in r.iter_lines():
@@ -69,10 +70,25 @@ def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
         t.start()
         assert first_event.wait(60)
         proc.send_signal(signal.SIGTERM)
+        # While the stream drains, the listener stays open and answers new requests with 503.
+        late = None
+        while t.is_alive():
+            try:
+                late = httpx.post(f"{url}/v1/completions", json={"prompt": "late", "max_tokens": 2},
+                                  headers=headers, timeout=10)
+                health = httpx.get(f"{url}/health", timeout=10)
+            except httpx.HTTPError:
+                break  # already closed: only allowed once the stream is done
+            if late.status_code == 503:
+                break
+        assert t.is_alive(), "the stream finished before the drain could be observed"
+        assert late is not None and late.status_code == 503, late.text if late is not None else None
+        assert late.json()["error"]["code"] == "server_draining" and late.headers["Retry-After"]
+        assert health.status_code == 503
         t.join(60)
         # The stream that was running when SIGTERM came finished in full.
         assert events[-1] == "[DONE]"
-        assert json.loads(events[-2])["usage"]["completion_tokens"] == 120
+        assert json.loads(events[-2])["usage"]["completion_tokens"] == 300
         assert proc.wait(60) == 0
         out = proc.stdout.read() if proc.stdout else ""
         assert "draining" in out

@@ -11,20 +11,22 @@ FastAPI's 422), prompt too long (message names the limit); 401 missing or wrong 
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedkv.server.async_engine import AsyncEngine
 from pagedkv.server.metrics import CONTENT_TYPE, ServerMetrics
+from pagedkv.server.limits import MAX_CHOICES, RequestLimits
 from pagedkv.server.protocol import (
-    MAX_CHOICES,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,6 +45,7 @@ def create_app(
     served_model_names: list[str] | None = None,
     api_key: str | None = None,
     max_queue: int | None = None,
+    limits: RequestLimits | None = None,
 ) -> FastAPI:
     """Build the app around an AsyncEngine; the app starts its engine thread and drains it on shutdown."""
     names = served_model_names or [engine.engine.model_name]
@@ -54,6 +57,7 @@ def create_app(
         api_key=api_key or None,
         max_queue=max_queue,
         max_num_seqs=getattr(config, "max_num_seqs", 256),
+        limits=limits or RequestLimits(),
     )
 
     @asynccontextmanager
@@ -92,7 +96,7 @@ def _api_router(state: ServerState) -> APIRouter:
 
     @router.post("/completions")
     async def completions(request: Request) -> Response:
-        body = parse_body(await request.body(), CompletionRequest)
+        body = parse_body(await read_body(request, state.limits.max_request_bytes), CompletionRequest)
         state.check_model(body.model)
         params = body.to_sampling_params()
         gen = Generation(
@@ -106,25 +110,45 @@ def _api_router(state: ServerState) -> APIRouter:
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = parse_body(await request.body(), ChatCompletionRequest)
+        body = parse_body(await read_body(request, state.limits.max_request_bytes), ChatCompletionRequest)
         state.check_model(body.model)
         params = body.to_sampling_params()
         tokenizer = state.engine.engine.tokenizer
-        try:
-            prompt = tokenizer.apply_chat_template(body.chat_messages(),
-                                                   add_generation_prompt=body.add_generation_prompt)
-        except APIError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
-            raise bad_request(f"cannot apply the chat template: {exc}", param="messages") from exc
+
+        def render() -> str:
+            try:
+                return tokenizer.apply_chat_template(body.chat_messages(),
+                                                     add_generation_prompt=body.add_generation_prompt)
+            except APIError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
+                raise bad_request(f"cannot apply the chat template: {exc}", param="messages") from exc
+
         gen = Generation(
-            prompts=[prompt], params=params, fmt=ChatFormat(body.top_logprobs or 0),
+            prompts=[await asyncio.to_thread(render)], params=params, fmt=ChatFormat(body.top_logprobs or 0),
             stream=body.stream, include_usage=body.include_usage_in_stream,
             cache_salt=body.cache_salt, priority=body.priority,
         )
         return await serve_generation(state, request, gen)
 
     return router
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, or a 413 as soon as it is known to exceed ``limit`` bytes (from
+    Content-Length, else while it streams in), so an oversized body is never held in full."""
+    too_large = APIError(413, f"the request body exceeds {limit} bytes (the server's --max-request-bytes)",
+                         code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _ops_router(state: ServerState) -> APIRouter:
@@ -161,7 +185,37 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return respond(APIError(exc.status_code, str(exc.detail), type=kind))
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unexpected error in %s %s", request.method, request.url.path)
-        return respond(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="internal_error"))
+    app.add_middleware(_UnexpectedErrors, respond=respond)
+
+
+class _UnexpectedErrors:
+    """An unexpected exception becomes a 500 in OpenAI's format, and the connection stays open.
+
+    (Starlette answers an ``Exception`` handler's 500 and then re-raises, which makes uvicorn drop
+    a keep-alive connection, so the client's next request on it fails too. Once a response has
+    started, a streamed one, there is nothing left to answer: the error is raised as before.)
+    """
+
+    def __init__(self, app: ASGIApp, respond: Callable[[APIError], JSONResponse]) -> None:
+        self.app, self.respond = app, respond
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:  # noqa: BLE001
+            if started:
+                raise
+            logger.exception("unexpected error in %s %s", scope.get("method"), scope.get("path"))
+            response = self.respond(APIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                             type="internal_error"))
+            await response(scope, receive, send)

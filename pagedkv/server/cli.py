@@ -10,9 +10,12 @@ SIGTERM (or Ctrl-C) drains: new requests get 503, requests in flight run to the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import Any
+
+from pagedkv.server.limits import LIMIT_HELP, RequestLimits
 
 # Engine options passed through from flags of the same name (dashes -> underscores).
 ENGINE_FLAGS: dict[str, dict[str, Any]] = {
@@ -57,6 +60,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests allowed to wait beyond --max-num-seqs; more get 429 (default: no limit)")
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="seconds to let in-flight requests finish after SIGTERM (default 60)")
+    for f in dataclasses.fields(RequestLimits):
+        p.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default,
+                       help=f"{LIMIT_HELP[f.name]} (default {f.default})")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument("--debug-integrity", action="store_true", help="check KV-cache integrity after every step")
     for flag, kwargs in ENGINE_FLAGS.items():
@@ -90,12 +96,17 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     api_key = args.api_key or os.environ.get("PAGEDKV_API_KEY") or None
     try:
+        limits = RequestLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RequestLimits)})
+    except ValueError as exc:
+        print(f"pagedkv serve: --{str(exc).replace('_', '-')}", file=sys.stderr)
+        return 2
+    try:
         engine = LLMEngine.from_options(model=args.model, **engine_options(args))
     except (ValueError, TypeError, OSError, RuntimeError) as exc:  # bad options, ModelLoadError
         print(f"pagedkv serve: cannot start the engine: {exc}", file=sys.stderr)
         return 2
     app = create_app(AsyncEngine(engine), served_model_names=args.served_model_name, api_key=api_key,
-                     max_queue=args.max_queue)
+                     max_queue=args.max_queue, limits=limits)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.drain_timeout, access_log=False)
     server = DrainingServer(config, app.state.server)

@@ -1,12 +1,15 @@
 """uvicorn's server with pagedkv's shutdown rule: drain, don't drop.
 
-On the first SIGTERM/SIGINT the app flips to draining, so requests that still reach it get 503;
-uvicorn stops listening, lets in-flight responses (streams included) finish within its graceful
-timeout, then runs the app's lifespan shutdown, which stops the engine thread; the process exits 0.
+On the first SIGTERM/SIGINT the app flips to draining and keeps listening: new requests get 503
+with ``Retry-After`` (a load balancer retries them elsewhere, where "connection refused" would look
+like a crash) while the requests in flight (streams included) finish, for up to the drain timeout.
+Only then does uvicorn stop listening, close the idle connections and run the app's lifespan
+shutdown, which stops the engine thread; the process exits 0. A second signal stops at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import socket
 import sys
@@ -26,6 +29,8 @@ class DrainingServer(uvicorn.Server):
         if not self.state.draining:
             print(f"pagedkv serve: {signal.Signals(sig).name}, draining {self.state.active} in-flight "
                   "request(s)", file=sys.stderr, flush=True)
+        elif self.should_exit:
+            self.force_exit = True  # a second signal: stop waiting for the drain
         self.state.draining = True
         super().handle_exit(sig, frame)
         # uvicorn re-raises captured signals after its shutdown, so the process would die by SIGTERM
@@ -33,6 +38,13 @@ class DrainingServer(uvicorn.Server):
         captured = getattr(self, "_captured_signals", None)
         if isinstance(captured, list):
             captured.clear()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self.config.timeout_graceful_shutdown or 0)
+        while self.state.active > 0 and not self.force_exit and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        await super().shutdown(sockets)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)

@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI-compatible API, and the OpenAI error format.
 
 Bodies are validated strictly (a string where a number belongs is an error, not a coercion) and
-unknown fields are ignored, as OpenAI clients send fields this server does not use. Every error a
+unknown fields are ignored, as OpenAI clients send fields this server does not use. ``null`` means
+"the default" for every optional field, as in OpenAI's schema (openai-python sends ``null`` for a
+parameter given as None): ``max_tokens: null`` on completions is 16, not "the rest of the context". Every error a
 client can cause becomes an :class:`APIError`, rendered as
 ``{"error": {"message", "type", "param", "code"}}`` with the matching HTTP status.
 """
@@ -9,14 +11,14 @@ client can cause becomes an :class:`APIError`, rendered as
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pagedkv.sampling_params import SamplingParams
 
-# The most completions one request may ask for (n times the number of prompts).
-MAX_CHOICES = 128
+from pagedkv.server.limits import MAX_CHOICES
 
 
 class APIError(Exception):
@@ -50,6 +52,13 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
 
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -152,6 +161,9 @@ class CompletionRequest(_SamplingFields):
     def to_sampling_params(self) -> SamplingParams:
         if self.suffix:
             raise bad_request("suffix is not supported", param="suffix")
+        if self.echo and self.logprobs is not None:
+            raise bad_request("echo with logprobs (the prompt tokens' logprobs) is not supported",
+                              param="logprobs")
         return self._params(self.max_tokens, self.logprobs)
 
 
@@ -197,15 +209,25 @@ Body = TypeVar("Body", bound=BaseModel)
 
 
 def parse_body(raw: bytes, model: type[Body]) -> Body:
-    """Decode and validate a JSON body; every failure is a 400 naming the offending field."""
+    """Decode and validate a JSON body; every failure is a 400 naming the offending field.
+
+    Besides malformed JSON, a 400 answers text with a lone UTF-16 surrogate (``"\\ud800"``: not
+    Unicode, no tokenizer can take it), nesting too deep to parse, and numbers Python refuses.
+    """
     try:
         obj = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, an int of > 4300 digits
         raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    except RecursionError as exc:
+        raise bad_request("request body is nested too deeply", code="invalid_json") from exc
     if not isinstance(obj, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(raw):  # only an escape can put a surrogate into a str
+        _reject_lone_surrogates(obj)
     try:
         return model.model_validate(obj)
+    except RecursionError as exc:
+        raise bad_request("request body is nested too deeply", code="invalid_json") from exc
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(x) for x in first["loc"] if not _is_union_tag(x))
@@ -213,6 +235,27 @@ def parse_body(raw: bytes, model: type[Body]) -> Body:
         if first["loc"] and first["loc"][0] == "prompt" and first["type"] != "missing":
             loc, message = "prompt", _PROMPT_TYPES
         raise bad_request(message, param=loc or None) from exc
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _reject_lone_surrogates(obj: Any) -> None:
+    """400 if any string (key or value) holds a surrogate that is not half of a pair (json.loads
+    joins the pairs, so any surrogate left is a lone one). Iterative: depth is no problem."""
+    stack = [(obj, "")]
+    while stack:
+        x, path = stack.pop()
+        if isinstance(x, dict):
+            for k, v in x.items():
+                stack.append((k, path))
+                stack.append((v, f"{path}.{k}" if path else str(k)))
+        elif isinstance(x, list):
+            stack.extend((v, path) for v in x if isinstance(v, (str, dict, list)))
+        elif isinstance(x, str) and _SURROGATE.search(x):
+            raise bad_request("text must be valid Unicode: it holds a lone UTF-16 surrogate (\\ud800-\\udfff)",
+                              param=path.split(".", 1)[0] or None, code="invalid_unicode")
 
 
 _PROMPT_TYPES = ("prompt must be a string, a list of strings, a list of token ids (integers >= 0) "

@@ -1,6 +1,8 @@
 """One generation request, from validated body to HTTP response, shared by both endpoints.
 
-    admit (503 draining, 429 queue full) -> add to engine (400 too long / rejected)
+    limits (400 stop strings) -> admit (503 draining, 429 queue full)
+        -> tokenize in a worker thread (400 too long / rejected; 400 too much work)
+        -> add to engine
         -> stream: SSE events, or full: one JSON body once every choice has finished
         -> release the admission, abort whatever is unfinished (client gone), observe latencies
 
@@ -22,10 +24,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pagedkv.engine import EngineDeadError, RequestTooLongError
+from pagedkv.engine import EngineDeadError, RequestTooLongError, TokenizedPrompt
 from pagedkv.outputs import CompletionOutput, RequestOutput
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.server.async_engine import AsyncEngine, OutputStream
+from pagedkv.server.limits import RequestLimits
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import APIError, bad_request
 from pagedkv.server.responses import ResponseFormat, Usage
@@ -44,6 +47,7 @@ class ServerState:
     api_key: str | None = None
     max_queue: int | None = None  # engine requests beyond max_num_seqs allowed to wait; None = no limit
     max_num_seqs: int = 256
+    limits: RequestLimits = field(default_factory=RequestLimits)
     draining: bool = False
     active: int = 0  # engine requests admitted and not yet answered
 
@@ -119,12 +123,14 @@ class Generation:
 
 
 async def serve_generation(state: ServerState, request: Request, gen: Generation) -> Response:
+    _check_stop_strings(gen.params, state.limits)
     release = state.admit(len(gen.prompts))
     base_id = f"{gen.fmt.id_prefix}-{uuid.uuid4().hex}"
     tracker = _Tracker(arrival=time.monotonic())
     try:
+        prompts = await _tokenize(state, gen)
         stream = await state.engine.add_requests(
-            [(f"{base_id}-{i}", p) for i, p in enumerate(gen.prompts)], gen.params,
+            [(f"{base_id}-{i}", p) for i, p in enumerate(prompts)], gen.params,
             cache_salt=gen.cache_salt, priority=gen.priority,
         )
     except EngineDeadError as exc:
@@ -152,6 +158,29 @@ async def serve_generation(state: ServerState, request: Request, gen: Generation
     finally:
         cleanup()
     return JSONResponse(body)
+
+
+def _check_stop_strings(params: SamplingParams, limits: RequestLimits) -> None:
+    size = sum(len(stop) for stop in params.stop)
+    if size > limits.max_stop_chars:
+        raise bad_request(f"the stop strings have {size} characters in all; this server allows "
+                          f"{limits.max_stop_chars} (--max-stop-chars)", param="stop", code="request_too_large")
+
+
+async def _tokenize(state: ServerState, gen: Generation) -> list[TokenizedPrompt]:
+    """Tokenize off the event loop and the engine thread; then bound the work asked for."""
+    engine = state.engine.engine
+    prompts = await asyncio.to_thread(lambda: [engine.tokenize(p) for p in gen.prompts])
+    L, p = engine.config.max_model_len, gen.params
+    limit = state.limits.max_tokens_per_request
+    work = sum(p.n * min(p.max_tokens or L, max(L - len(t.token_ids), 0)) for t in prompts)
+    if work > limit:
+        raise bad_request(
+            f"the request may generate {work} tokens ({len(prompts) * p.n} choices, each up to "
+            f"{'max_tokens' if p.max_tokens else 'the rest of the context'}); this server allows {limit} per "
+            "request (--max-tokens-per-request): lower n or max_tokens", param="max_tokens",
+            code="request_too_large")
+    return prompts
 
 
 class _EventStreamResponse(StreamingResponse):
