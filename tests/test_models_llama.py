@@ -173,3 +173,18 @@ def test_packed_lm_head_matches_plain(tmp_path: Any, tied: bool) -> None:
         assert isinstance(packed.model.lm_head, PackedLinear)
         assert pack_lm_head(packed.model)  # idempotent
     assert plain.model.lm_head is None if tied else isinstance(plain.model.lm_head, torch.nn.Linear)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 9, 13, 33, 100, 257])
+def test_packed_linear_pads_rows_to_buckets_without_changing_the_result(rows: int) -> None:
+    from pagedkv.models.packed_linear import PackedLinear, packing_available, padded_rows
+
+    bucket = padded_rows(rows)
+    assert rows <= bucket <= rows * 1.25 and padded_rows(bucket) == bucket
+    if not packing_available():
+        pytest.skip("oneDNN packing unavailable")
+    gen = torch.Generator().manual_seed(rows)
+    w, b, x = torch.randn(70, 24, generator=gen), torch.randn(70, generator=gen), torch.randn(rows, 24, generator=gen)
+    out = PackedLinear(w, b)(x)
+    assert out.shape == (rows, 70)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)

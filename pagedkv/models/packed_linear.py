@@ -32,6 +32,15 @@ def packing_available(dtype: torch.dtype = torch.float32) -> bool:
         return False
 
 
+def padded_rows(rows: int) -> int:
+    """The row bucket for ``rows``: ``rows`` rounded up to three significant bits (1..8, 10, 12,
+    14, 16, 20, 24, 28, 32, 40, ...), so at most 25% padding, and 4 buckets per doubling."""
+    if rows <= 8:
+        return rows
+    step = 1 << (rows.bit_length() - 3)
+    return -(-rows // step) * step
+
+
 class PackedLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` held in oneDNN's packed layout (inference only)."""
 
@@ -43,8 +52,16 @@ class PackedLinear(nn.Module):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_BATCH_HINT)
         self.bias = None if bias is None else bias.detach().clone()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [N, in_features]
+        # oneDNN builds (and caches, up to 1024 entries) one primitive per distinct row count, a few
+        # hundred KiB each: a server seeing every batch size from 1 to max_num_seqs would grow by
+        # tens of MiB over its first hours. Padding to a few row buckets bounds that at once.
+        rows = x.shape[0]
+        bucket = padded_rows(rows)
+        if bucket != rows:
+            x = F.pad(x, (0, 0, 0, bucket - rows))
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return out if bucket == rows else out[:rows]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
