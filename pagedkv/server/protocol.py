@@ -74,10 +74,10 @@ class _SamplingFields(_Body):
 
     model: str | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
     seed: int | None = None
     stop: Stop = None
     stop_token_ids: list[NonNegInt] | None = None
