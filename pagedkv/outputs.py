@@ -39,6 +39,8 @@ class CompletionOutput:
 class RequestOutput:
     """The state of one request: its prompt, cached-prefix count and completions so far.
 
+    ``prompt_logprobs`` (when asked): one entry per prompt token, None for the first (nothing
+    predicts it), else token id -> Logprob for that token and the top-k alternatives.
     ``error`` says why the engine failed this request (its completions then end with
     finish_reason "error"); the engine's other requests go on unaffected.
     """
@@ -51,3 +53,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

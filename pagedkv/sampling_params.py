@@ -13,7 +13,8 @@ class SamplingParams:
     Greedy when ``temperature == 0``. A per-request ``seed`` makes sampling reproducible whatever
     else shares the batch. ``n > 1`` returns ``n`` completions that share the prompt's KV blocks
     (copy-on-write forks). ``logprobs=k`` returns the chosen token's log-probability and the top
-    ``k`` alternatives at every step. Invalid values (NaN and infinities included) raise
+    ``k`` alternatives at every step; ``prompt_logprobs=k`` does the same for every prompt token
+    after the first (such a request computes its whole prompt: it takes no prefix-cache hits). Invalid values (NaN and infinities included) raise
     ``ValueError`` naming the field.
     """
 
@@ -28,6 +29,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
 
@@ -52,6 +54,8 @@ class SamplingParams:
             _check_int("seed", self.seed, low=None)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=20)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=20)
         _check_int("min_tokens", self.min_tokens, low=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")

@@ -200,3 +200,28 @@ def test_abort_frees_blocks(tiny):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.stats().kv.used_blocks == 0
+
+
+@pytest.mark.parametrize("faults", [None, "seed=3,rate=0.3"])
+def test_prompt_logprobs_match_transformers(tiny, faults):
+    """Chunked prefill (16-token steps), a prefix already cached by an earlier request and, with
+    faults, preemption by recompute and swap: every prompt token's logprob is computed once,
+    from logits at every prompt position, and equals transformers'."""
+    folder, ref = tiny
+    prompt = ragged_prompts(7, [45])[0]
+    llm = LLM(str(folder), block_size=4, num_kv_blocks=64, max_num_batched_tokens=16,
+              fault_injection=faults, debug_integrity=True)
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2))  # caches the prompt's blocks
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2,
+                                                ignore_eos=True))[0]
+    expected = torch.log_softmax(hf_logits(ref, prompt), dim=-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for p in range(1, len(prompt)):
+        entry, row = out.prompt_logprobs[p], expected[p - 1]
+        assert abs(entry[prompt[p]].logprob - float(row[prompt[p]])) < 1e-4
+        assert entry[prompt[p]].rank == int((row > row[prompt[p]]).sum()) + 1
+        top2 = row.topk(2).indices.tolist()
+        assert set(top2) <= set(entry) and len(entry) <= 3
+    assert out.num_cached_tokens == 0  # prompt logprobs take no prefix-cache hit
+    assert out.outputs[0].token_ids == hf_greedy(ref, prompt, 3)
+    assert llm.stats().kv.used_blocks == 0

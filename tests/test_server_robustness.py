@@ -7,8 +7,8 @@
 3. Completions' ``max_tokens: null`` is OpenAI's default, 16.
 4. ``null`` is the default for every optional field.
 5. Lone surrogates and pathological JSON are 400; an unexpected 500 keeps the connection open.
-7. ``min_tokens > max_tokens`` is 400; echo + logprobs is 400 (documented); work and stop-string
-   limits are 400 with OpenAI's error body.
+7. ``min_tokens > max_tokens`` is 400; echo + logprobs returns the prompt tokens' logprobs too;
+   work and stop-string limits are 400 with OpenAI's error body.
 (6, the drain on SIGTERM, is in test_server_cli.py.)
 """
 
@@ -213,10 +213,28 @@ def test_min_tokens_above_max_tokens_is_400(http: httpx.Client) -> None:
     assert_error(http.post("/v1/chat/completions", json=chat), 400, param="min_tokens")
 
 
-def test_echo_with_logprobs_is_400(http: httpx.Client) -> None:
-    assert_error(http.post("/v1/completions", json={**GOOD, "echo": True, "logprobs": 1}), 400, param="logprobs")
-    r = http.post("/v1/completions", json={**GOOD, "echo": True})
-    assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("hello")
+def test_echo_with_logprobs_gives_the_prompt_tokens_logprobs(server: ServerThread, http: httpx.Client) -> None:
+    prompt = "the quick brown fox jumps"
+    prompt_ids = server.engine.tokenizer.encode(prompt)
+    body = {**GOOD, "prompt": prompt, "echo": True, "logprobs": 2, "max_tokens": 3, "ignore_eos": True,
+            "temperature": 0}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"].startswith(prompt)
+    assert len(lp["tokens"]) == len(prompt_ids) + 3
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # nothing predicts it
+    assert all(isinstance(v, float) and v <= 0 for v in lp["token_logprobs"][1:])
+    assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"][1:])
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
+    # Streaming sends the same numbers, the prompt's with the first chunk.
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    streamed = [v for c in chunks for ch in c["choices"] if ch["logprobs"] for v in ch["logprobs"]["token_logprobs"]]
+    assert streamed == lp["token_logprobs"]
+    assert server.wait_idle().kv.used_blocks == 0
 
 
 def test_work_and_stop_limits(http: httpx.Client) -> None:

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -26,9 +27,10 @@ from pagedkv.engine.sampler import (
     SampleRow,
     SamplingError,
     make_generator,
+    token_logprobs,
     top_logprobs,
 )
-from pagedkv.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedkv.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from pagedkv.engine.sequence import Sequence, SequenceGroup
 from pagedkv.memory import KVCacheManager, KVStats
 from pagedkv.outputs import RequestOutput
@@ -130,8 +132,15 @@ class LLMEngine:
                 f"the request needs about {needed} KV blocks ({len(ids)} prompt tokens, "
                 f"{max_tokens} new tokens x {width} sequences, block_size {kv.block_size}) but "
                 f"the pool has {kv.num_blocks}: shorten it or give the engine more kv_cache_memory")
-        group = SequenceGroup(request_id, text, ids, params, self._arrivals, priority, cache_salt,
+        salt = cache_salt
+        if params.prompt_logprobs is not None:
+            # Prompt logprobs need logits at every prompt position: a salt of its own means no
+            # prefix-cache hit lets the request skip computing part of its prompt.
+            salt = f"{cache_salt or ''}\x00prompt-logprobs\x00{self._arrivals}"
+        group = SequenceGroup(request_id, text, ids, params, self._arrivals, priority, salt,
                               max_tokens, beam_width, length_penalty)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]  # nothing predicts the first prompt token
         group.seqs.append(self._new_seq(group, 0, list(ids)))
         group.metrics["arrival_time"] = time.time()
         self._arrivals += 1
@@ -174,8 +183,9 @@ class LLMEngine:
         """
         out = self.scheduler.schedule()
         progressed: dict[str, SequenceGroup] = {}
+        chunks = [self._chunk(s) for s in out.scheduled]
         try:
-            logits = self._execute(out)
+            logits = self._execute(out, chunks)
         except Exception as exc:  # noqa: BLE001 - fail this plan's requests, keep the engine
             logger.exception("a step's forward pass failed; failing its %d request(s)", len(out.request_ids))
             for rid in out.request_ids:
@@ -184,14 +194,25 @@ class LLMEngine:
         else:
             if logits is not None:
                 self.scheduler.on_step_done(out)
-                self._sample(out, logits, progressed)
+                # Logits rows: one per chunk (its last token), or every token of an all_logits chunk.
+                ends = list(itertools.accumulate(c.num_logits for c in chunks))
+                self._record_prompt_logprobs(out, chunks, ends, logits, progressed)
+                self._sample(out, logits, [e - 1 for e in ends], progressed)
         self._steps += 1
         if self.config.debug_integrity:
             self.kv.check_integrity()
         return [self._output(g) for g in progressed.values() if not only_finished or g.is_finished]
 
-    def _execute(self, out: SchedulerOutput):
-        """The plan's shared work on the runner; the logits of its sampled rows, or None."""
+    def _chunk(self, s: ScheduledSeq) -> SeqChunk:
+        group, seq = s.group, s.seq
+        wants_prompt_logprobs = (group.prompt_logprobs is not None
+                                 and s.start + s.num_tokens > len(group.prompt_logprobs) - 1
+                                 and len(group.prompt_logprobs) < len(group.prompt_token_ids))
+        return SeqChunk(seq.token_ids[s.start:s.start + s.num_tokens], s.start,
+                        self.kv.block_table(seq.seq_id), all_logits=wants_prompt_logprobs)
+
+    def _execute(self, out: SchedulerOutput, chunks: list[SeqChunk]):
+        """The plan's shared work on the runner; the logits of its chunks, or None."""
         runner = self.runner
         # Order matters: blocks swapped out may be reused by this step's copies; blocks swapped
         # in may be the source of a copy-on-write.
@@ -201,11 +222,28 @@ class LLMEngine:
             runner.swap_in(out.swap_in)
         if out.copies:
             runner.copy_blocks(out.copies)
-        if not out.scheduled:
+        if not chunks:
             return None
-        chunks = [_chunk(s.seq.token_ids, s.start, s.num_tokens, self.kv.block_table(s.seq.seq_id))
-                  for s in out.scheduled]
         return runner.execute(chunks)
+
+    def _record_prompt_logprobs(self, out: SchedulerOutput, chunks: list[SeqChunk], ends: list[int],
+                                logits, progressed: dict[str, SequenceGroup]) -> None:
+        """Logprobs of the prompt tokens this step's all_logits chunks predict (row p of a chunk
+        predicts token p + 1), each recorded once even when a preemption recomputes it."""
+        for s, chunk, end in zip(out.scheduled, chunks, ends):
+            if not chunk.all_logits or s.group.is_finished:
+                continue
+            group = s.group
+            try:
+                have, prompt = len(group.prompt_logprobs), group.prompt_token_ids
+                first = have - 1  # the position whose logits predict prompt token ``have``
+                last = min(s.start + s.num_tokens, len(prompt) - 1)  # positions first .. last - 1
+                if last > first >= s.start:
+                    row0 = end - chunk.num_logits - s.start  # the logits row of position 0, were it here
+                    group.prompt_logprobs += token_logprobs(logits[row0 + first:row0 + last],
+                                                            prompt[have:last + 1], group.params.prompt_logprobs)
+            except Exception as exc:  # noqa: BLE001 - this request's alone
+                self._fail_request(group, "prompt logprobs", exc, progressed)
 
     def _fail(self, group: SequenceGroup, message: str, progressed: dict[str, SequenceGroup]) -> None:
         """End ``group`` with ``message`` as its error, freeing its blocks."""
@@ -223,7 +261,8 @@ class LLMEngine:
             self._fail(group, f"building this request's output failed: {exc!r}", {})
             return self.outputs.make_output(group)  # the error path does not detokenize
 
-    def _sample(self, out: SchedulerOutput, logits, progressed: dict[str, SequenceGroup]) -> None:
+    def _sample(self, out: SchedulerOutput, logits, last_rows: list[int],
+                progressed: dict[str, SequenceGroup]) -> None:
         rows: list[SampleRow] = []
         targets: list[tuple[SequenceGroup, Sequence]] = []
         beam_rows: list[tuple[int, SequenceGroup, Sequence]] = []
@@ -232,7 +271,7 @@ class LLMEngine:
                 continue
             group, seq = s.group, s.seq
             if group.beam_width:
-                beam_rows.append((i, group, seq))
+                beam_rows.append((last_rows[i], group, seq))
                 continue
             seqs = [seq]
             if not group.forked:
@@ -243,7 +282,7 @@ class LLMEngine:
                     self._fail_request(group, "forking", exc, progressed)
                     continue
             for q in seqs:
-                rows.append(SampleRow(i, group.params, q.rng))
+                rows.append(SampleRow(last_rows[i], group.params, q.rng))
                 targets.append((group, q))
         if rows:
             try:
@@ -414,10 +453,6 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens, generation_tokens_total=self._generation_tokens,
             num_steps=self._steps,
             faults_fired=sum(self.faults.fired.values()) if self.faults else 0)
-
-
-def _chunk(token_ids: list[int], start: int, n: int, block_table: list[int]) -> SeqChunk:
-    return SeqChunk(token_ids[start:start + n], start, block_table)
 
 
 def _build_runner(config: EngineConfig):

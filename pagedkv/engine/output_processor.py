@@ -79,7 +79,8 @@ class OutputProcessor:
             request_id=group.request_id, prompt=group.prompt,
             prompt_token_ids=list(group.prompt_token_ids), outputs=outs,
             finished=group.is_finished, num_cached_tokens=max(group.num_cached_tokens, 0),
-            metrics=dict(group.metrics), error=group.error)
+            metrics=dict(group.metrics), error=group.error,
+            prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None)
 
 
 def beam_score(seq: Sequence, group: SequenceGroup) -> float:

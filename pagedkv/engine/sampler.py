@@ -149,6 +149,29 @@ def _with_logprobs(row: torch.Tensor, token: int, k: int) -> Sampled:
     return Sampled(token, chosen, top)
 
 
+def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[dict[int, Logprob]]:
+    """Row i's log-probability and rank of ``tokens[i]``, plus its top-``k`` alternatives (prompt
+    logprobs). ``logits``: ``[len(tokens), vocab]``; worked through in slices to bound memory."""
+    out: list[dict[int, Logprob]] = []
+    for start in range(0, len(tokens), _SLICE):
+        lp = torch.log_softmax(sanitize_logits(logits[start:start + _SLICE]), dim=-1)
+        lp = lp.clamp_(min=MIN_LOGPROB).nan_to_num_(nan=MIN_LOGPROB)  # a row without candidates
+        wanted = torch.tensor(tokens[start:start + _SLICE])
+        chosen = lp.gather(1, wanted[:, None])  # [m, 1]
+        ranks = ((lp > chosen).sum(-1) + 1).tolist()
+        tops = lp.topk(min(k, lp.shape[-1]), dim=-1) if k else None
+        for i, (token, value) in enumerate(zip(wanted.tolist(), chosen.squeeze(1).tolist())):
+            entry = {token: Logprob(value, ranks[i])}
+            if tops is not None:
+                for r, (v, t) in enumerate(zip(tops.values[i].tolist(), tops.indices[i].tolist())):
+                    entry.setdefault(t, Logprob(v, r + 1))
+            out.append(entry)
+    return out
+
+
+_SLICE = 256
+
+
 def top_logprobs(logits: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
     """Top-k log-probabilities and token ids of each row (beam search's candidates)."""
     lp = torch.log_softmax(sanitize_logits(logits), dim=-1).clamp_(min=MIN_LOGPROB)

@@ -78,6 +78,7 @@ class SequenceGroup:
     beam_candidates: dict[str, tuple[list[float], list[int]]] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # why the engine failed this request (it then finishes at once)
+    prompt_logprobs: list | None = None  # [None, {token: Logprob}, ...] as far as computed
 
     @property
     def sort_key(self) -> tuple[int, int]:

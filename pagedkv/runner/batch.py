@@ -14,12 +14,19 @@ class SeqChunk:
         [ cached: 0 .. start_pos-1 | this step: start_pos .. start_pos+len(token_ids)-1 | free ]
 
     ``block_table`` maps logical block i to a physical block id and must cover
-    ``start_pos + len(token_ids)`` slots.
+    ``start_pos + len(token_ids)`` slots. ``all_logits`` asks for the logits of every token of the
+    chunk (prompt logprobs), not only of its last one.
     """
 
     token_ids: list[int]
     start_pos: int
     block_table: list[int]
+    all_logits: bool = False
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits ``execute`` returns for this chunk."""
+        return len(self.token_ids) if self.all_logits else 1
 
     @property
     def num_tokens(self) -> int:

@@ -113,7 +113,8 @@ class ModelRunner:
     def execute(self, chunks: Sequence[SeqChunk], return_all_logits: bool = False) -> torch.Tensor:
         """Compute every chunk in one forward pass and write their K/V into the cache.
 
-        Returns float32 logits ``[len(chunks), vocab]`` of each chunk's last token, or
+        Returns float32 logits ``[len(chunks), vocab]`` of each chunk's last token (every token of
+        a chunk with ``all_logits``, in chunk order: ``sum(c.num_logits)`` rows), or
         ``[total_tokens, vocab]`` (chunk order) with ``return_all_logits``. Raises BatchError.
         """
         inputs = self.prepare(chunks)

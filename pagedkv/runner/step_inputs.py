@@ -82,7 +82,7 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     slot_mapping: torch.Tensor  # [T] int64
-    logits_indices: torch.Tensor  # [len(chunks)] int64: each chunk's last token
+    logits_indices: torch.Tensor  # [sum(c.num_logits)] int64: each chunk's last token (or all its tokens)
     max_position: int
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillItem]
@@ -128,7 +128,7 @@ def build_step_inputs(chunks: list[SeqChunk], *, block_size: int, num_blocks: in
         for p in range(c.start_pos, ctx):
             positions.append(p)
             slots.append(table[p // block_size] * block_size + p % block_size)
-        last_rows.append(row + n - 1)
+        last_rows.extend(range(row, row + n) if c.all_logits else (row + n - 1,))
         if n == 1:
             dec_rows.append(row)
             dec_tables.append(table)

@@ -111,7 +111,8 @@ class _SamplingFields(_Body):
         if self.tools:
             raise bad_request("tools are not supported", param="tools")
 
-    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(self, max_tokens: int | None, logprobs: int | None,
+                prompt_logprobs: int | None = None) -> SamplingParams:
         self._reject_unsupported()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
@@ -127,6 +128,7 @@ class _SamplingFields(_Body):
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 min_tokens=self.min_tokens,
             )
         except ValueError as exc:
@@ -161,10 +163,9 @@ class CompletionRequest(_SamplingFields):
     def to_sampling_params(self) -> SamplingParams:
         if self.suffix:
             raise bad_request("suffix is not supported", param="suffix")
-        if self.echo and self.logprobs is not None:
-            raise bad_request("echo with logprobs (the prompt tokens' logprobs) is not supported",
-                              param="logprobs")
-        return self._params(self.max_tokens, self.logprobs)
+        # echo + logprobs: the prompt tokens' logprobs come first, as OpenAI's legacy API does.
+        prompt_logprobs = self.logprobs if self.echo else None
+        return self._params(self.max_tokens, self.logprobs, prompt_logprobs)
 
 
 class ChatMessage(_Body):

@@ -49,7 +49,7 @@ class ResponseFormat(Protocol):
     def delta(self, index: int, text: str, logprobs: Json | None, finish_reason: str | None) -> Json: ...
     def first_deltas(self, num_choices: int) -> list[Json]: ...
     def logprobs(
-        self, token_ids: list[int], steps: list[dict[int, Logprob]], decode: TokenDecoder, offset: int
+        self, token_ids: list[int], steps: list[dict[int, Logprob] | None], decode: TokenDecoder, offset: int
     ) -> Json: ...
 
 
@@ -92,10 +92,20 @@ class CompletionFormat:
         return []
 
     def logprobs(
-        self, token_ids: list[int], steps: list[dict[int, Logprob]], decode: TokenDecoder, offset: int
+        self, token_ids: list[int], steps: list[dict[int, Logprob] | None], decode: TokenDecoder, offset: int
     ) -> Json:
+        """OpenAI's legacy logprobs object; a step of None (the first echoed prompt token, which
+        nothing predicts) gives null logprobs, as OpenAI's does."""
         tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
         for tid, step in zip(token_ids, steps):
+            if step is None:
+                text = decode(tid)
+                tokens.append(text)
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                text_offset.append(offset)
+                offset += len(text)
+                continue
             lp = step.get(tid)
             text = _token_text(tid, lp, decode)
             tokens.append(text)

@@ -232,10 +232,18 @@ class _Rendering:
             return out.prompt
         return self.state.engine.engine.tokenizer.decode(out.prompt_token_ids)
 
-    def _logprobs(self, comp: CompletionOutput, start: int, offset: int) -> dict[str, Any] | None:
+    def _logprobs(self, comp: CompletionOutput, start: int, offset: int,
+                  echoed: RequestOutput | None = None) -> dict[str, Any] | None:
+        """Logprobs of the completion's tokens from ``start`` (text offsets from ``offset``); with
+        ``echoed``, those of that request's prompt tokens first (echo, which starts at offset 0)."""
         if not self.wants_logprobs or comp.logprobs is None:
             return None
-        return self.gen.fmt.logprobs(comp.token_ids[start:], comp.logprobs[start:], self._decode, offset)
+        fmt = self.gen.fmt
+        body = fmt.logprobs(comp.token_ids[start:], comp.logprobs[start:], self._decode, offset)
+        if echoed is None or echoed.prompt_logprobs is None:
+            return body
+        prompt = fmt.logprobs(echoed.prompt_token_ids, echoed.prompt_logprobs, self._decode, 0)
+        return {key: prompt[key] + body[key] for key in body}
 
     def _usage(self) -> Usage:
         usage = Usage()
@@ -265,7 +273,7 @@ class _Rendering:
         for out in sorted(self.tracker.final.values(), key=lambda o: int(o.request_id.rsplit("-", 1)[1])):
             prefix = self._prompt_text(out) if self.gen.echo else ""
             for comp in out.outputs:
-                logprobs = self._logprobs(comp, 0, len(prefix))
+                logprobs = self._logprobs(comp, 0, len(prefix), out if self.gen.echo else None)
                 choices.append(self.gen.fmt.choice(self._choice_index(out, comp), prefix + comp.text,
                                                    logprobs, comp.finish_reason))
         choices.sort(key=lambda c: c["index"])
@@ -305,8 +313,8 @@ class _Rendering:
         ready = len(comp.text) if finished else len(comp.text) - self.holdback
         text = comp.text[st.text_len:ready] if ready > st.text_len else ""
         logprobs = None
-        if len(comp.token_ids) > st.num_tokens:
-            logprobs = self._logprobs(comp, st.num_tokens, len(prefix) + st.text_len)
+        if len(comp.token_ids) > st.num_tokens or prefix:
+            logprobs = self._logprobs(comp, st.num_tokens, len(prefix) + st.text_len, out if prefix else None)
         st.text_len = max(st.text_len, ready)
         st.num_tokens = len(comp.token_ids)
         st.done = finished
