@@ -120,3 +120,22 @@ def test_a_failed_forward_pass_fails_its_batch_and_the_engine_goes_on(model_dir,
     # The engine keeps serving: the same prompts again give the clean run's tokens.
     again = run(engine, [(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])
     assert all(again[rid].outputs[0].token_ids == clean[rid].outputs[0].token_ids for rid in clean)
+
+
+def test_llm_generate_returns_the_failed_request_among_the_others(model_dir, clean) -> None:
+    from pagedkv import LLM
+
+    llm = LLM(str(model_dir), block_size=4, num_kv_blocks=128, max_model_len=128)
+    check_stop = llm.engine.outputs.check_stop
+
+    def flaky(group, seq, token):
+        if group.prompt == PROMPTS[1]:
+            raise RuntimeError("injected")
+        check_stop(group, seq, token)
+
+    llm.engine.outputs.check_stop = flaky
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.error is not None for o in outs] == [i == 1 for i in range(len(PROMPTS))]
+    assert outs[1].outputs[0].finish_reason == "error" and "injected" in outs[1].error
+    for i in (0, 2, 3, 4, 5):
+        assert outs[i].outputs[0].token_ids == clean[f"r{i}"].outputs[0].token_ids

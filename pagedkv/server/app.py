@@ -4,9 +4,11 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 API key when one is set), ``GET /health`` and ``GET /metrics`` (open, for probes and scrapers).
 
 Error statuses: 400 malformed JSON, invalid or mistyped fields (validation errors are 400, not
-FastAPI's 422), prompt too long (message names the limit); 401 missing or wrong API key;
-404 unknown model or route; 429 queue full and 503 draining, both with ``Retry-After``;
-500 unexpected errors. Bodies are always ``{"error": {"message", "type", "param", "code"}}``.
+FastAPI's 422), lone surrogates, prompt too long (message names the limit), too much work asked
+(server/limits.py); 401 missing or wrong API key; 404 unknown model or route; 413 body too large;
+429 queue full and 503 draining, both with ``Retry-After``; 500 a request the engine failed, or
+an unexpected error (the connection stays open). Bodies are always
+``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
