@@ -14,8 +14,8 @@ class SamplingParams:
     else shares the batch. ``n > 1`` returns ``n`` completions that share the prompt's KV blocks
     (copy-on-write forks). ``logprobs=k`` returns the chosen token's log-probability and the top
     ``k`` alternatives at every step; ``prompt_logprobs=k`` does the same for every prompt token
-    after the first (such a request computes its whole prompt: it takes no prefix-cache hits). Invalid values (NaN and infinities included) raise
-    ``ValueError`` naming the field.
+    after the first (such a request computes its whole prompt: it takes no prefix-cache hits).
+    Invalid values (NaN and infinities included) raise ``ValueError`` naming the field.
     """
 
     n: int = 1

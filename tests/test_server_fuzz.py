@@ -26,7 +26,7 @@ from pagedkv.server.tiny_model import write_tiny_model
 
 pytestmark = pytest.mark.timeout(600)
 
-EXAMPLES = 150  # per endpoint; each sends the fuzzed request and a known-good one
+EXAMPLES = 150  # per endpoint (on average); each sends the fuzzed request and a known-good one
 SENT = {"requests": 0, "fuzzed 2xx": 0, "fuzzed 4xx": 0}
 
 json_values = st.recursive(
@@ -144,23 +144,17 @@ def still_serving(http: httpx.Client, path: str) -> None:
     assert r.status_code == 200, r.text
 
 
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+ENDPOINTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 
 
-@FUZZ
-@given(body=bodies(CompletionRequest))
-def test_fuzz_completions(server: ServerThread, body: bytes) -> None:
+@settings(max_examples=2 * EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(case=st.one_of(*(bodies(model).map(lambda body, path=path: (path, body))
+                        for path, model in ENDPOINTS.items())))
+def test_fuzz_generation_endpoints(server: ServerThread, case: tuple[str, bytes]) -> None:
+    path, body = case
     with httpx.Client(base_url=server.url, timeout=60) as http:
-        check(http.post("/v1/completions", content=body), body)
-        still_serving(http, "/v1/completions")
-
-
-@FUZZ
-@given(body=bodies(ChatCompletionRequest))
-def test_fuzz_chat_completions(server: ServerThread, body: bytes) -> None:
-    with httpx.Client(base_url=server.url, timeout=60) as http:
-        check(http.post("/v1/chat/completions", content=body), body)
-        still_serving(http, "/v1/chat/completions")
+        check(http.post(path, content=body), body)
+        still_serving(http, path)
 
 
 def test_no_block_leaks_after_fuzzing(server: ServerThread) -> None:

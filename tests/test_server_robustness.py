@@ -18,7 +18,6 @@ import concurrent.futures
 import json
 import socket
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest

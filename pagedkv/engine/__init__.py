@@ -7,7 +7,9 @@ from pagedkv.engine.errors import (
     RequestRejectedError,
     RequestTooLongError,
 )
-from pagedkv.engine.llm_engine import EngineStats, LLMEngine, TokenizedPrompt
+from pagedkv.engine.input_processor import TokenizedPrompt
+from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.engine.stats import EngineStats
 
 __all__ = ["EngineConfig", "EngineDeadError", "EngineStats", "LLMEngine", "RequestFailedError",
            "RequestRejectedError", "RequestTooLongError", "TokenizedPrompt"]

@@ -12,13 +12,12 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import asdict, dataclass
-from typing import NamedTuple
 
 from pagedkv.engine.beam_search import select_beams
 from pagedkv.engine.config import EngineConfig
-from pagedkv.engine.errors import RequestRejectedError, RequestTooLongError
+from pagedkv.engine.errors import RequestRejectedError
 from pagedkv.engine.faults import FaultInjector
+from pagedkv.engine.input_processor import InputProcessor, PromptInput, TokenizedPrompt
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.sampler import (
     NO_CANDIDATE,
@@ -32,42 +31,13 @@ from pagedkv.engine.sampler import (
 )
 from pagedkv.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from pagedkv.engine.sequence import Sequence, SequenceGroup
-from pagedkv.memory import KVCacheManager, KVStats
+from pagedkv.engine.stats import EngineStats
+from pagedkv.memory import KVCacheManager
 from pagedkv.outputs import RequestOutput
 from pagedkv.runner.batch import SeqChunk
 from pagedkv.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-class TokenizedPrompt(NamedTuple):
-    """A prompt already through :meth:`LLMEngine.tokenize`: its text (None for token ids) and ids."""
-
-    text: str | None
-    token_ids: list[int]
-
-
-PromptInput = str | list[int] | TokenizedPrompt
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    kv: KVStats
-    num_running: int       # requests with device blocks
-    num_waiting: int
-    num_swapped: int
-    num_running_seqs: int
-    preemptions_recompute: int
-    preemptions_swap: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    num_steps: int
-    faults_fired: int
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["kv"] = self.kv.as_dict()
-        return d
-
 
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
@@ -95,6 +65,8 @@ class LLMEngine:
                                                    config.preemption_mode), self.kv, self.faults)
         self.sampler = Sampler(config.seed)
         self.outputs = OutputProcessor(tokenizer, model_len)
+        self.inputs = InputProcessor(tokenizer, self.config.max_model_len, self.kv,
+                                     getattr(getattr(runner, "config", None), "vocab_size", None))
         self._arrivals = 0
         self._steps = 0
         self._prompt_tokens = 0
@@ -113,25 +85,8 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.scheduler.groups:
             raise RequestRejectedError(f"request id {request_id!r} is already in use")
-        text, ids = self.tokenize(prompt)
-        L = self.config.max_model_len
-        if params.max_tokens is not None and len(ids) + params.max_tokens > L:
-            raise RequestTooLongError(
-                f"this model's maximum context length is {L} tokens; the request asks for "
-                f"{len(ids) + params.max_tokens} ({len(ids)} in the prompt, {params.max_tokens} "
-                f"max_tokens): lower max_tokens to at most {L - len(ids)}")
-        max_tokens = min(params.max_tokens or L, L - len(ids))
-        width = beam_width or params.n
-        kv = self.kv
-        # Forks share the prompt's blocks; each needs its own blocks for its output (plus one
-        # copy-on-write of the prompt's partial last block).
-        needed = (kv.blocks_for(len(ids) + max_tokens) if width == 1 else
-                  kv.blocks_for(len(ids)) + width * (kv.blocks_for(max_tokens) + 1))
-        if needed > kv.num_blocks:
-            raise RequestTooLongError(
-                f"the request needs about {needed} KV blocks ({len(ids)} prompt tokens, "
-                f"{max_tokens} new tokens x {width} sequences, block_size {kv.block_size}) but "
-                f"the pool has {kv.num_blocks}: shorten it or give the engine more kv_cache_memory")
+        text, ids = self.inputs.tokenize(prompt)
+        max_tokens = self.inputs.check_fits(len(ids), params, beam_width or params.n)
         salt = cache_salt
         if params.prompt_logprobs is not None:
             # Prompt logprobs need logits at every prompt position: a salt of its own means no
@@ -402,47 +357,8 @@ class LLMEngine:
         return child
 
     def tokenize(self, prompt: PromptInput) -> TokenizedPrompt:
-        """Tokenize and check a prompt without touching the engine's state, so any thread may call
-        it (the server does, off the engine thread). Raises RequestRejectedError (bad token ids,
-        an empty prompt, text the tokenizer cannot take) or RequestTooLongError (at least
-        ``max_model_len`` tokens).
-
-        A text prompt so long that it must have ``max_model_len`` tokens or more (each token
-        stands for at most ``tokenizer.max_chars_per_token`` characters) is refused before any of
-        it is tokenized, so a huge prompt costs no memory; the rule never refuses a prompt that
-        fits. Token-id prompts are measured before their ids are checked.
-        """
-        if isinstance(prompt, TokenizedPrompt):
-            return prompt
-        L = self.config.max_model_len
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestRejectedError("this engine has no tokenizer: give token ids")
-            per_token = getattr(self.tokenizer, "max_chars_per_token", None)
-            if per_token and len(prompt) > L * per_token:
-                raise RequestTooLongError(
-                    f"the prompt has {len(prompt)} characters, so more than {L} tokens (one token stands "
-                    f"for at most {per_token} characters), but max_model_len is {L}: shorten it")
-            try:
-                ids = self.tokenizer.encode(prompt)
-            except Exception as exc:  # noqa: BLE001 - e.g. a lone surrogate the tokenizer refuses
-                raise RequestRejectedError(f"the prompt cannot be tokenized: {exc}") from exc
-            text: str | None = prompt
-        else:
-            ids, text = list(prompt), None
-            if len(ids) < L:
-                vocab = getattr(getattr(self.runner, "config", None), "vocab_size", None)
-                for t in ids:
-                    if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab and t >= vocab):
-                        raise RequestRejectedError(f"prompt token id {t!r} is not in the vocabulary "
-                                                   f"(0..{(vocab or 0) - 1})")
-        if not ids:
-            raise RequestRejectedError("the prompt is empty")
-        if len(ids) >= L:
-            raise RequestTooLongError(
-                f"the prompt has {len(ids)} tokens but max_model_len is {L}: use at most "
-                f"{L - 1} prompt tokens so that at least one token can be generated")
-        return TokenizedPrompt(text, ids)
+        """Tokenize and check a prompt; any thread may call it (see InputProcessor.tokenize)."""
+        return self.inputs.tokenize(prompt)
 
     def stats(self) -> EngineStats:
         s = self.scheduler

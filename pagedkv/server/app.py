@@ -26,8 +26,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedkv.server.async_engine import AsyncEngine
-from pagedkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedkv.server.limits import MAX_CHOICES, RequestLimits
+from pagedkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedkv.server.protocol import (
     APIError,
     ChatCompletionRequest,

@@ -17,7 +17,6 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pagedkv.sampling_params import SamplingParams
-
 from pagedkv.server.limits import MAX_CHOICES
 
 
