@@ -100,8 +100,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. A user error (a bad flag value, a missing or unreadable model, a request
+    the engine refuses) is one line on stderr and exit status 2, never a traceback."""
+    from pagedkv.errors import PagedKVError
+
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except (PagedKVError, ValueError, OSError) as exc:
+        print(f"pagedkv {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"pagedkv {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

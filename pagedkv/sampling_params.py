@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +65,6 @@ class SamplingParams:
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, low=0)
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
 
 def _check_int(name: str, value: object, *, low: int | None, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
@@ -89,16 +85,3 @@ def _check_number(name: str, value: object, *, low: float, high: float | None = 
     if not finite or value < low or (high is not None and value > high):
         bound = f"a finite number in [{low}, {high}]" if high is not None else f"a finite number >= {low}"
         raise ValueError(f"{name} must be {bound}, got {value}")
-
-
-@dataclass(frozen=True, slots=True)
-class BeamSearchParams:
-    beam_width: int
-    max_tokens: int
-    length_penalty: float = 1.0
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = field(default=())
-
-    def __post_init__(self) -> None:
-        _check_int("beam_width", self.beam_width, low=1)
-        _check_int("max_tokens", self.max_tokens, low=1)

@@ -35,3 +35,17 @@ def test_generate_reports_bad_flags_clearly(tmp_path, capsys):
     assert "temperature" in capsys.readouterr().err
     args = build_parser().parse_args(["generate", "--prompt", "x", "--block-size", "8"])
     assert args.block_size == 8
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--model", "/no/such/model", "--prompt", "x"],
+    ["bench", "--model", "/no/such/model.gguf"],
+    ["generate", "--prompt", "x", "--kv-cache-memory", "lots"],
+])
+def test_user_errors_are_one_line_without_a_traceback(argv):
+    out = subprocess.run([sys.executable, "-m", "pagedkv.cli", *argv], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2, out
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"pagedkv {argv[0]}: "), out.stderr

@@ -1,7 +1,9 @@
 """Errors a user's request can cause; each message says what was wrong and what would fit."""
 
+from pagedkv.errors import PagedKVError
 
-class RequestRejectedError(ValueError):
+
+class RequestRejectedError(PagedKVError, ValueError):
     """The request can never be served as given; nothing else was disturbed."""
 
 
@@ -9,10 +11,10 @@ class RequestTooLongError(RequestRejectedError):
     """The prompt (plus the tokens asked for) exceeds ``max_model_len`` or the KV pool."""
 
 
-class EngineDeadError(RuntimeError):
+class EngineDeadError(PagedKVError, RuntimeError):
     """The engine failed and cannot take more requests."""
 
 
-class RequestFailedError(RuntimeError):
+class RequestFailedError(PagedKVError, RuntimeError):
     """Processing one request failed (sampling, stop checks, detokenization, or the forward pass
     of its batch); that request ended, and the engine goes on serving the others."""

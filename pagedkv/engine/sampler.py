@@ -21,13 +21,14 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedkv.errors import PagedKVError
 from pagedkv.outputs import Logprob
 from pagedkv.sampling_params import SamplingParams
 
 MIN_LOGPROB = -9999.0  # the log-probability reported for a token of probability 0
 
 
-class SamplingError(RuntimeError):
+class SamplingError(PagedKVError, RuntimeError):
     """One row's logits cannot be sampled (all NaN or -inf); the request fails, not the batch."""
 
 

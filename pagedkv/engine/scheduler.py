@@ -69,14 +69,6 @@ class SchedulerOutput:
         """Every request this plan touches (computes, swaps out or swaps in)."""
         return {s.group.request_id for s in self.scheduled} | set(self.preempted) | set(self.resumed)
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.scheduled or self.copies or self.swap_out or self.swap_in)
-
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,

@@ -1,7 +1,9 @@
 """Errors the memory core raises. Each names what ran out or what rule was broken."""
 
+from pagedkv.errors import PagedKVError
 
-class OutOfBlocksError(RuntimeError):
+
+class OutOfBlocksError(PagedKVError, RuntimeError):
     """Not enough free blocks for an allocation. Nothing was changed.
 
     The scheduler catches this to queue, preempt or evict; ``needed`` and ``available`` tell how far
@@ -15,5 +17,5 @@ class OutOfBlocksError(RuntimeError):
         self.pool = pool
 
 
-class IntegrityError(AssertionError):
+class IntegrityError(PagedKVError, AssertionError):
     """``check_integrity()`` found the bookkeeping inconsistent (a bug, never a user error)."""

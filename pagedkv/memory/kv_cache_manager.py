@@ -117,9 +117,6 @@ class KVCacheManager:
         """Cached blocks whose prefix was forgotten to make room (or by evict_cached)."""
         return self.pool.evictions
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= self.pool.num_free
-
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` slots."""
         return _cdiv(num_tokens, self.block_size)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from pagedkv.errors import PagedKVError
 
-class ModelLoadError(RuntimeError):
+
+class ModelLoadError(PagedKVError, RuntimeError):
     """A model could not be loaded; the message says which file or setting is at fault."""
 
 

@@ -11,8 +11,10 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
+from pagedkv.errors import PagedKVError
 
-class ChatTemplateError(ValueError):
+
+class ChatTemplateError(PagedKVError, ValueError):
     """The model has no chat template, or rendering it failed."""
 
 

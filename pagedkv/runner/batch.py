@@ -31,8 +31,3 @@ class SeqChunk:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def context_len(self) -> int:
-        """Tokens visible to this chunk's last token (cached + new)."""
-        return self.start_pos + len(self.token_ids)

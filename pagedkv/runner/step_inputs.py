@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedkv.errors import PagedKVError
 from pagedkv.ops.paged_attention import DecodeMetadata
 from pagedkv.runner.batch import SeqChunk
 
 
-class BatchError(ValueError):
+class BatchError(PagedKVError, ValueError):
     """A step's chunks are malformed (empty chunk, block table too short, bad block id)."""
 
 

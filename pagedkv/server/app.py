@@ -51,14 +51,13 @@ def create_app(
 ) -> FastAPI:
     """Build the app around an AsyncEngine; the app starts its engine thread and drains it on shutdown."""
     names = served_model_names or [engine.engine.model_name]
-    config = getattr(engine.engine, "config", None)
     state = ServerState(
         engine=engine,
         metrics=ServerMetrics(names[0]),
         served_model_names=names,
         api_key=api_key or None,
         max_queue=max_queue,
-        max_num_seqs=getattr(config, "max_num_seqs", 256),
+        max_num_seqs=engine.engine.config.max_num_seqs,
         limits=limits or RequestLimits(),
     )
 
@@ -91,7 +90,7 @@ def _api_router(state: ServerState) -> APIRouter:
 
     @router.get("/models")
     async def models() -> dict[str, Any]:
-        max_len = getattr(getattr(state.engine.engine, "config", None), "max_model_len", None)
+        max_len = state.engine.engine.config.max_model_len
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "pagedkv", "root": name,
                  "max_model_len": max_len} for name in state.served_model_names]
         return {"object": "list", "data": data}

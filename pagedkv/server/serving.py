@@ -44,9 +44,9 @@ class ServerState:
     engine: AsyncEngine
     metrics: ServerMetrics
     served_model_names: list[str]
+    max_num_seqs: int  # the engine's (EngineConfig owns it)
     api_key: str | None = None
     max_queue: int | None = None  # engine requests beyond max_num_seqs allowed to wait; None = no limit
-    max_num_seqs: int = 256
     limits: RequestLimits = field(default_factory=RequestLimits)
     draining: bool = False
     active: int = 0  # engine requests admitted and not yet answered
