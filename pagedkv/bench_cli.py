@@ -11,22 +11,21 @@ import sys
 
 
 def add_bench_parser(subparsers) -> None:
-    from pagedkv.server.cli import ENGINE_FLAGS
+    from pagedkv.engine.flags import add_engine_arguments
 
     p = subparsers.add_parser("bench", help="measure output throughput on a benchmark workload",
                               description=__doc__)
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: bundled model)")
     p.add_argument("--case", default="case_b", choices=["case_a", "case_b", "case_c", "sharegpt"])
     p.add_argument("--workload-seed", type=int, default=0)
-    for flag, kwargs in ENGINE_FLAGS.items():
-        p.add_argument(flag, default=None, **kwargs)
+    add_engine_arguments(p.add_argument_group("engine"))
     p.set_defaults(func=run_bench)
 
 
 def run_bench(args: argparse.Namespace) -> int:
     from pagedkv.benchmark import WORKLOADS, run_pagedkv
     from pagedkv.engine import LLMEngine
-    from pagedkv.server.cli import engine_options
+    from pagedkv.engine.flags import engine_options
 
     # One thread by default: on shared 2-core machines two-thread runs are erratic.
     options = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "threads": 1,

@@ -21,7 +21,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_generate_parser(subparsers) -> None:
-    from pagedkv.server.cli import ENGINE_FLAGS
+    from pagedkv.engine.flags import add_engine_arguments
 
     p = subparsers.add_parser("generate", help="generate a completion for a prompt",
                               description="Print the model's completion of --prompt.")
@@ -31,18 +31,15 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("--stats", action="store_true", help="print KV-cache stats afterwards")
     add_sampling_arguments(p)
-    g = p.add_argument_group("engine")
-    for flag, kwargs in ENGINE_FLAGS.items():
-        if flag != "--seed":
-            g.add_argument(flag, default=None, **kwargs)
+    add_engine_arguments(p.add_argument_group("engine"), exclude=("seed",))
     p.set_defaults(func=run_generate)
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from pagedkv.engine import RequestRejectedError
+    from pagedkv.engine.flags import engine_options
     from pagedkv.llm import LLM
     from pagedkv.sampling_params import SamplingParams
-    from pagedkv.server.cli import engine_options
 
     try:
         params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,

@@ -43,3 +43,22 @@ def test_fault_injection_is_deterministic_per_seed():
     assert set(draws(7)) == {None, "recompute", "evict"}
     with pytest.raises(ValueError, match="kinds"):
         FaultSpec.parse("kinds=meteor")
+
+
+def test_every_engine_option_has_a_flag_with_its_default():
+    import argparse
+    import dataclasses
+
+    from pagedkv.engine.flags import add_engine_arguments, engine_options
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    flags = {a.dest: a for a in parser._actions if a.dest != "help"}
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+    assert set(flags) == fields
+    assert engine_options(parser.parse_args([])) == {}
+    args = parser.parse_args(["--prefix-index", "radix", "--watermark", "0.05", "--debug-integrity",
+                              "--fault-injection", "seed=1,rate=0.1", "--kv-cache-memory", "64MiB"])
+    config = EngineConfig.from_options(None, **engine_options(args))
+    assert (config.prefix_index, config.watermark, config.debug_integrity) == ("radix", 0.05, True)
+    assert config.fault_injection == "seed=1,rate=0.1" and config.kv_cache_memory == "64MiB"

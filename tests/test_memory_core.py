@@ -233,3 +233,11 @@ def test_memory_core_does_not_import_torch():
             "print('torch' in sys.modules, 'numpy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_scheduler_config_flags_and_cli_parsers_do_not_import_torch():
+    code = ("import sys, pagedkv.engine.scheduler, pagedkv.engine.flags, pagedkv.engine.input_processor; "
+            "from pagedkv.cli import build_parser; build_parser(); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False"]

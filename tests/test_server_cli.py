@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pagedkv.server.cli import add_serve_parser, engine_options
+from pagedkv.engine.flags import engine_options
+from pagedkv.server.cli import add_serve_parser
 from pagedkv.server.testing import free_port, spawn_server
 from pagedkv.server.tiny_model import write_tiny_model
 

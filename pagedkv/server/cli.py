@@ -1,7 +1,8 @@
 """``pagedkv serve``: argument parser and entry point.
 
 The top-level CLI wires it in with ``add_serve_parser(subparsers)`` and calls ``run_serve(args)``.
-Engine flags keep vLLM's names; flags left unset fall back to the engine's defaults.
+Engine flags (``pagedkv.engine.flags``) keep vLLM's names; flags left unset keep EngineConfig's
+defaults.
 
 SIGTERM (or Ctrl-C) drains: new requests get 503, requests in flight run to the end (up to
 ``--drain-timeout`` seconds), then the engine thread stops and the process exits.
@@ -13,28 +14,9 @@ import argparse
 import dataclasses
 import os
 import sys
-from typing import Any
 
+from pagedkv.engine.flags import add_engine_arguments, engine_options
 from pagedkv.server.limits import LIMIT_HELP, RequestLimits
-
-# Engine options passed through from flags of the same name (dashes -> underscores).
-ENGINE_FLAGS: dict[str, dict[str, Any]] = {
-    "--block-size": {"type": int, "help": "token slots per KV block (default 16)"},
-    "--enable-prefix-caching": {"action": argparse.BooleanOptionalAction,
-                                "help": "share KV blocks of common prompt prefixes"},
-    "--kv-cache-memory": {"type": lambda s: int(s) if s.isdigit() else s,
-                          "help": "device memory for the KV cache: bytes or a size such as 512MiB, 2GiB"},
-    "--num-kv-blocks": {"type": int, "help": "number of KV blocks (overrides --kv-cache-memory)"},
-    "--swap-space": {"type": float, "help": "host swap space for preempted blocks, in GiB"},
-    "--max-num-seqs": {"type": int, "help": "most sequences in one batch"},
-    "--max-num-batched-tokens": {"type": int, "help": "most tokens in one step (chunked prefill)"},
-    "--max-model-len": {"type": int, "help": "longest prompt plus output, in tokens"},
-    "--preemption-mode": {"choices": ["recompute", "swap"], "help": "how to preempt under memory pressure"},
-    "--eviction-policy": {"type": str, "help": "which cached blocks to evict first (engine's choices)"},
-    "--dtype": {"type": str, "help": "model dtype, e.g. float32, bfloat16, auto"},
-    "--seed": {"type": int, "help": "global random seed"},
-    "--threads": {"type": int, "help": "torch CPU threads (default: the engine's choice)"},
-}
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -64,22 +46,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default,
                        help=f"{LIMIT_HELP[f.name]} (default {f.default})")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--debug-integrity", action="store_true", help="check KV-cache integrity after every step")
-    for flag, kwargs in ENGINE_FLAGS.items():
-        p.add_argument(flag, default=None, **kwargs)
-
-
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine options the user set (vLLM names), leaving the rest to the engine's defaults."""
-    options = {}
-    for flag in ENGINE_FLAGS:
-        name = flag[2:].replace("-", "_")
-        value = getattr(args, name, None)
-        if value is not None:
-            options[name] = value
-    if getattr(args, "debug_integrity", False):
-        options["debug_integrity"] = True
-    return options
+    add_engine_arguments(p.add_argument_group("engine"))
 
 
 def run_serve(args: argparse.Namespace) -> int:

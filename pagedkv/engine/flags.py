@@ -1,0 +1,67 @@
+"""Command-line flags for every EngineConfig field, made in this one place for serve, generate and
+bench. Names are the fields' with dashes (vLLM's names); a flag left out keeps EngineConfig's
+default, which the help text shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from pagedkv.engine.config import DTYPES, PREEMPTION_MODES, EngineConfig
+from pagedkv.memory import EVICTION_POLICIES
+from pagedkv.memory.kv_cache_manager import PREFIX_INDEXES
+
+
+def _size(text: str) -> int | str:
+    return int(text) if text.isdigit() else text
+
+
+# Field -> (help, argparse keywords). Every EngineConfig field but ``model`` has an entry (a test
+# checks it), so a new option cannot be forgotten here.
+_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "block_size": ("token slots per KV block", {"type": int}),
+    "enable_prefix_caching": ("share KV blocks of common prompt prefixes",
+                              {"action": argparse.BooleanOptionalAction}),
+    "kv_cache_memory": ("memory for the KV cache: bytes or a size such as 512MiB, 2GiB (default 1GiB)",
+                        {"type": _size}),
+    "num_kv_blocks": ("number of KV blocks (instead of --kv-cache-memory)", {"type": int}),
+    "swap_space": ("host memory for swapped-out blocks, in GiB", {"type": float}),
+    "max_num_seqs": ("most sequences in one batch", {"type": int}),
+    "max_num_batched_tokens": ("most tokens in one step (chunked prefill)", {"type": int}),
+    "max_model_len": ("longest prompt plus output, in tokens (default: the model's)", {"type": int}),
+    "preemption_mode": ("how to preempt under memory pressure", {"choices": PREEMPTION_MODES}),
+    "eviction_policy": ("which cached blocks to evict first", {"choices": EVICTION_POLICIES}),
+    "prefix_index": ("how cached prefixes are found: SHA-256 hash chain or radix tree",
+                     {"choices": PREFIX_INDEXES}),
+    "watermark": ("fraction of the KV pool kept free when admitting requests", {"type": float}),
+    "dtype": ("model dtype", {"choices": DTYPES}),
+    "seed": ("global random seed", {"type": int}),
+    "debug_integrity": ("check KV-cache integrity after every step",
+                        {"action": argparse.BooleanOptionalAction}),
+    "fault_injection": ("inject faults, e.g. seed=7,rate=0.05 (also env PAGEDKV_FAULT_INJECTION)",
+                        {"type": str}),
+    "threads": ("torch CPU threads (default: torch's choice)", {"type": int}),
+}
+
+
+def engine_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(EngineConfig) if f.name != "model"]
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *,
+                         exclude: tuple[str, ...] = ()) -> None:
+    """Add a flag for every EngineConfig field (but ``model`` and ``exclude``), default None."""
+    for f in engine_fields():
+        if f.name in exclude:
+            continue
+        help_text, kwargs = _FLAGS[f.name]
+        if f.default is not None and "(default" not in help_text:
+            help_text += f" (default {f.default})"
+        parser.add_argument("--" + f.name.replace("_", "-"), default=None, help=help_text, **kwargs)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options the user set on the command line, leaving the rest to EngineConfig."""
+    return {f.name: value for f in engine_fields() if (value := getattr(args, f.name, None)) is not None}
