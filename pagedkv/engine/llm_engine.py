@@ -14,7 +14,7 @@ import logging
 import time
 
 from pagedkv.engine.beam_search import select_beams
-from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from pagedkv.engine.errors import RequestRejectedError
 from pagedkv.engine.faults import FaultInjector
 from pagedkv.engine.input_processor import InputProcessor, PromptInput, TokenizedPrompt
@@ -376,17 +376,17 @@ def _build_runner(config: EngineConfig):
 
     from pagedkv.models import load_model
     from pagedkv.runner import ModelRunner, bytes_per_block
-    from pagedkv.runner import parse_memory_size as _parse_size
+    from pagedkv.runner.kv_cache import num_blocks_for_memory
 
     if config.threads:
         torch.set_num_threads(config.threads)
     dtype = getattr(torch, config.dtype)
     loaded = load_model(config.model, dtype=dtype)
-    kv_memory = None if config.num_kv_blocks else (config.kv_cache_memory or "1GiB")
     per_block = bytes_per_block(loaded.config, config.block_size, dtype)
+    device_blocks = config.num_kv_blocks or num_blocks_for_memory(
+        loaded.config, config.block_size, config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, dtype)
     # swap_space is GiB of host memory; more host blocks than 4x the device pool buy nothing.
-    device_blocks = config.num_kv_blocks or max(1, _parse_size(kv_memory) // per_block)
     host_blocks = min(int(config.swap_space * (1 << 30)) // per_block, 4 * device_blocks)
-    runner = ModelRunner(loaded, block_size=config.block_size, num_blocks=config.num_kv_blocks,
-                         kv_cache_memory=kv_memory, num_host_blocks=host_blocks)
+    runner = ModelRunner(loaded, block_size=config.block_size, num_blocks=device_blocks,
+                         num_host_blocks=host_blocks)
     return runner, loaded.tokenizer, loaded.name, loaded.config.max_position_embeddings

@@ -27,9 +27,11 @@ from pagedkv.memory import CopyPair, KVCacheManager, OutOfBlocksError
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    preemption_mode: str = "recompute"  # "recompute" | "swap"
+    """The scheduler's part of EngineConfig (which owns the defaults)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    preemption_mode: str  # "recompute" | "swap"
 
 
 @dataclass(frozen=True, slots=True)
