@@ -29,6 +29,10 @@ from typing import Any
 
 import httpx
 
+# The test helpers (a tiny model folder, a server process on a free port) live beside the tests,
+# outside the shipped package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
 _WORDS = ("the quick brown fox jumps over a lazy dog while paged attention keeps every key and value "
           "in small blocks so that many requests share one cache").split()
 
@@ -142,10 +146,10 @@ async def server_counters(url: str) -> dict[str, float]:
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
     model = args.model
     if model == "tiny":
-        from pagedkv.server.tiny_model import write_tiny_model
+        from tiny_model import write_tiny_model
 
         model = str(write_tiny_model(Path(tempfile.mkdtemp(prefix="pagedkv-bench-")) / "tiny"))
-    from pagedkv.server.testing import free_port, spawn_server
+    from server_helpers import free_port, spawn_server
 
     port = free_port()
     cmd = ["--port", str(port), "--log-level", "error"]

@@ -18,7 +18,7 @@ def test_every_subcommand_has_help(command, capsys):
 
 
 def test_generate_prints_a_completion(tmp_path):
-    from pagedkv.server.tiny_model import write_tiny_model
+    from tiny_model import write_tiny_model
 
     folder = write_tiny_model(tmp_path / "tiny")
     cmd = [sys.executable, "-m", "pagedkv.cli", "generate", "--model", str(folder), "--prompt",

@@ -9,10 +9,10 @@ its invariants (check_integrity after every step) and leaks no block.
 from __future__ import annotations
 
 import pytest
+from server_helpers import tiny_engine
+from tiny_model import write_tiny_model
 
 from pagedkv import SamplingParams
-from pagedkv.server.testing import tiny_engine
-from pagedkv.server.tiny_model import write_tiny_model
 
 PROMPTS = [f"request {i}: the quick brown fox" for i in range(6)]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -5,8 +5,7 @@ import sys
 
 import pytest
 
-from pagedkv.memory import (FreeBlockQueue, IntegrityError, KVCacheManager,
-                            OutOfBlocksError)
+from pagedkv.memory import FreeBlockQueue, IntegrityError, KVCacheManager, OutOfBlocksError
 from pagedkv.memory.block import Block
 
 

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import openai
 import pytest
-
-from pagedkv.server.testing import ServerThread, tiny_engine
-from pagedkv.server.tiny_model import write_tiny_model
+from server_helpers import ServerThread, tiny_engine
+from tiny_model import write_tiny_model
 
 pytestmark = pytest.mark.timeout(120)
 

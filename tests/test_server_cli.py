@@ -11,11 +11,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from server_helpers import free_port, spawn_server
+from tiny_model import write_tiny_model
 
 from pagedkv.engine.flags import engine_options
 from pagedkv.server.cli import add_serve_parser
-from pagedkv.server.testing import free_port, spawn_server
-from pagedkv.server.tiny_model import write_tiny_model
 
 pytestmark = pytest.mark.timeout(120)
 

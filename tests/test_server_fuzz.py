@@ -18,11 +18,11 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from server_helpers import ServerThread, tiny_engine
+from tiny_model import write_tiny_model
 
 from pagedkv.server.limits import RequestLimits
 from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
-from pagedkv.server.testing import ServerThread, tiny_engine
-from pagedkv.server.tiny_model import write_tiny_model
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -11,9 +11,8 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
-from pagedkv.server.testing import ServerThread, tiny_engine
-from pagedkv.server.tiny_model import write_tiny_model
+from server_helpers import ServerThread, tiny_engine
+from tiny_model import write_tiny_model
 
 pytestmark = pytest.mark.timeout(180)
 

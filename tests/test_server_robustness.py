@@ -21,10 +21,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from server_helpers import ServerThread, tiny_engine
+from tiny_model import write_tiny_model
 
 from pagedkv.server.limits import RequestLimits
-from pagedkv.server.testing import ServerThread, tiny_engine
-from pagedkv.server.tiny_model import write_tiny_model
 
 pytestmark = pytest.mark.timeout(120)
 

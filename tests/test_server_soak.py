@@ -18,9 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
-from pagedkv.server.testing import free_port, spawn_server
-from pagedkv.server.tiny_model import write_tiny_model
+from server_helpers import free_port, spawn_server
+from tiny_model import write_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

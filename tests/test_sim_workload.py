@@ -11,7 +11,11 @@ import pytest
 
 from pagedkv.sim.distributions import ALPACA, SHAREGPT, parse_length_dist, resolve_shape
 from pagedkv.sim.workload import (
-    WorkloadConfig, generate_workload, load_trace, output_token, prefix_tokens,
+    WorkloadConfig,
+    generate_workload,
+    load_trace,
+    output_token,
+    prefix_tokens,
 )
 
 

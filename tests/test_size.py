@@ -13,7 +13,11 @@ from pagedkv.sim.distributions import SHAREGPT, resolve_shape
 from pagedkv.sim.model_spec import load_model_spec, spec_from_gguf, spec_from_hf_config
 from pagedkv.sim.presets import PRESETS, find_preset
 from pagedkv.sim.sizing import (
-    SizingInputs, kv_bytes_per_token, kv_heads_per_rank, scale_bytes_per_block, size_kv_cache,
+    SizingInputs,
+    kv_bytes_per_token,
+    kv_heads_per_rank,
+    scale_bytes_per_block,
+    size_kv_cache,
 )
 from pagedkv.units import format_bytes, parse_bytes
 

@@ -1,4 +1,5 @@
-"""Run the app in a background thread on a free loopback port (tests and benchmarks).
+"""Test and benchmark helpers (not shipped in the package): the app in a background thread on a
+free loopback port, a server process, an engine on the tiny model.
 
     with ServerThread(engine, api_key="k") as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="k")
