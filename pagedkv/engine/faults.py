@@ -13,12 +13,21 @@ At each step, with probability ``rate``, one fault of a kind drawn uniformly fir
 
 Every request must still finish with the output it would have had undisturbed. The faults
 depend only on the seed and the step count, so a failing run can be replayed exactly.
+
+Injection wraps the seams instead of branching inside them: :class:`FaultInjectingScheduler` is a
+Scheduler whose step begins with the draw, and whose view of the memory core
+(:class:`FailingAllocations`) refuses the step's first allocation when ``alloc`` fired. The
+scheduler and the memory core themselves hold no fault-injection code.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
+
+from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
+from pagedkv.memory import CopyPair, KVCacheManager, OutOfBlocksError
 
 FAULT_KINDS = ("recompute", "swap", "evict", "alloc")
 
@@ -76,3 +85,56 @@ class FaultInjector:
 
     def pick(self, n: int) -> int:
         return self.rng.randrange(n)
+
+
+class FailingAllocations:
+    """The memory core as the scheduler sees it, except that once armed, the next allocation
+    (``allocate_prompt``, ``allocate_slots`` or ``swap_in``) raises OutOfBlocksError, changing
+    nothing, as a full pool would. Everything else goes straight to the real manager."""
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self._kv = kv
+        self.armed = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._kv, name)
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._kv
+
+    def _fail_if_armed(self) -> None:
+        if self.armed:
+            self.armed = False
+            raise OutOfBlocksError(1, 0)
+
+    def allocate_prompt(self, *args: Any, **kwargs: Any) -> int:
+        self._fail_if_armed()
+        return self._kv.allocate_prompt(*args, **kwargs)
+
+    def allocate_slots(self, *args: Any, **kwargs: Any) -> list[CopyPair]:
+        self._fail_if_armed()
+        return self._kv.allocate_slots(*args, **kwargs)
+
+    def swap_in(self, *args: Any, **kwargs: Any) -> list[CopyPair]:
+        self._fail_if_armed()
+        return self._kv.swap_in(*args, **kwargs)
+
+
+class FaultInjectingScheduler(Scheduler):
+    """A Scheduler that draws one fault per step (see the module docstring) before planning it."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, faults: FaultInjector) -> None:
+        self.allocations = FailingAllocations(kv)
+        super().__init__(config, self.allocations)  # type: ignore[arg-type]
+        self.faults = faults
+
+    def _begin_step(self, swap_out: list[CopyPair], preempted: list[str]) -> None:
+        self.allocations.armed = False
+        kind = self.faults.draw()
+        if kind == "evict":
+            self.kv.evict_cached()
+        elif kind == "alloc":
+            self.allocations.armed = True
+        elif kind in ("recompute", "swap") and self.running:
+            victim = self.running[self.faults.pick(len(self.running))]
+            self._preempt(victim, kind, swap_out, preempted)

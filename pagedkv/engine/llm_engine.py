@@ -16,7 +16,7 @@ import time
 from pagedkv.engine.beam_search import select_beams
 from pagedkv.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from pagedkv.engine.errors import RequestRejectedError
-from pagedkv.engine.faults import FaultInjector
+from pagedkv.engine.faults import FaultInjectingScheduler, FaultInjector
 from pagedkv.engine.input_processor import InputProcessor, PromptInput, TokenizedPrompt
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.sampler import (
@@ -61,8 +61,9 @@ class LLMEngine:
                                  prefix_index=config.prefix_index)
         spec = config.faults
         self.faults = FaultInjector(spec) if spec else None
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   config.preemption_mode), self.kv, self.faults)
+        sched = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode)
+        self.scheduler = (FaultInjectingScheduler(sched, self.kv, self.faults) if self.faults
+                          else Scheduler(sched, self.kv))
         self.sampler = Sampler(config.seed)
         self.outputs = OutputProcessor(tokenizer, model_len)
         self.inputs = InputProcessor(tokenizer, self.config.max_model_len, self.kv,

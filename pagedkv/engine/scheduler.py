@@ -20,7 +20,6 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from pagedkv.engine.faults import FaultInjector
 from pagedkv.engine.sequence import GroupStatus, Sequence, SequenceGroup
 from pagedkv.memory import CopyPair, KVCacheManager, OutOfBlocksError
 
@@ -73,17 +72,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 faults: FaultInjector | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
-        self.faults = faults
         self.waiting: list[SequenceGroup] = []   # each list sorted by SequenceGroup.sort_key
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
         self.groups: dict[str, SequenceGroup] = {}
         self.preemptions = {"recompute": 0, "swap": 0}
-        self._fail_next_alloc = False
 
     # ------------------------------------------------------------------ requests
     def add(self, group: SequenceGroup) -> None:
@@ -133,7 +129,7 @@ class Scheduler:
         swap_in: list[CopyPair] = []
         preempted: list[str] = []
         resumed: list[str] = []
-        self._inject_fault(swap_out, preempted)
+        self._begin_step(swap_out, preempted)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -175,7 +171,6 @@ class Scheduler:
             if seq.seq_id not in self.kv:
                 # A sibling not yet back after a recompute: re-prefill when blocks allow.
                 try:
-                    self._check_injected_failure()
                     seq.num_computed = self.kv.allocate_prompt(seq.seq_id, seq.token_ids, n,
                                                                salt=group.salt)
                 except OutOfBlocksError:
@@ -184,7 +179,6 @@ class Scheduler:
             else:
                 while True:
                     try:
-                        self._check_injected_failure()
                         pairs += self.kv.allocate_slots(seq.seq_id, n)
                         break
                     except OutOfBlocksError:
@@ -204,7 +198,6 @@ class Scheduler:
             if self.num_running_seqs + group.num_live > self.config.max_num_seqs:
                 break
             try:
-                self._check_injected_failure()
                 swap_in += self.kv.swap_in([s.seq_id for s in group.live_seqs])
             except OutOfBlocksError:
                 break
@@ -233,7 +226,6 @@ class Scheduler:
             # follow in later steps, when they can hit the prefix it recomputes.
             seq = group.live_seqs[0]
             try:
-                self._check_injected_failure()
                 cached = self.kv.allocate_prompt(seq.seq_id, seq.token_ids, budget, salt=group.salt)
             except OutOfBlocksError:
                 break
@@ -283,18 +275,6 @@ class Scheduler:
         group.status = status
         bisect.insort(queue, group, key=lambda g: g.sort_key)
 
-    def _check_injected_failure(self) -> None:
-        if self._fail_next_alloc:
-            self._fail_next_alloc = False
-            raise OutOfBlocksError(1, 0)
-
-    def _inject_fault(self, swap_out: list[CopyPair], preempted: list[str]) -> None:
-        self._fail_next_alloc = False
-        kind = self.faults.draw() if self.faults else None
-        if kind == "evict":
-            self.kv.evict_cached()
-        elif kind == "alloc":
-            self._fail_next_alloc = True
-        elif kind in ("recompute", "swap") and self.running:
-            victim = self.running[self.faults.pick(len(self.running))]  # type: ignore[union-attr]
-            self._preempt(victim, kind, swap_out, preempted)
+    def _begin_step(self, swap_out: list[CopyPair], preempted: list[str]) -> None:
+        """Runs first in every ``schedule()``; nothing here. The seam that fault injection
+        (``engine/faults.py``) wraps to preempt or evict before the step is planned."""
