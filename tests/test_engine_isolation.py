@@ -139,3 +139,27 @@ def test_llm_generate_returns_the_failed_request_among_the_others(model_dir, cle
     assert outs[1].outputs[0].finish_reason == "error" and "injected" in outs[1].error
     for i in (0, 2, 3, 4, 5):
         assert outs[i].outputs[0].token_ids == clean[f"r{i}"].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("num_blocks,faults", [(28, "seed=2,rate=0.6,kinds=swap+evict"),
+                                               (40, "seed=5,rate=0.5,kinds=swap"),
+                                               (24, "seed=1,rate=0.4,kinds=swap+recompute")])
+def test_a_failed_swap_in_leaves_no_stale_prefix_in_the_cache(model_dir, clean, num_blocks, faults) -> None:
+    """swap_in registers its blocks in the prefix cache when planned: after the copy fails, the
+    same prompts run again must not hit those (undefined) blocks."""
+    engine = tiny_engine(model_dir, block_size=4, num_kv_blocks=num_blocks, max_model_len=128,
+                         debug_integrity=True, preemption_mode="swap", fault_injection=faults)
+    swap_in = engine.runner.swap_in
+    calls = {"n": 0}
+
+    def broken(pairs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected swap-in failure")
+        return swap_in(pairs)
+
+    engine.runner.swap_in = broken
+    first = run(engine, [(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])
+    assert calls["n"] >= 1 and any(out.error for out in first.values())
+    again = run(engine, [(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])
+    assert all(again[rid].outputs[0].token_ids == clean[rid].outputs[0].token_ids for rid in clean)

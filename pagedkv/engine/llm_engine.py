@@ -30,7 +30,7 @@ from pagedkv.engine.sampler import (
     top_logprobs,
 )
 from pagedkv.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
-from pagedkv.engine.sequence import Sequence, SequenceGroup
+from pagedkv.engine.sequence import GroupStatus, Sequence, SequenceGroup
 from pagedkv.engine.stats import EngineStats
 from pagedkv.memory import KVCacheManager
 from pagedkv.outputs import RequestOutput
@@ -143,17 +143,16 @@ class LLMEngine:
         try:
             logits = self._execute(out, chunks)
         except Exception as exc:  # noqa: BLE001 - fail this plan's requests, keep the engine
-            logger.exception("a step's forward pass failed; failing its %d request(s)", len(out.request_ids))
-            for rid in out.request_ids:
-                if (group := self.scheduler.groups.get(rid)) is not None:
-                    self._fail(group, f"the forward pass of this request's batch failed: {exc!r}", progressed)
+            self._fail_plan(out, exc, progressed)
         else:
             if logits is not None:
                 self.scheduler.on_step_done(out)
                 # Logits rows: one per chunk (its last token), or every token of an all_logits chunk.
                 ends = list(itertools.accumulate(c.num_logits for c in chunks))
                 self._record_prompt_logprobs(out, chunks, ends, logits, progressed)
-                self._sample(out, logits, [e - 1 for e in ends], progressed)
+                if ends[-1] != len(ends):  # keep only the rows sampled from
+                    logits = logits.index_select(0, logits.new_tensor([e - 1 for e in ends]).long())
+                self._sample(out, logits, list(range(len(ends))), progressed)
         self._steps += 1
         if self.config.debug_integrity:
             self.kv.check_integrity()
@@ -200,6 +199,22 @@ class LLMEngine:
                                                             prompt[have:last + 1], group.params.prompt_logprobs)
             except Exception as exc:  # noqa: BLE001 - this request's alone
                 self._fail_request(group, "prompt logprobs", exc, progressed)
+
+    def _fail_plan(self, out: SchedulerOutput, exc: Exception, progressed: dict[str, SequenceGroup]) -> None:
+        """The runner failed the plan's shared work: fail every request whose KV it touched.
+
+        A request preempted by recompute in this plan holds no blocks and is left waiting. The
+        blocks of the failed requests are freed; as a swap-in registers its blocks in the prefix
+        cache before their data is copied, every cached-free block is then forgotten, so no later
+        request can hit a block whose contents the failure left undefined.
+        """
+        touched = [g for rid in sorted(out.request_ids)
+                   if (g := self.scheduler.groups.get(rid)) is not None and g.status is not GroupStatus.WAITING]
+        logger.error("a step's forward pass failed (%r); failing its %d request(s)", exc, len(touched),
+                     exc_info=exc)
+        for group in touched:
+            self._fail(group, f"the forward pass of this request's batch failed: {exc!r}", progressed)
+        self.kv.evict_cached()
 
     def _fail(self, group: SequenceGroup, message: str, progressed: dict[str, SequenceGroup]) -> None:
         """End ``group`` with ``message`` as its error, freeing its blocks."""
