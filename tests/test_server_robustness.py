@@ -29,7 +29,8 @@ from pagedkv.server.limits import RequestLimits
 pytestmark = pytest.mark.timeout(120)
 
 MAX_MODEL_LEN = 256
-LIMITS = RequestLimits(max_request_bytes=64 * 1024, max_tokens_per_request=4096, max_stop_chars=64)
+LIMITS = RequestLimits(max_request_bytes=64 * 1024, max_tokens_per_request=4096, max_stop_chars=64,
+                       max_stop_token_ids=16)
 GOOD = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
 
 
@@ -245,3 +246,10 @@ def test_work_and_stop_limits(http: httpx.Client) -> None:
     assert_error(http.post("/v1/completions", json={**GOOD, "stop": ["a" * 40, "b" * 40]}), 400,
                  param="stop", code="request_too_large")
     assert http.post("/v1/completions", json={**GOOD, "stop": ["a" * 30, "b" * 30]}).status_code == 200
+    assert_error(http.post("/v1/completions", json={**GOOD, "stop_token_ids": list(range(17))}), 400,
+                 param="stop_token_ids", code="request_too_large")
+    assert http.post("/v1/completions", json={**GOOD, "stop_token_ids": list(range(16))}).status_code == 200
+    # Echoed prompt logprobs count too: 64 choices x ~100 prompt tokens.
+    echo = {**GOOD, "prompt": "hello world " * 50, "echo": True, "logprobs": 5, "n": 64, "max_tokens": 1}
+    err = assert_error(http.post("/v1/completions", json=echo), 400, code="request_too_large")
+    assert "echoed prompt tokens" in err["message"]

@@ -22,6 +22,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -144,11 +145,15 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect as exc:  # nobody is left to answer; not a server error
+        raise APIError(499, "the client disconnected while sending the body",
+                       code="client_closed_request") from exc
     return b"".join(chunks)
 
 

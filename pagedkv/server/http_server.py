@@ -41,9 +41,12 @@ class DrainingServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + (self.config.timeout_graceful_shutdown or 0)
-        while self.state.active > 0 and not self.force_exit and loop.time() < deadline:
+        timeout = self.config.timeout_graceful_shutdown  # the drain timeout; None: wait for ever
+        deadline = None if timeout is None else loop.time() + timeout
+        while self.state.active > 0 and not self.force_exit and (deadline is None or loop.time() < deadline):
             await asyncio.sleep(0.05)
+        if deadline is not None:  # uvicorn's own wait for connections gets what is left, not all again
+            self.config.timeout_graceful_shutdown = max(1, round(deadline - loop.time()))
         await super().shutdown(sockets)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:

@@ -123,7 +123,7 @@ class Generation:
 
 
 async def serve_generation(state: ServerState, request: Request, gen: Generation) -> Response:
-    _check_stop_strings(gen.params, state.limits)
+    _check_stops(gen.params, state.limits)
     release = state.admit(len(gen.prompts))
     base_id = f"{gen.fmt.id_prefix}-{uuid.uuid4().hex}"
     tracker = _Tracker(arrival=time.monotonic())
@@ -160,11 +160,15 @@ async def serve_generation(state: ServerState, request: Request, gen: Generation
     return JSONResponse(body)
 
 
-def _check_stop_strings(params: SamplingParams, limits: RequestLimits) -> None:
+def _check_stops(params: SamplingParams, limits: RequestLimits) -> None:
     size = sum(len(stop) for stop in params.stop)
     if size > limits.max_stop_chars:
         raise bad_request(f"the stop strings have {size} characters in all; this server allows "
                           f"{limits.max_stop_chars} (--max-stop-chars)", param="stop", code="request_too_large")
+    if len(params.stop_token_ids) > limits.max_stop_token_ids:
+        raise bad_request(f"{len(params.stop_token_ids)} stop token ids; this server allows "
+                          f"{limits.max_stop_token_ids} (--max-stop-token-ids)", param="stop_token_ids",
+                          code="request_too_large")
 
 
 async def _tokenize(state: ServerState, gen: Generation) -> list[TokenizedPrompt]:
@@ -174,11 +178,13 @@ async def _tokenize(state: ServerState, gen: Generation) -> list[TokenizedPrompt
     L, p = engine.config.max_model_len, gen.params
     limit = state.limits.max_tokens_per_request
     work = sum(p.n * min(p.max_tokens or L, max(L - len(t.token_ids), 0)) for t in prompts)
-    if work > limit:
+    echoed = sum(p.n * len(t.token_ids) for t in prompts) if p.prompt_logprobs is not None else 0
+    if work + echoed > limit:
+        echo = f", plus {echoed} echoed prompt tokens with logprobs" if echoed else ""
         raise bad_request(
             f"the request may generate {work} tokens ({len(prompts) * p.n} choices, each up to "
-            f"{'max_tokens' if p.max_tokens else 'the rest of the context'}); this server allows {limit} per "
-            "request (--max-tokens-per-request): lower n or max_tokens", param="max_tokens",
+            f"{'max_tokens' if p.max_tokens else 'the rest of the context'}){echo}; this server allows "
+            f"{limit} per request (--max-tokens-per-request): lower n or max_tokens", param="max_tokens",
             code="request_too_large")
     return prompts
 
@@ -220,12 +226,17 @@ class _Rendering:
         self.choices = [_ChoiceState() for _ in range(self.num_choices)]
         self.wants_logprobs = gen.params.logprobs is not None
         self.holdback = max((len(stop) for stop in gen.params.stop), default=1) - 1
+        self._decoded: dict[int, str] = {}  # token id -> text, for logprobs
+        self._echoed_logprobs: dict[str, dict[str, Any]] = {}  # request id -> its prompt's logprobs
 
     def _choice_index(self, out: RequestOutput, comp: CompletionOutput) -> int:
         return int(out.request_id.rsplit("-", 1)[1]) * self.n + comp.index
 
     def _decode(self, token_id: int) -> str:
-        return self.state.engine.engine.tokenizer.decode([token_id])
+        text = self._decoded.get(token_id)
+        if text is None:
+            text = self._decoded[token_id] = self.state.engine.engine.tokenizer.decode([token_id])
+        return text
 
     def _prompt_text(self, out: RequestOutput) -> str:
         if out.prompt is not None:
@@ -242,7 +253,10 @@ class _Rendering:
         body = fmt.logprobs(comp.token_ids[start:], comp.logprobs[start:], self._decode, offset)
         if echoed is None or echoed.prompt_logprobs is None:
             return body
-        prompt = fmt.logprobs(echoed.prompt_token_ids, echoed.prompt_logprobs, self._decode, 0)
+        prompt = self._echoed_logprobs.get(echoed.request_id)
+        if prompt is None:  # built once per request, whatever its number of choices
+            prompt = fmt.logprobs(echoed.prompt_token_ids, echoed.prompt_logprobs, self._decode, 0)
+            self._echoed_logprobs[echoed.request_id] = prompt
         return {key: prompt[key] + body[key] for key in body}
 
     def _usage(self) -> Usage:
