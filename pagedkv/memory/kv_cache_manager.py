@@ -26,8 +26,9 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 from pagedkv.memory.block_pool import BlockPool
-from pagedkv.memory.errors import IntegrityError, OutOfBlocksError
+from pagedkv.memory.errors import OutOfBlocksError
 from pagedkv.memory.eviction import make_eviction_policy
+from pagedkv.memory.inspection import check_integrity, kv_stats, pretty_print
 from pagedkv.memory.prefix_hash import chain_hashes, root_hash
 from pagedkv.memory.radix_index import RadixPrefixIndex
 from pagedkv.memory.stats import KVStats
@@ -353,94 +354,14 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ inspection
     def stats(self) -> KVStats:
-        B = self.block_size
-        filled: dict[int, int] = {}
-        table_blocks = 0
-        for seq in self.seqs.values():
-            if seq.on_host:
-                continue
-            table_blocks += len(seq.block_table)
-            n = min(len(seq.token_ids), len(seq.block_table) * B)
-            for i, block_id in enumerate(seq.block_table):
-                fill = min(B, n - i * B)
-                if fill <= 0:
-                    break
-                if fill > filled.get(block_id, 0):
-                    filled[block_id] = fill
-        pool = self.pool
-        used = pool.num_blocks - pool.num_free
-        evictable = sum(1 for b in pool.free_queue if b.block_hash is not None)
-        return KVStats(
-            num_blocks=pool.num_blocks, block_size=B, used_blocks=used, free_blocks=pool.num_free,
-            cached_blocks=len(pool.cached), evictable_blocks=evictable, num_seqs=len(self.seqs), table_blocks=table_blocks,
-            filled_slots=sum(filled.values()), allocated_slots=used * B,
-            prefix_query_tokens=self.prefix_query_tokens, prefix_hit_tokens=self.prefix_hit_tokens,
-            evictions=pool.evictions, cow_copies=self.cow_copies,
-            swapped_out_blocks=self.swapped_out_blocks, swapped_in_blocks=self.swapped_in_blocks,
-            host_blocks=self.host_pool.num_blocks,
-            host_used_blocks=self.host_pool.num_blocks - self.host_pool.num_free)
+        """A snapshot of the pools and counters (see ``memory/inspection.py``)."""
+        return kv_stats(self)
 
     def check_integrity(self) -> None:
-        """Raise IntegrityError unless every structure agrees with every other.
-
-        Checks both pools (free queue, ref counts, hash index), that each block's ref count
-        equals the block-table references to it (plus one if pinned), and that every cached
-        block a sequence holds carries the hash of that sequence's prefix.
-        """
-        self.pool.check_integrity()
-        self.host_pool.check_integrity()
-        B = self.block_size
-        refs = {False: Counter[int](), True: Counter[int]()}
-        for seq in self.seqs.values():
-            table = seq.block_table
-            if len(set(table)) != len(table):
-                raise IntegrityError(f"sequence {seq.seq_id!r} maps one block twice: {table}")
-            if not seq.num_computed <= len(seq.token_ids):
-                raise IntegrityError(f"sequence {seq.seq_id!r} computed more tokens than it has")
-            if seq.num_computed > len(table) * B:
-                raise IntegrityError(f"sequence {seq.seq_id!r} computed tokens have no slots")
-            if seq.num_cached_blocks > seq.num_computed // B:
-                raise IntegrityError(f"sequence {seq.seq_id!r} cached a block before computing it")
-            refs[seq.on_host].update(table)
-            if not seq.on_host:
-                for i in range(seq.num_cached_blocks):
-                    h = self.pool.blocks[table[i]].block_hash
-                    if h is not None and h != seq.block_hashes[i]:
-                        raise IntegrityError(f"sequence {seq.seq_id!r} block {i} holds another "
-                                             f"prefix's hash")
-        if self.radix is not None:
-            self._check_radix()
-        for pool, counts in ((self.pool, refs[False]), (self.host_pool, refs[True])):
-            for block in pool.blocks:
-                expected = counts[block.block_id] + block.pinned
-                if block.ref_count != expected:
-                    raise IntegrityError(f"{pool.name} {block}: ref count {block.ref_count} but "
-                                         f"{expected} references")
-
-    def _check_radix(self) -> None:
-        """The radix tree and the hash index name exactly the same blocks: every block the
-        tree holds sits at the path whose chained hash the hash index maps to it."""
-        assert self.radix is not None
-        problems = self.radix.check_integrity()
-        if problems:
-            raise IntegrityError("; ".join(problems))
-        paths = self.radix.paths()
-        if len(paths) != len(self.pool.cached):
-            raise IntegrityError(f"radix tree holds {len(paths)} blocks, hash index "
-                                 f"{len(self.pool.cached)}")
-        B = self.block_size
-        for tenant, tokens, block_id in paths:
-            h = chain_hashes(tenant, list(tokens), B, 0, len(tokens) // B)[-1]  # type: ignore[arg-type]
-            if self.pool.cached.get(h) is not self.pool.blocks[block_id]:
-                raise IntegrityError(f"radix tree puts block {block_id} where the hash index "
-                                     f"does not")
+        """Raise IntegrityError unless every structure agrees with every other (see
+        ``memory/inspection.py``)."""
+        check_integrity(self)
 
     def pretty_print(self) -> str:
         """A readable dump of every sequence's block table and the cached blocks."""
-        lines = [f"KVCacheManager: {self.num_blocks} blocks x {self.block_size} slots, "
-                 f"{self.pool.num_free} free, {len(self.pool.cached)} cached"]
-        for seq in self.seqs.values():
-            where = "host" if seq.on_host else "device"
-            lines.append(f"  seq {seq.seq_id!r} [{where}] tokens={len(seq.token_ids)} "
-                         f"computed={seq.num_computed} table={seq.block_table}")
-        return "\n".join(lines)
+        return pretty_print(self)

@@ -1,0 +1,112 @@
+"""Looking at a KVCacheManager from outside: its stats snapshot, its integrity check and a dump.
+
+Kept beside the manager rather than in it, so that the manager's file holds only the operations
+that change state. ``check_integrity`` also proves the two prefix indexes agree.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from pagedkv.memory.errors import IntegrityError
+from pagedkv.memory.prefix_hash import chain_hashes
+from pagedkv.memory.stats import KVStats
+
+if TYPE_CHECKING:
+    from pagedkv.memory.kv_cache_manager import KVCacheManager
+
+
+def kv_stats(mgr: KVCacheManager) -> KVStats:
+    """Fill and fragmentation over the device blocks the sequences hold, plus the counters."""
+    B = mgr.block_size
+    filled: dict[int, int] = {}
+    table_blocks = 0
+    for seq in mgr.seqs.values():
+        if seq.on_host:
+            continue
+        table_blocks += len(seq.block_table)
+        n = min(len(seq.token_ids), len(seq.block_table) * B)
+        for i, block_id in enumerate(seq.block_table):
+            fill = min(B, n - i * B)
+            if fill <= 0:
+                break
+            if fill > filled.get(block_id, 0):
+                filled[block_id] = fill
+    pool = mgr.pool
+    used = pool.num_blocks - pool.num_free
+    evictable = sum(1 for b in pool.free_queue if b.block_hash is not None)
+    return KVStats(
+        num_blocks=pool.num_blocks, block_size=B, used_blocks=used, free_blocks=pool.num_free,
+        cached_blocks=len(pool.cached), evictable_blocks=evictable, num_seqs=len(mgr.seqs), table_blocks=table_blocks,
+        filled_slots=sum(filled.values()), allocated_slots=used * B,
+        prefix_query_tokens=mgr.prefix_query_tokens, prefix_hit_tokens=mgr.prefix_hit_tokens,
+        evictions=pool.evictions, cow_copies=mgr.cow_copies,
+        swapped_out_blocks=mgr.swapped_out_blocks, swapped_in_blocks=mgr.swapped_in_blocks,
+        host_blocks=mgr.host_pool.num_blocks,
+        host_used_blocks=mgr.host_pool.num_blocks - mgr.host_pool.num_free)
+
+def check_integrity(mgr: KVCacheManager) -> None:
+    """Raise IntegrityError unless every structure agrees with every other.
+
+    Checks both pools (free queue, ref counts, hash index), that each block's ref count
+    equals the block-table references to it (plus one if pinned), and that every cached
+    block a sequence holds carries the hash of that sequence's prefix.
+    """
+    mgr.pool.check_integrity()
+    mgr.host_pool.check_integrity()
+    B = mgr.block_size
+    refs = {False: Counter[int](), True: Counter[int]()}
+    for seq in mgr.seqs.values():
+        table = seq.block_table
+        if len(set(table)) != len(table):
+            raise IntegrityError(f"sequence {seq.seq_id!r} maps one block twice: {table}")
+        if not seq.num_computed <= len(seq.token_ids):
+            raise IntegrityError(f"sequence {seq.seq_id!r} computed more tokens than it has")
+        if seq.num_computed > len(table) * B:
+            raise IntegrityError(f"sequence {seq.seq_id!r} computed tokens have no slots")
+        if seq.num_cached_blocks > seq.num_computed // B:
+            raise IntegrityError(f"sequence {seq.seq_id!r} cached a block before computing it")
+        refs[seq.on_host].update(table)
+        if not seq.on_host:
+            for i in range(seq.num_cached_blocks):
+                h = mgr.pool.blocks[table[i]].block_hash
+                if h is not None and h != seq.block_hashes[i]:
+                    raise IntegrityError(f"sequence {seq.seq_id!r} block {i} holds another "
+                                         f"prefix's hash")
+    if mgr.radix is not None:
+        _check_radix(mgr)
+    for pool, counts in ((mgr.pool, refs[False]), (mgr.host_pool, refs[True])):
+        for block in pool.blocks:
+            expected = counts[block.block_id] + block.pinned
+            if block.ref_count != expected:
+                raise IntegrityError(f"{pool.name} {block}: ref count {block.ref_count} but "
+                                     f"{expected} references")
+
+def _check_radix(mgr: KVCacheManager) -> None:
+    """The radix tree and the hash index name exactly the same blocks: every block the
+    tree holds sits at the path whose chained hash the hash index maps to it."""
+    assert mgr.radix is not None
+    problems = mgr.radix.check_integrity()
+    if problems:
+        raise IntegrityError("; ".join(problems))
+    paths = mgr.radix.paths()
+    if len(paths) != len(mgr.pool.cached):
+        raise IntegrityError(f"radix tree holds {len(paths)} blocks, hash index "
+                             f"{len(mgr.pool.cached)}")
+    B = mgr.block_size
+    for tenant, tokens, block_id in paths:
+        h = chain_hashes(tenant, list(tokens), B, 0, len(tokens) // B)[-1]  # type: ignore[arg-type]
+        if mgr.pool.cached.get(h) is not mgr.pool.blocks[block_id]:
+            raise IntegrityError(f"radix tree puts block {block_id} where the hash index "
+                                 f"does not")
+
+def pretty_print(mgr: KVCacheManager) -> str:
+    """A readable dump of every sequence's block table and the cached blocks."""
+    lines = [f"KVCacheManager: {mgr.num_blocks} blocks x {mgr.block_size} slots, "
+             f"{mgr.pool.num_free} free, {len(mgr.pool.cached)} cached"]
+    for seq in mgr.seqs.values():
+        where = "host" if seq.on_host else "device"
+        lines.append(f"  seq {seq.seq_id!r} [{where}] tokens={len(seq.token_ids)} "
+                     f"computed={seq.num_computed} table={seq.block_table}")
+    return "\n".join(lines)
