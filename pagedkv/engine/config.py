@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from pagedkv.engine.faults import FaultSpec
 from pagedkv.memory import EVICTION_POLICIES
-from pagedkv.memory.kv_cache_manager import PREFIX_INDEXES
+from pagedkv.memory.prefix_index import PREFIX_INDEXES
 from pagedkv.units import parse_bytes
 
 PREEMPTION_MODES = ("recompute", "swap")

@@ -11,7 +11,7 @@ from typing import Any
 
 from pagedkv.engine.config import DTYPES, PREEMPTION_MODES, EngineConfig
 from pagedkv.memory import EVICTION_POLICIES
-from pagedkv.memory.kv_cache_manager import PREFIX_INDEXES
+from pagedkv.memory.prefix_index import PREFIX_INDEXES
 
 
 def _size(text: str) -> int | str:

@@ -8,11 +8,12 @@ from pagedkv.memory.eviction import EVICTION_POLICIES, make_eviction_policy
 from pagedkv.memory.free_queue import FreeBlockQueue
 from pagedkv.memory.kv_cache_manager import CopyPair, KVCacheManager
 from pagedkv.memory.prefix_hash import chain_hashes, root_hash
+from pagedkv.memory.prefix_index import PREFIX_INDEXES, HashChainIndex, PrefixIndex, RadixIndex
 from pagedkv.memory.radix_index import RadixPrefixIndex
 from pagedkv.memory.stats import KVStats
 
 __all__ = [
-    "Block", "BlockPool", "CopyPair", "EVICTION_POLICIES", "FreeBlockQueue", "IntegrityError",
-    "KVCacheManager", "KVStats", "OutOfBlocksError", "RadixPrefixIndex", "chain_hashes", "make_eviction_policy",
-    "root_hash",
+    "Block", "BlockPool", "CopyPair", "EVICTION_POLICIES", "FreeBlockQueue", "HashChainIndex", "IntegrityError",
+    "KVCacheManager", "KVStats", "OutOfBlocksError", "PREFIX_INDEXES", "PrefixIndex", "RadixIndex",
+    "RadixPrefixIndex", "chain_hashes", "make_eviction_policy", "root_hash",
 ]

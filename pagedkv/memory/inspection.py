@@ -10,7 +10,6 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from pagedkv.memory.errors import IntegrityError
-from pagedkv.memory.prefix_hash import chain_hashes
 from pagedkv.memory.stats import KVStats
 
 if TYPE_CHECKING:
@@ -46,6 +45,7 @@ def kv_stats(mgr: KVCacheManager) -> KVStats:
         host_blocks=mgr.host_pool.num_blocks,
         host_used_blocks=mgr.host_pool.num_blocks - mgr.host_pool.num_free)
 
+
 def check_integrity(mgr: KVCacheManager) -> None:
     """Raise IntegrityError unless every structure agrees with every other.
 
@@ -74,8 +74,7 @@ def check_integrity(mgr: KVCacheManager) -> None:
                 if h is not None and h != seq.block_hashes[i]:
                     raise IntegrityError(f"sequence {seq.seq_id!r} block {i} holds another "
                                          f"prefix's hash")
-    if mgr.radix is not None:
-        _check_radix(mgr)
+    mgr.index.check()
     for pool, counts in ((mgr.pool, refs[False]), (mgr.host_pool, refs[True])):
         for block in pool.blocks:
             expected = counts[block.block_id] + block.pinned
@@ -83,23 +82,6 @@ def check_integrity(mgr: KVCacheManager) -> None:
                 raise IntegrityError(f"{pool.name} {block}: ref count {block.ref_count} but "
                                      f"{expected} references")
 
-def _check_radix(mgr: KVCacheManager) -> None:
-    """The radix tree and the hash index name exactly the same blocks: every block the
-    tree holds sits at the path whose chained hash the hash index maps to it."""
-    assert mgr.radix is not None
-    problems = mgr.radix.check_integrity()
-    if problems:
-        raise IntegrityError("; ".join(problems))
-    paths = mgr.radix.paths()
-    if len(paths) != len(mgr.pool.cached):
-        raise IntegrityError(f"radix tree holds {len(paths)} blocks, hash index "
-                             f"{len(mgr.pool.cached)}")
-    B = mgr.block_size
-    for tenant, tokens, block_id in paths:
-        h = chain_hashes(tenant, list(tokens), B, 0, len(tokens) // B)[-1]  # type: ignore[arg-type]
-        if mgr.pool.cached.get(h) is not mgr.pool.blocks[block_id]:
-            raise IntegrityError(f"radix tree puts block {block_id} where the hash index "
-                                 f"does not")
 
 def pretty_print(mgr: KVCacheManager) -> str:
     """A readable dump of every sequence's block table and the cached blocks."""

@@ -30,11 +30,10 @@ from pagedkv.memory.errors import OutOfBlocksError
 from pagedkv.memory.eviction import make_eviction_policy
 from pagedkv.memory.inspection import check_integrity, kv_stats, pretty_print
 from pagedkv.memory.prefix_hash import chain_hashes, root_hash
-from pagedkv.memory.radix_index import RadixPrefixIndex
+from pagedkv.memory.prefix_index import make_prefix_index
 from pagedkv.memory.stats import KVStats
 
 CopyPair = tuple[int, int]  # (source block id, destination block id)
-PREFIX_INDEXES = ("hash", "radix")
 
 
 @dataclass(slots=True)
@@ -78,20 +77,15 @@ class KVCacheManager:
             raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
-        if prefix_index not in PREFIX_INDEXES:
-            raise ValueError(f"prefix_index must be one of {PREFIX_INDEXES}, got {prefix_index!r}")
         kwargs = {"alpha": lrc_alpha, "beta": lrc_beta} if eviction_policy == "lrc" else {}
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, eviction_policy=make_eviction_policy(eviction_policy, **kwargs))
         self.host_pool = BlockPool(num_host_blocks, name="host")
         self.watermark_blocks = int(watermark * num_blocks)
-        # The hash chain always names cached blocks; with prefix_index="radix" a radix tree over
-        # token ids serves the lookups instead, and check_integrity() proves the two agree.
-        self.radix = (RadixPrefixIndex(block_size)
-                      if enable_prefix_caching and prefix_index == "radix" else None)
-        if self.radix is not None:
-            self.pool.on_evict = lambda block: self.radix.remove(block.block_id)  # type: ignore[union-attr]
+        # The pool's hash map always names cached blocks; the index finds a prompt's hits in it
+        # (hash chain) or in a radix tree kept in step (check_integrity proves they agree).
+        self.index = make_prefix_index(prefix_index, self.pool, block_size)
         self.seqs: dict[Hashable, SeqState] = {}
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -158,14 +152,7 @@ class KVCacheManager:
             self._hash_full_blocks(seq)
             # The block holding the last prompt token is never a hit: it must be computed.
             max_hits = (len(token_ids) - 1) // B
-            if self.radix is not None:
-                hits = [pool.blocks[i] for i in self.radix.match(seq.root, token_ids, max_hits)]
-            else:
-                for block_hash in seq.block_hashes[:max_hits]:
-                    block = pool.lookup(block_hash)
-                    if block is None:
-                        break
-                    hits.append(block)
+            hits = self.index.match(seq.root, token_ids, seq.block_hashes, max_hits)
         num_cached = len(hits) * B
         remaining = len(token_ids) - num_cached
         num_new = remaining if num_new_tokens is None else max(1, min(num_new_tokens, remaining))
@@ -253,11 +240,7 @@ class KVCacheManager:
         blocks = self.pool.blocks
         start = seq.num_cached_blocks
         self.pool.cache((blocks[i] for i in seq.block_table[start:full]), seq.block_hashes[start:full])
-        if self.radix is not None:
-            # Index only the blocks the hash index took, so both name the same blocks.
-            ids = [b if blocks[b].block_hash == h else None
-                   for b, h in zip(seq.block_table[:full], seq.block_hashes[:full])]
-            self.radix.insert(seq.root, seq.token_ids[:full * self.block_size], ids)
+        self.index.on_cached(seq.root, seq.token_ids, seq.block_table, seq.block_hashes, full)
         seq.num_cached_blocks = full
 
     # ------------------------------------------------------------------ forks and freeing
