@@ -98,23 +98,15 @@ class CompletionFormat:
         nothing predicts) gives null logprobs, as OpenAI's does."""
         tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
         for tid, step in zip(token_ids, steps):
-            if step is None:
-                text = decode(tid)
-                tokens.append(text)
-                token_logprobs.append(None)
-                top_logprobs.append(None)
-                text_offset.append(offset)
-                offset += len(text)
-                continue
-            lp = step.get(tid)
+            lp = step.get(tid) if step is not None else None
             text = _token_text(tid, lp, decode)
             tokens.append(text)
             token_logprobs.append(lp.logprob if lp is not None else None)
-            top = {}
-            for alt_id, alt in _top(step)[: max(self.k, 0)]:
-                top[_token_text(alt_id, alt, decode)] = alt.logprob
-            if lp is not None:
-                top.setdefault(text, lp.logprob)
+            top: dict[str, float] | None = None
+            if step is not None:
+                top = {_token_text(alt_id, alt, decode): alt.logprob for alt_id, alt in _top(step)[: max(self.k, 0)]}
+                if lp is not None:
+                    top.setdefault(text, lp.logprob)
             top_logprobs.append(top)
             text_offset.append(offset)
             offset += len(text)
