@@ -14,7 +14,8 @@ import logging
 import time
 
 from pagedkv.engine.beam_search import select_beams
-from pagedkv.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from pagedkv.engine.build import build_runner
+from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.errors import RequestRejectedError
 from pagedkv.engine.faults import FaultInjectingScheduler, FaultInjector
 from pagedkv.engine.input_processor import InputProcessor, PromptInput, TokenizedPrompt
@@ -48,7 +49,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, runner=None, tokenizer=None, model_name: str | None = None,
                  max_position_embeddings: int | None = None) -> None:
         if runner is None:
-            runner, tokenizer, model_name, max_position_embeddings = _build_runner(config)
+            runner, tokenizer, model_name, max_position_embeddings = build_runner(config)
         self.runner = runner
         self.tokenizer = tokenizer
         self.model_name = model_name or "pagedkv-model"
@@ -385,24 +386,3 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens, generation_tokens_total=self._generation_tokens,
             num_steps=self._steps,
             faults_fired=sum(self.faults.fired.values()) if self.faults else 0)
-
-
-def _build_runner(config: EngineConfig):
-    import torch
-
-    from pagedkv.models import load_model
-    from pagedkv.runner import ModelRunner, bytes_per_block
-    from pagedkv.runner.kv_cache import num_blocks_for_memory
-
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    dtype = getattr(torch, config.dtype)
-    loaded = load_model(config.model, dtype=dtype)
-    per_block = bytes_per_block(loaded.config, config.block_size, dtype)
-    device_blocks = config.num_kv_blocks or num_blocks_for_memory(
-        loaded.config, config.block_size, config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, dtype)
-    # swap_space is GiB of host memory; more host blocks than 4x the device pool buy nothing.
-    host_blocks = min(int(config.swap_space * (1 << 30)) // per_block, 4 * device_blocks)
-    runner = ModelRunner(loaded, block_size=config.block_size, num_blocks=device_blocks,
-                         num_host_blocks=host_blocks)
-    return runner, loaded.tokenizer, loaded.name, loaded.config.max_position_embeddings

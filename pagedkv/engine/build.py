@@ -1,0 +1,28 @@
+"""From an EngineConfig to a ModelRunner: load the model, size the device and host KV pools."""
+
+from __future__ import annotations
+
+from pagedkv.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+
+
+def build_runner(config: EngineConfig):
+    """Load the model and size its KV pools: returns (runner, tokenizer, model name,
+    max_position_embeddings)."""
+    import torch
+
+    from pagedkv.models import load_model
+    from pagedkv.runner import ModelRunner, bytes_per_block
+    from pagedkv.runner.kv_cache import num_blocks_for_memory
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    dtype = getattr(torch, config.dtype)
+    loaded = load_model(config.model, dtype=dtype)
+    per_block = bytes_per_block(loaded.config, config.block_size, dtype)
+    device_blocks = config.num_kv_blocks or num_blocks_for_memory(
+        loaded.config, config.block_size, config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, dtype)
+    # swap_space is GiB of host memory; more host blocks than 4x the device pool buy nothing.
+    host_blocks = min(int(config.swap_space * (1 << 30)) // per_block, 4 * device_blocks)
+    runner = ModelRunner(loaded, block_size=config.block_size, num_blocks=device_blocks,
+                         num_host_blocks=host_blocks)
+    return runner, loaded.tokenizer, loaded.name, loaded.config.max_position_embeddings
