@@ -76,6 +76,11 @@ class InputProcessor:
                 f"{L - 1} prompt tokens so that at least one token can be generated")
         return TokenizedPrompt(text, ids)
 
+    def max_new_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """New tokens a request may generate: ``max_tokens``, or the rest of the context."""
+        room = max(self.max_model_len - num_prompt_tokens, 0)
+        return min(params.max_tokens or room, room)
+
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams, width: int) -> int:
         """The request's resolved limit on new tokens; RequestTooLongError if it cannot fit the
         context or the KV pool (``width`` sequences: ``n`` samples or beams)."""
@@ -85,7 +90,7 @@ class InputProcessor:
                 f"this model's maximum context length is {L} tokens; the request asks for "
                 f"{n + params.max_tokens} ({n} in the prompt, {params.max_tokens} "
                 f"max_tokens): lower max_tokens to at most {L - n}")
-        max_tokens = min(params.max_tokens or L, L - n)
+        max_tokens = self.max_new_tokens(n, params)
         kv = self.kv
         # Forks share the prompt's blocks; each needs its own blocks for its output (plus one
         # copy-on-write of the prompt's partial last block).

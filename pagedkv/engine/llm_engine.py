@@ -40,6 +40,7 @@ from pagedkv.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
 
@@ -160,12 +161,9 @@ class LLMEngine:
         return [self._output(g) for g in progressed.values() if not only_finished or g.is_finished]
 
     def _chunk(self, s: ScheduledSeq) -> SeqChunk:
-        group, seq = s.group, s.seq
-        wants_prompt_logprobs = (group.prompt_logprobs is not None
-                                 and s.start + s.num_tokens > len(group.prompt_logprobs) - 1
-                                 and len(group.prompt_logprobs) < len(group.prompt_token_ids))
+        seq = s.seq
         return SeqChunk(seq.token_ids[s.start:s.start + s.num_tokens], s.start,
-                        self.kv.block_table(seq.seq_id), all_logits=wants_prompt_logprobs)
+                        self.kv.block_table(seq.seq_id), all_logits=_prompt_logprob_window(s) is not None)
 
     def _execute(self, out: SchedulerOutput, chunks: list[SeqChunk]):
         """The plan's shared work on the runner; the logits of its chunks, or None."""
@@ -187,19 +185,17 @@ class LLMEngine:
         """Logprobs of the prompt tokens this step's all_logits chunks predict (row p of a chunk
         predicts token p + 1), each recorded once even when a preemption recomputes it."""
         for s, chunk, end in zip(out.scheduled, chunks, ends):
-            if not chunk.all_logits or s.group.is_finished:
+            window = _prompt_logprob_window(s) if chunk.all_logits else None
+            if window is None or s.group.is_finished:
                 continue
-            group = s.group
+            group, (first, last) = s.group, window
             try:
-                have, prompt = len(group.prompt_logprobs), group.prompt_token_ids
-                first = have - 1  # the position whose logits predict prompt token ``have``
-                last = min(s.start + s.num_tokens, len(prompt) - 1)  # positions first .. last - 1
-                if last > first >= s.start:
-                    row0 = end - chunk.num_logits - s.start  # the logits row of position 0, were it here
-                    group.prompt_logprobs += token_logprobs(logits[row0 + first:row0 + last],
-                                                            prompt[have:last + 1], group.params.prompt_logprobs)
+                row0 = end - chunk.num_logits - s.start  # the logits row of position 0, were it here
+                group.prompt_logprobs += token_logprobs(logits[row0 + first:row0 + last],
+                                                        group.prompt_token_ids[first + 1:last + 1],
+                                                        group.params.prompt_logprobs)
             except Exception as exc:  # noqa: BLE001 - this request's alone
-                self._fail_request(group, "prompt logprobs", exc, progressed)
+                self._fail_requests([group], "prompt logprobs", exc, progressed)
 
     def _fail_plan(self, out: SchedulerOutput, exc: Exception, progressed: dict[str, SequenceGroup]) -> None:
         """The runner failed the plan's shared work: fail every request whose KV it touched.
@@ -251,7 +247,7 @@ class LLMEngine:
                     group.forked = True
                     seqs += [self._fork(group, seq) for _ in range(group.params.n - 1)]
                 except Exception as exc:  # noqa: BLE001
-                    self._fail_request(group, "forking", exc, progressed)
+                    self._fail_requests([group], "forking", exc, progressed)
                     continue
             for q in seqs:
                 rows.append(SampleRow(last_rows[i], group.params, q.rng))
@@ -260,8 +256,7 @@ class LLMEngine:
             try:
                 batch = self.sampler.prepare(logits, rows)
             except Exception as exc:  # noqa: BLE001 - shared work: fail the sampled requests
-                for group, _ in targets:
-                    self._fail_request(group, "sampling", exc, progressed)
+                self._fail_requests([g for g, _ in targets], "sampling", exc, progressed)
                 targets = []
             for (group, seq), row in zip(targets, rows):
                 if group.is_finished:
@@ -269,20 +264,24 @@ class LLMEngine:
                 try:
                     self._append(group, seq, batch.sample(row))
                 except Exception as exc:  # noqa: BLE001 - sampling, stop checks, detokenization
-                    self._fail_request(group, "sampling", exc, progressed)
+                    self._fail_requests([group], "sampling", exc, progressed)
                 else:
                     progressed[group.request_id] = group
         if beam_rows:
             self._beam_step(logits, beam_rows, progressed)
 
-    def _fail_request(self, group: SequenceGroup, stage: str, exc: Exception,
-                      progressed: dict[str, SequenceGroup]) -> None:
+    def _fail_requests(self, groups: list[SequenceGroup], stage: str, exc: Exception,
+                       progressed: dict[str, SequenceGroup]) -> None:
+        """Fail ``groups`` (once each) for one exception, logged once unless a user's input caused it."""
+        groups = list({id(g): g for g in groups}.values())
         if isinstance(exc, SamplingError):
             message = str(exc)
         else:
-            logger.exception("%s failed for request %s", stage, group.request_id)
+            logger.error("%s failed for %d request(s): %s", stage, len(groups),
+                         ", ".join(g.request_id for g in groups), exc_info=exc)
             message = f"{stage} failed for this request: {type(exc).__name__}: {exc}"
-        self._fail(group, message, progressed)
+        for group in groups:
+            self._fail(group, message, progressed)
 
     def _append(self, group: SequenceGroup, seq: Sequence, sampled: Sampled) -> None:
         seq.token_ids.append(sampled.token)
@@ -304,8 +303,7 @@ class LLMEngine:
         try:
             values, ids = top_logprobs(logits[[i for i, _, _ in beam_rows]], min(k, logits.shape[-1]))
         except Exception as exc:  # noqa: BLE001 - shared work: fail the beam requests
-            for _, group, _ in beam_rows:
-                self._fail_request(group, "beam search", exc, progressed)
+            self._fail_requests([g for _, g, _ in beam_rows], "beam search", exc, progressed)
             return
         for (_, group, seq), v, t in zip(beam_rows, values, ids):
             group.beam_candidates[seq.seq_id] = (v[:2 * group.beam_width], t[:2 * group.beam_width])
@@ -320,7 +318,7 @@ class LLMEngine:
                         raise SamplingError(NO_CANDIDATE)
                     self._advance_beams(group, beams)
                 except Exception as exc:  # noqa: BLE001
-                    self._fail_request(group, "beam search", exc, progressed)
+                    self._fail_requests([group], "beam search", exc, progressed)
                 else:
                     progressed[group.request_id] = group
 
@@ -386,3 +384,14 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens, generation_tokens_total=self._generation_tokens,
             num_steps=self._steps,
             faults_fired=sum(self.faults.fired.values()) if self.faults else 0)
+
+
+def _prompt_logprob_window(s: ScheduledSeq) -> tuple[int, int] | None:
+    """Positions ``first .. last - 1`` of this chunk whose logits give prompt logprobs not yet
+    recorded (position p predicts prompt token p + 1), or None when the chunk gives none."""
+    recorded = s.group.prompt_logprobs
+    if recorded is None:
+        return None
+    first = len(recorded) - 1  # the position whose logits predict the next unrecorded token
+    last = min(s.start + s.num_tokens, len(s.group.prompt_token_ids) - 1)
+    return (first, last) if last > first >= s.start else None

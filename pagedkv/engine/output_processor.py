@@ -80,7 +80,9 @@ class OutputProcessor:
             prompt_token_ids=list(group.prompt_token_ids), outputs=outs,
             finished=group.is_finished, num_cached_tokens=max(group.num_cached_tokens, 0),
             metrics=dict(group.metrics), error=group.error,
-            prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None)
+            # Shared, not copied each step: an output is only made once the prompt is computed
+            # (or the request failed), and the list never changes after that.
+            prompt_logprobs=group.prompt_logprobs)
 
 
 def beam_score(seq: Sequence, group: SequenceGroup) -> float:

@@ -173,11 +173,16 @@ def _check_stops(params: SamplingParams, limits: RequestLimits) -> None:
 
 async def _tokenize(state: ServerState, gen: Generation) -> list[TokenizedPrompt]:
     """Tokenize off the event loop and the engine thread; then bound the work asked for."""
-    engine = state.engine.engine
-    prompts = await asyncio.to_thread(lambda: [engine.tokenize(p) for p in gen.prompts])
-    L, p = engine.config.max_model_len, gen.params
+    engine, p = state.engine.engine, gen.params
+
+    def tokenize() -> tuple[list[TokenizedPrompt], list[int]]:
+        prompts = [engine.tokenize(prompt) for prompt in gen.prompts]
+        # The engine's own rule for the new tokens each may take.
+        return prompts, [engine.inputs.max_new_tokens(len(t.token_ids), p) for t in prompts]
+
+    prompts, max_new = await asyncio.to_thread(tokenize)
     limit = state.limits.max_tokens_per_request
-    work = sum(p.n * min(p.max_tokens or L, max(L - len(t.token_ids), 0)) for t in prompts)
+    work = p.n * sum(max_new)
     echoed = sum(p.n * len(t.token_ids) for t in prompts) if p.prompt_logprobs is not None else 0
     if work + echoed > limit:
         echo = f", plus {echoed} echoed prompt tokens with logprobs" if echoed else ""
