@@ -35,10 +35,11 @@ def bench_prompts(n: int, rng: random.Random) -> tuple[float, KVCacheManager]:
 
 def bench_decode(mgr: KVCacheManager, steps: int) -> float:
     seqs = list(mgr.seqs)
+    tokens = {s: mgr.seqs[s].token_ids for s in seqs}  # each sequence's list (this script owns it)
     t0 = time.perf_counter()
     for step in range(steps):
         for s in seqs:
-            mgr.append_tokens(s, (step,))
+            tokens[s].append(step)
             mgr.allocate_slots(s, 1)
             mgr.mark_computed(s, 1)
     return (time.perf_counter() - t0) / (steps * len(seqs))
@@ -49,8 +50,7 @@ def bench_fork_cow(mgr: KVCacheManager) -> float:
     t0 = time.perf_counter()
     for s in seqs:
         child = ("c", s)
-        mgr.fork(s, child)
-        mgr.append_tokens(child, (1,))
+        mgr.fork(s, child, mgr.seqs[s].token_ids + [1])
         mgr.allocate_slots(child, 1)  # last block is partly filled: copy-on-write
         mgr.mark_computed(child, 1)
     return (time.perf_counter() - t0) / len(seqs)

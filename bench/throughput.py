@@ -111,8 +111,9 @@ def profile_decode(engine: LLMEngine, workload: Workload, steps: int = 12) -> di
     from pagedkv.benchmark import SamplingParams
     for i, (p, n) in enumerate(zip(workload.prompts, workload.new_tokens)):
         engine.add_request(f"prof-{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-    while engine.stats().num_waiting or any(s.in_prefill for g in engine.scheduler.running
-                                             for s in g.live_seqs):
+    kv = engine.kv
+    while engine.stats().num_waiting or any(kv.num_computed(s.seq_id) < s.num_tokens - 1
+                                             for g in engine.scheduler.running for s in g.live_seqs):
         engine.step()
     prof = cProfile.Profile()
     prof.enable()
@@ -134,7 +135,7 @@ def profile_decode(engine: LLMEngine, workload: Workload, steps: int = 12) -> di
     attention = cum("__call__", file="model_runner.py")
     head = cum("forward", file="packed_linear.py") or cum("linear")
     inputs = cum("prepare", file="model_runner.py")
-    schedule = cum("schedule", "on_step_done", file="scheduler.py")
+    schedule = cum("schedule", "update_from_output", file="scheduler.py")
     sample = cum("_sample", file="llm_engine.py")
     out = {
         "model: attention (cache write + paged attention)": attention,

@@ -103,6 +103,59 @@ def test_fault_injection_preserves_outputs(tmp_path, mode):
     assert faults > 0 and preemptions > 6  # memory pressure and faults really preempted
 
 
+def test_memory_core_changes_only_in_schedule_and_update(tmp_path):
+    """One step is schedule -> execute -> update: the memory core is changed inside
+    ``Scheduler.schedule`` and ``Scheduler.update_from_output`` only, never by the engine in between,
+    and it reads each sequence's own token list (one owner of the tokens)."""
+    folder = make_hf_checkpoint(tmp_path, "llama", seed=11)
+    engine = LLMEngine.from_options(str(folder), block_size=4, num_kv_blocks=40, max_num_batched_tokens=40,
+                                    swap_space=0.0002, preemption_mode="swap",
+                                    fault_injection="seed=2,rate=0.15", debug_integrity=True)
+    kv, scheduler = engine.kv, engine.scheduler
+    phase: list[str] = []
+    calls: list[tuple[str, str | None]] = []
+
+    def wrap(obj, name, record):
+        original = getattr(obj, name)
+
+        def wrapped(*args, **kwargs):
+            record(name)
+            return original(*args, **kwargs)
+        setattr(obj, name, wrapped)
+
+    for name in ("allocate_prompt", "allocate_slots", "mark_computed", "fork", "free", "swap_out",
+                 "swap_in", "evict_cached"):
+        wrap(kv, name, lambda n: calls.append((n, phase[-1] if phase else None)))
+    for name in ("schedule", "update_from_output"):
+        original = getattr(scheduler, name)
+
+        def phased(*args, _original=original, _name=name, **kwargs):
+            phase.append(_name)
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                phase.pop()
+        setattr(scheduler, name, phased)
+
+    prompts = ragged_prompts(2, [5, 30, 14, 22, 9, 41, 3, 18])
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0.8, n=1 + i % 3, seed=i, max_tokens=10,
+                                                      ignore_eos=True))
+    engine.add_request("beam", prompts[0], SamplingParams(max_tokens=6, ignore_eos=True), beam_width=3)
+    while engine.has_unfinished_requests():
+        engine.step()
+        for group in scheduler.groups.values():
+            for seq in group.live_seqs:
+                if seq.seq_id in kv:
+                    assert kv.seqs[seq.seq_id].token_ids is seq.token_ids
+    outside = [c for c in calls if c[1] is None]
+    assert not outside, f"memory core changed outside schedule/update: {outside[:5]}"
+    made = {name for name, _ in calls}
+    assert {"mark_computed", "fork", "free", "allocate_slots", "allocate_prompt"} <= made
+    assert all(p == "update_from_output" for n, p in calls if n in ("mark_computed", "fork"))
+    assert engine.stats().kv.used_blocks == 0
+
+
 def test_fault_spec_from_environment(tmp_path, monkeypatch):
     folder = make_hf_checkpoint(tmp_path, "llama", seed=1)
     monkeypatch.setenv("PAGEDKV_FAULT_INJECTION", "seed=3,rate=0.5")

@@ -96,17 +96,19 @@ def test_eviction_order_of_a_freed_chain():
 
 def test_fork_then_append_copies_on_write():
     mgr = KVCacheManager(num_blocks=8, block_size=4)
-    computed_prompt(mgr, "p", [1, 2, 3, 4, 5, 6])  # blocks 0 (full), 1 (2 of 4 slots)
-    mgr.fork("p", "c")
+    parent = [1, 2, 3, 4, 5, 6]
+    computed_prompt(mgr, "p", parent)  # blocks 0 (full), 1 (2 of 4 slots)
+    child = list(parent)
+    mgr.fork("p", "c", child)
     assert mgr.block_table("c") == [0, 1]
     assert mgr.pool.blocks[1].ref_count == 2
     # The child writes token 7 into the shared partial block 1: it gets a copy.
-    mgr.append_tokens("c", [7])
+    child.append(7)
     assert mgr.allocate_slots("c", 1) == [(1, 2)]
     assert mgr.block_table("c") == [0, 2]
     assert mgr.pool.blocks[1].ref_count == 1
     # The parent now owns block 1 alone and writes in place.
-    mgr.append_tokens("p", [8])
+    parent.append(8)
     assert mgr.allocate_slots("p", 1) == []
     assert mgr.block_table("p") == [0, 1]
     assert mgr.stats().cow_copies == 1
@@ -115,10 +117,32 @@ def test_fork_then_append_copies_on_write():
     mgr.check_integrity()
 
 
+def test_manager_reads_the_callers_token_list():
+    """The caller owns a sequence's tokens: the manager reads its list (tokens appended later are
+    seen), never copies it, and a fork needs the child's own list agreeing on the shared prefix."""
+    mgr = KVCacheManager(num_blocks=8, block_size=4)
+    tokens = [1, 2, 3, 4, 5, 6]
+    computed_prompt(mgr, "p", tokens)
+    assert mgr.seqs["p"].token_ids is tokens
+    tokens += [7, 8]
+    mgr.allocate_slots("p", 2)
+    mgr.mark_computed("p", 2)  # tokens 7 and 8 fill block 1: it enters the prefix cache
+    assert mgr.allocate_prompt("q", [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 8
+    with pytest.raises(ValueError, match="own token list"):
+        mgr.fork("p", "c", tokens)  # the parent's very list
+    with pytest.raises(ValueError, match="own token list"):
+        mgr.fork("p", "c", [1, 2, 3, 4, 5, 6, 7, 0])  # disagrees on a computed token
+    child = tokens + [9]
+    mgr.fork("p", "c", child)
+    assert mgr.seqs["c"].token_ids is child and mgr.num_computed("c") == 8
+    assert mgr.num_computed("unknown") == 0
+    mgr.check_integrity()
+
+
 def test_swap_round_trip_preserves_sharing_and_counts():
     mgr = KVCacheManager(num_blocks=8, block_size=4, num_host_blocks=8)
     computed_prompt(mgr, "p", [1, 2, 3, 4, 5, 6])
-    mgr.fork("p", "c")
+    mgr.fork("p", "c", [1, 2, 3, 4, 5, 6])
     out = mgr.swap_out(["p", "c"])
     assert out == [(0, 0), (1, 1)]
     assert mgr.block_table("p") == mgr.block_table("c") == [0, 1]
@@ -138,14 +162,15 @@ def test_swap_round_trip_preserves_sharing_and_counts():
 
 def test_allocation_is_transactional():
     mgr = KVCacheManager(num_blocks=4, block_size=4)
-    computed_prompt(mgr, "a", list(range(8)))
+    tokens = list(range(8))
+    computed_prompt(mgr, "a", tokens)
     before = (mgr.pool.num_free, dict(mgr.pool.cached), mgr.stats())
     with pytest.raises(OutOfBlocksError) as err:
         mgr.allocate_prompt("b", list(range(100, 120)))
     assert err.value.needed == 5 and err.value.available == 2
     assert "b" not in mgr
     assert (mgr.pool.num_free, dict(mgr.pool.cached), mgr.stats()) == before
-    mgr.append_tokens("a", [1] * 9)
+    tokens += [1] * 9
     with pytest.raises(OutOfBlocksError):
         mgr.allocate_slots("a", 9)
     assert mgr.block_table("a") == [0, 1]
@@ -154,11 +179,12 @@ def test_allocation_is_transactional():
 
 def test_watermark_keeps_blocks_for_running_sequences():
     mgr = KVCacheManager(num_blocks=10, block_size=4, watermark=0.2)
-    mgr.allocate_prompt("a", list(range(32)))  # 8 blocks leaves exactly 2 = watermark
+    tokens = list(range(32))
+    mgr.allocate_prompt("a", tokens)  # 8 blocks leaves exactly 2 = watermark
     with pytest.raises(OutOfBlocksError):
         mgr.allocate_prompt("b", [1])
     mgr.mark_computed("a", 32)
-    mgr.append_tokens("a", [5])
+    tokens.append(5)
     mgr.allocate_slots("a", 1)  # growth may use the watermark
 
 

@@ -64,6 +64,7 @@ class MemoryCoreMachine(RuleBasedStateMachine):
         seq = self.next_id
         self.next_id += 1
         before = self.mgr.stats()
+        tokens = list(tokens)  # this sequence's own list: the manager reads it
         try:
             cached = self.mgr.allocate_prompt(seq, tokens, chunk, salt=salt)
         except OutOfBlocksError as e:
@@ -71,7 +72,7 @@ class MemoryCoreMachine(RuleBasedStateMachine):
             assert self.mgr.stats() == before and seq not in self.mgr
             return
         assert cached % self.B == 0 and cached < len(tokens)
-        self.ref[seq] = (list(tokens), salt)
+        self.ref[seq] = (tokens, salt)
         # Every hit position must already hold this very prefix.
         table = self.mgr.block_table(seq)
         for pos in range(cached):
@@ -85,7 +86,6 @@ class MemoryCoreMachine(RuleBasedStateMachine):
         tokens = self.ref[seq][0]
         if self.mgr.num_computed(seq) == len(tokens):  # decode: a token was sampled
             tokens.append(new_token)
-            self.mgr.append_tokens(seq, [new_token])
             k = 1
         k = min(k, len(tokens) - self.mgr.num_computed(seq))
         table_before = list(self.mgr.block_table(seq))
@@ -103,9 +103,9 @@ class MemoryCoreMachine(RuleBasedStateMachine):
         parent = data.draw(st.sampled_from(self._seqs(False)))
         child = self.next_id
         self.next_id += 1
-        self.mgr.fork(parent, child)
         tokens, salt = self.ref[parent]
         self.ref[child] = (list(tokens), salt)
+        self.mgr.fork(parent, child, self.ref[child][0])
 
     @precondition(lambda self: self.ref)
     @rule(data=st.data())

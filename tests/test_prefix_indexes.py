@@ -40,19 +40,23 @@ def test_hash_and_radix_indexes_agree(ops, block_size, num_blocks, policy):
     managers = [KVCacheManager(num_blocks, block_size, eviction_policy=policy, prefix_index=i)
                 for i in ("hash", "radix")]
     live: list[int] = []
+    seq_tokens: dict[int, list[int]] = {}  # each sequence's own token list, read by both managers
     for n, (op, tokens, salt, pick) in enumerate(ops):
         results = []
+        if op == "add":
+            seq_tokens[n] = list(tokens)
+        elif op == "decode" and live:
+            seq_tokens[live[pick % len(live)]].append(tokens[0])
         for mgr in managers:
             try:
                 if op == "add":
-                    cached = mgr.allocate_prompt(n, tokens, salt=salt)
+                    cached = mgr.allocate_prompt(n, seq_tokens[n], salt=salt)
                     mgr.mark_computed(n, len(tokens) - cached)
                     results.append(cached)
                 elif op == "free" and live:
                     mgr.free(live[pick % len(live)])
                 elif op == "decode" and live:
                     seq = live[pick % len(live)]
-                    mgr.append_tokens(seq, [tokens[0]])
                     results.append(mgr.allocate_slots(seq, 1))
                     mgr.mark_computed(seq, 1)
                 elif op == "evict":

@@ -2,9 +2,10 @@
 
     add_request ─> Scheduler.waiting
     step():  Scheduler.schedule() ─> SchedulerOutput (frozen plan)
-             runner: swap out, copy-on-write copies, swap in, execute(chunks) ─> logits
-             Scheduler.on_step_done ─> KV marked computed (full blocks enter the prefix cache)
-             Sampler ─> next tokens; forks for n > 1 and beams; stop checks; finished freed
+             runner: swap out, swap in, copy-on-write copies, execute(chunks) ─> logits
+             per request: prompt logprobs, Sampler ─> next tokens, forks for n > 1 and beams,
+                 stop checks (request state written here) ─> StepResult
+             Scheduler.update_from_output(plan, result): KV marked computed, forks, frees
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pagedkv.engine.sampler import (
     token_logprobs,
     top_logprobs,
 )
-from pagedkv.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
+from pagedkv.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput, StepResult
 from pagedkv.engine.sequence import GroupStatus, Sequence, SequenceGroup
 from pagedkv.engine.stats import EngineStats
 from pagedkv.memory import KVCacheManager
@@ -140,25 +141,29 @@ class LLMEngine:
         only; waiting requests are untouched and the engine keeps serving.
         """
         out = self.scheduler.schedule()
-        progressed: dict[str, SequenceGroup] = {}
+        step = StepResult()
         chunks = [self._chunk(s) for s in out.scheduled]
         try:
             logits = self._execute(out, chunks)
         except Exception as exc:  # noqa: BLE001 - fail this plan's requests, keep the engine
-            self._fail_plan(out, exc, progressed)
+            self._fail_plan(out, exc, step)
         else:
             if logits is not None:
-                self.scheduler.on_step_done(out)
                 # Logits rows: one per chunk (its last token), or every token of an all_logits chunk.
                 ends = list(itertools.accumulate(c.num_logits for c in chunks))
-                self._record_prompt_logprobs(out, chunks, ends, logits, progressed)
+                self._record_prompt_logprobs(out, chunks, ends, logits, step)
                 if ends[-1] != len(ends):  # keep only the rows sampled from
                     logits = logits.index_select(0, logits.new_tensor([e - 1 for e in ends]).long())
-                self._sample(out, logits, list(range(len(ends))), progressed)
+                self._sample(out, logits, list(range(len(ends))), step)
+        self.scheduler.update_from_output(out, step)
+        now = time.time()
+        for group in step.progressed.values():
+            if group.is_finished:
+                group.metrics.setdefault("finished_time", now)
         self._steps += 1
         if self.config.debug_integrity:
             self.kv.check_integrity()
-        return [self._output(g) for g in progressed.values() if not only_finished or g.is_finished]
+        return [self._output(g) for g in step.progressed.values() if not only_finished or g.is_finished]
 
     def _chunk(self, s: ScheduledSeq) -> SeqChunk:
         seq = s.seq
@@ -181,12 +186,12 @@ class LLMEngine:
         return runner.execute(chunks)
 
     def _record_prompt_logprobs(self, out: SchedulerOutput, chunks: list[SeqChunk], ends: list[int],
-                                logits, progressed: dict[str, SequenceGroup]) -> None:
+                                logits, step: StepResult) -> None:
         """Logprobs of the prompt tokens this step's all_logits chunks predict (row p of a chunk
         predicts token p + 1), each recorded once even when a preemption recomputes it."""
         for s, chunk, end in zip(out.scheduled, chunks, ends):
             window = _prompt_logprob_window(s) if chunk.all_logits else None
-            if window is None or s.group.is_finished:
+            if window is None or s.group.error is not None:
                 continue
             group, (first, last) = s.group, window
             try:
@@ -195,47 +200,50 @@ class LLMEngine:
                                                         group.prompt_token_ids[first + 1:last + 1],
                                                         group.params.prompt_logprobs)
             except Exception as exc:  # noqa: BLE001 - this request's alone
-                self._fail_requests([group], "prompt logprobs", exc, progressed)
+                self._fail_requests([group], "prompt logprobs", exc, step)
 
-    def _fail_plan(self, out: SchedulerOutput, exc: Exception, progressed: dict[str, SequenceGroup]) -> None:
+    def _fail_plan(self, out: SchedulerOutput, exc: Exception, step: StepResult) -> None:
         """The runner failed the plan's shared work: fail every request whose KV it touched.
 
         A request preempted by recompute in this plan holds no blocks and is left waiting. The
-        blocks of the failed requests are freed; as a swap-in registers its blocks in the prefix
-        cache before their data is copied, every cached-free block is then forgotten, so no later
-        request can hit a block whose contents the failure left undefined.
+        update then frees the failed requests' blocks and forgets every cached-free block (see
+        ``Scheduler.update_from_output``).
         """
+        step.computed = False
         touched = [g for rid in sorted(out.request_ids)
                    if (g := self.scheduler.groups.get(rid)) is not None and g.status is not GroupStatus.WAITING]
         logger.error("a step's forward pass failed (%r); failing its %d request(s)", exc, len(touched),
                      exc_info=exc)
         for group in touched:
-            self._fail(group, f"the forward pass of this request's batch failed: {exc!r}", progressed)
-        self.kv.evict_cached()
+            self._fail(group, f"the forward pass of this request's batch failed: {exc!r}", step)
 
-    def _fail(self, group: SequenceGroup, message: str, progressed: dict[str, SequenceGroup]) -> None:
-        """End ``group`` with ``message`` as its error, freeing its blocks."""
-        if group.error is None:
-            group.error = message
-        self.scheduler.abort(group.request_id, reason="error")
+    def _fail(self, group: SequenceGroup, message: str, step: StepResult | None) -> None:
+        """End ``group`` with ``message`` as its error: in this step's update, or at once (its
+        blocks freed) when no step is under way."""
+        if group.error is not None:
+            return
+        group.error = message
         group.metrics.setdefault("finished_time", time.time())
-        progressed[group.request_id] = group
+        if step is None:
+            self.scheduler.abort(group.request_id, reason="error")
+        else:
+            step.failed.append(group)
+            step.progressed[group.request_id] = group
 
     def _output(self, group: SequenceGroup) -> RequestOutput:
         try:
             return self.outputs.make_output(group)
         except Exception as exc:  # noqa: BLE001 - e.g. detokenization; fail this request alone
             logger.exception("building the output of %s failed", group.request_id)
-            self._fail(group, f"building this request's output failed: {exc!r}", {})
+            self._fail(group, f"building this request's output failed: {exc!r}", None)
             return self.outputs.make_output(group)  # the error path does not detokenize
 
-    def _sample(self, out: SchedulerOutput, logits, last_rows: list[int],
-                progressed: dict[str, SequenceGroup]) -> None:
+    def _sample(self, out: SchedulerOutput, logits, last_rows: list[int], step: StepResult) -> None:
         rows: list[SampleRow] = []
         targets: list[tuple[SequenceGroup, Sequence]] = []
         beam_rows: list[tuple[int, SequenceGroup, Sequence]] = []
         for i, s in enumerate(out.scheduled):
-            if not s.samples or s.group.is_finished:
+            if not s.samples or s.group.error is not None:
                 continue
             group, seq = s.group, s.seq
             if group.beam_width:
@@ -245,9 +253,9 @@ class LLMEngine:
             if not group.forked:
                 try:
                     group.forked = True
-                    seqs += [self._fork(group, seq) for _ in range(group.params.n - 1)]
+                    seqs += [self._fork(group, seq, step) for _ in range(group.params.n - 1)]
                 except Exception as exc:  # noqa: BLE001
-                    self._fail_requests([group], "forking", exc, progressed)
+                    self._fail_requests([group], "forking", exc, step)
                     continue
             for q in seqs:
                 rows.append(SampleRow(last_rows[i], group.params, q.rng))
@@ -256,22 +264,22 @@ class LLMEngine:
             try:
                 batch = self.sampler.prepare(logits, rows)
             except Exception as exc:  # noqa: BLE001 - shared work: fail the sampled requests
-                self._fail_requests([g for g, _ in targets], "sampling", exc, progressed)
+                self._fail_requests([g for g, _ in targets], "sampling", exc, step)
                 targets = []
             for (group, seq), row in zip(targets, rows):
-                if group.is_finished:
+                if group.error is not None:
                     continue  # a sibling failed it earlier in this step
                 try:
-                    self._append(group, seq, batch.sample(row))
+                    self._append(group, seq, batch.sample(row), step)
                 except Exception as exc:  # noqa: BLE001 - sampling, stop checks, detokenization
-                    self._fail_requests([group], "sampling", exc, progressed)
+                    self._fail_requests([group], "sampling", exc, step)
                 else:
-                    progressed[group.request_id] = group
+                    step.progressed[group.request_id] = group
         if beam_rows:
-            self._beam_step(logits, beam_rows, progressed)
+            self._beam_step(out, logits, beam_rows, step)
 
     def _fail_requests(self, groups: list[SequenceGroup], stage: str, exc: Exception,
-                       progressed: dict[str, SequenceGroup]) -> None:
+                       step: StepResult) -> None:
         """Fail ``groups`` (once each) for one exception, logged once unless a user's input caused it."""
         groups = list({id(g): g for g in groups}.values())
         if isinstance(exc, SamplingError):
@@ -281,11 +289,10 @@ class LLMEngine:
                          ", ".join(g.request_id for g in groups), exc_info=exc)
             message = f"{stage} failed for this request: {type(exc).__name__}: {exc}"
         for group in groups:
-            self._fail(group, message, progressed)
+            self._fail(group, message, step)
 
-    def _append(self, group: SequenceGroup, seq: Sequence, sampled: Sampled) -> None:
+    def _append(self, group: SequenceGroup, seq: Sequence, sampled: Sampled, step: StepResult) -> None:
         seq.token_ids.append(sampled.token)
-        self.kv.append_tokens(seq.seq_id, (sampled.token,))
         self._generation_tokens += 1
         if sampled.top is not None:
             seq.logprobs.append(sampled.top)  # type: ignore[union-attr]
@@ -294,35 +301,36 @@ class LLMEngine:
             group.metrics["first_token_time"] = time.time()
         self.outputs.check_stop(group, seq, sampled.token)
         if seq.finish_reason is not None:
-            self.scheduler.finish_seq(group, seq)
-            if group.is_finished:
-                group.metrics["finished_time"] = time.time()
+            step.finished.append((group, seq))
 
-    def _beam_step(self, logits, beam_rows, progressed: dict[str, SequenceGroup]) -> None:
+    def _beam_step(self, out: SchedulerOutput, logits, beam_rows, step: StepResult) -> None:
         k = max(2 * g.beam_width for _, g, _ in beam_rows)
         try:
             values, ids = top_logprobs(logits[[i for i, _, _ in beam_rows]], min(k, logits.shape[-1]))
         except Exception as exc:  # noqa: BLE001 - shared work: fail the beam requests
-            self._fail_requests([g for _, g, _ in beam_rows], "beam search", exc, progressed)
+            self._fail_requests([g for _, g, _ in beam_rows], "beam search", exc, step)
             return
         for (_, group, seq), v, t in zip(beam_rows, values, ids):
             group.beam_candidates[seq.seq_id] = (v[:2 * group.beam_width], t[:2 * group.beam_width])
+        # A beam is ready once its KV is computed: earlier steps' count plus this plan's tokens.
+        planned = {s.seq.seq_id: s.num_tokens for s in out.scheduled}
         for group in {id(g): g for _, g, _ in beam_rows}.values():
-            if group.is_finished:
+            if group.error is not None:
                 continue
             beams = group.live_seqs
-            if all(b.seq_id in group.beam_candidates and b.num_computed == b.num_tokens
+            if all(b.seq_id in group.beam_candidates
+                   and self.kv.num_computed(b.seq_id) + planned.get(b.seq_id, 0) == b.num_tokens
                    for b in beams):
                 try:
                     if any(x != x for v, _ in group.beam_candidates.values() for x in v):
                         raise SamplingError(NO_CANDIDATE)
-                    self._advance_beams(group, beams)
+                    self._advance_beams(group, beams, step)
                 except Exception as exc:  # noqa: BLE001
-                    self._fail_requests([group], "beam search", exc, progressed)
+                    self._fail_requests([group], "beam search", exc, step)
                 else:
-                    progressed[group.request_id] = group
+                    step.progressed[group.request_id] = group
 
-    def _advance_beams(self, group: SequenceGroup, beams: list[Sequence]) -> None:
+    def _advance_beams(self, group: SequenceGroup, beams: list[Sequence], step: StepResult) -> None:
         live, done = select_beams(beams, group.beam_candidates, group.beam_width,
                                   self.outputs.eos_token_ids, group.params.ignore_eos)
         group.beam_candidates.clear()
@@ -334,27 +342,22 @@ class LLMEngine:
         used: set[str] = set()
         assignments = []
         for prop in live:  # the first use of a parent keeps it; later uses fork it
-            child = prop.parent if prop.parent.seq_id not in used else self._fork(group, prop.parent)
+            child = prop.parent if prop.parent.seq_id not in used else self._fork(group, prop.parent, step)
             used.add(prop.parent.seq_id)
             assignments.append((child, prop))
         for beam in beams:
             if beam.seq_id not in used:
                 beam.finish_reason = "pruned"
-                self.scheduler.finish_seq(group, beam)
+                step.finished.append((group, beam))
         self._generation_tokens += len(assignments)
         for child, prop in assignments:
             child.token_ids.append(prop.token)
-            self.kv.append_tokens(child.seq_id, (prop.token,))
             child.cumulative_logprob = prop.cumulative_logprob
         for child, _ in assignments:
             if child.num_output_tokens >= group.max_tokens or child.num_tokens >= self.config.max_model_len:
                 child.finish_reason = "length"
                 group.finished_seqs.append(child)
-                self.scheduler.finish_seq(group, child)
-        if group.num_live == 0 and not group.is_finished:
-            self.scheduler.abort(group.request_id)  # no beam left: retire the group
-        if group.is_finished:
-            group.metrics["finished_time"] = time.time()
+                step.finished.append((group, child))
 
     # ------------------------------------------------------------------ helpers
     def _new_seq(self, group: SequenceGroup, index: int, token_ids: list[int]) -> Sequence:
@@ -363,12 +366,14 @@ class LLMEngine:
         return Sequence(f"{group.request_id}#{index}", index, len(group.prompt_token_ids), token_ids,
                         logprobs=[] if group.params.logprobs is not None else None, rng=rng)
 
-    def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
+    def _fork(self, group: SequenceGroup, parent: Sequence, step: StepResult) -> Sequence:
+        """A new sequence of ``group`` continuing ``parent`` (its blocks are shared in the update)."""
         child = self._new_seq(group, len(group.seqs), list(parent.token_ids))
         child.cumulative_logprob = parent.cumulative_logprob
         if parent.logprobs is not None:
             child.logprobs = list(parent.logprobs)
-        self.scheduler.fork(group, parent, child)
+        group.seqs.append(child)
+        step.forks.append((parent, child))
         return child
 
     def tokenize(self, prompt: PromptInput) -> TokenizedPrompt:

@@ -18,7 +18,7 @@ Pure Python: the scheduler drives the memory core and never touches tensors.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedkv.engine.sequence import GroupStatus, Sequence, SequenceGroup
 from pagedkv.memory import CopyPair, KVCacheManager, OutOfBlocksError
@@ -71,6 +71,22 @@ class SchedulerOutput:
         return {s.group.request_id for s in self.scheduled} | set(self.preempted) | set(self.resumed)
 
 
+@dataclass(slots=True, eq=False)
+class StepResult:
+    """What the engine made of one plan, for ``Scheduler.update_from_output``.
+
+    The engine has already written the request state (tokens appended, finish reasons, errors on
+    the ``Sequence``s and ``SequenceGroup``s it owns); this lists what the scheduler and the memory
+    core must now do about it.
+    """
+
+    computed: bool = True  # False: the shared work failed, none of the plan's KV was written
+    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (parent, new child)
+    finished: list[tuple[SequenceGroup, Sequence]] = field(default_factory=list)  # finish_reason set
+    failed: list[SequenceGroup] = field(default_factory=list)  # error set: end the whole request
+    progressed: dict[str, SequenceGroup] = field(default_factory=dict)  # requests with new output
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
@@ -98,20 +114,6 @@ class Scheduler:
             seq.finish_reason = reason
         self._retire(group)
         return group
-
-    def finish_seq(self, group: SequenceGroup, seq: Sequence) -> None:
-        """A sequence ended (its finish_reason is set): free its blocks; retire the group when
-        no sequence is left."""
-        if seq.seq_id in self.kv:
-            self.kv.free(seq.seq_id)
-        if group.num_live == 0:
-            self._retire(group)
-
-    def fork(self, group: SequenceGroup, parent: Sequence, child: Sequence) -> None:
-        """Add ``child`` to a running group, sharing every block of ``parent``."""
-        self.kv.fork(parent.seq_id, child.seq_id)
-        child.num_computed = parent.num_computed
-        group.seqs.append(child)
 
     def has_unfinished(self) -> bool:
         return bool(self.groups)
@@ -150,12 +152,28 @@ class Scheduler:
         return SchedulerOutput(tuple(scheduled), tuple(copies), tuple(swap_out), tuple(swap_in),
                                tuple(preempted), tuple(resumed))
 
-    def on_step_done(self, output: SchedulerOutput) -> None:
-        """Record that the plan's tokens were computed (their KV is written)."""
+    def update_from_output(self, output: SchedulerOutput, result: StepResult) -> None:
+        """The one update after a step: record the plan's KV as computed (full blocks enter the
+        prefix cache), fork new children in the memory core, free finished sequences and retire
+        requests with none left, and end failed requests. After a failed forward pass nothing is
+        recorded and every cached-free block is forgotten: a swap-in registers its blocks in the
+        prefix cache before their data is copied, so no later request may hit them."""
         kv = self.kv
-        for s in output.scheduled:
-            kv.mark_computed(s.seq.seq_id, s.num_tokens)
-            s.seq.num_computed += s.num_tokens
+        if result.computed:
+            for s in output.scheduled:
+                kv.mark_computed(s.seq.seq_id, s.num_tokens)
+        for parent, child in result.forks:
+            if child.finish_reason is None:
+                kv.fork(parent.seq_id, child.seq_id, child.token_ids)
+        for group, seq in result.finished:
+            if seq.seq_id in kv:
+                kv.free(seq.seq_id)
+            if group.num_live == 0:
+                self._retire(group)
+        for group in result.failed:
+            self.abort(group.request_id, reason="error")
+        if not result.computed:
+            kv.evict_cached()
 
     # ------------------------------------------------------------------ helpers
     def _schedule_running(self, group: SequenceGroup, budget: int, swap_out: list[CopyPair],
@@ -165,17 +183,17 @@ class Scheduler:
         for seq in group.live_seqs:
             if budget <= 0:
                 break
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            computed = self.kv.num_computed(seq.seq_id)
+            n = min(seq.num_tokens - computed, budget)
             if n <= 0:
                 continue
             if seq.seq_id not in self.kv:
                 # A sibling not yet back after a recompute: re-prefill when blocks allow.
                 try:
-                    seq.num_computed = self.kv.allocate_prompt(seq.seq_id, seq.token_ids, n,
-                                                               salt=group.salt)
+                    computed = self.kv.allocate_prompt(seq.seq_id, seq.token_ids, n, salt=group.salt)
                 except OutOfBlocksError:
                     continue
-                n = min(seq.num_tokens - seq.num_computed, n)
+                n = min(seq.num_tokens - computed, n)
             else:
                 while True:
                     try:
@@ -187,7 +205,7 @@ class Scheduler:
                             self._preempt(group, "recompute", swap_out, preempted)
                             return None
                         self._preempt(victim, self.config.preemption_mode, swap_out, preempted)
-            entries.append(ScheduledSeq(group, seq, seq.num_computed, n))
+            entries.append(ScheduledSeq(group, seq, computed, n))
             budget -= n
         return entries, pairs
 
@@ -205,14 +223,15 @@ class Scheduler:
             resumed.append(group.request_id)
             self._enqueue(self.running, group, GroupStatus.RUNNING)
             for seq in group.live_seqs:
-                n = min(seq.num_tokens - seq.num_computed, budget)
+                computed = self.kv.num_computed(seq.seq_id)
+                n = min(seq.num_tokens - computed, budget)
                 if n <= 0:
                     continue
                 try:
                     copies += self.kv.allocate_slots(seq.seq_id, n)
                 except OutOfBlocksError:
                     continue  # runs next step; preemption will make room there
-                scheduled.append(ScheduledSeq(group, seq, seq.num_computed, n))
+                scheduled.append(ScheduledSeq(group, seq, computed, n))
                 budget -= n
         return budget
 
@@ -230,7 +249,6 @@ class Scheduler:
             except OutOfBlocksError:
                 break
             self.waiting.pop(0)
-            seq.num_computed = cached
             if group.num_cached_tokens < 0:
                 group.num_cached_tokens = min(cached, len(group.prompt_token_ids))
             self._enqueue(self.running, group, GroupStatus.RUNNING)
@@ -256,8 +274,6 @@ class Scheduler:
                 return
         for s in resident:
             self.kv.free(s.seq_id)
-        for s in live:
-            s.num_computed = 0
         self.preemptions["recompute"] += 1
         self._enqueue(self.waiting, group, GroupStatus.WAITING)
 

@@ -5,6 +5,10 @@ with one sequence; after its prompt is computed the engine forks the others from
 share the prompt's blocks (copy-on-write). Scheduling is by counters: each sequence computes
 tokens until ``num_computed == num_tokens``; a prefill chunk, a prefix-cache hit and a recompute
 after preemption are all just different starting values of ``num_computed``.
+
+Ownership: these objects own the request state (token ids, finish and stop reasons, text,
+logprobs, errors); the engine writes them. How many tokens' KV is written is the memory core's
+(``KVCacheManager.num_computed``), which reads ``Sequence.token_ids`` without copying it.
 """
 
 from __future__ import annotations
@@ -27,8 +31,7 @@ class Sequence:
     seq_id: str
     index: int                # completion index within the request (0 .. n-1)
     prompt_len: int
-    token_ids: list[int]      # prompt + generated
-    num_computed: int = 0     # tokens whose KV is written (mirrors the KV cache manager)
+    token_ids: list[int]      # prompt + generated (the memory core reads this very list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     output_text: str = ""
@@ -52,10 +55,6 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.num_computed < self.num_tokens - 1
 
 
 @dataclass(slots=True, eq=False)

@@ -22,7 +22,7 @@ def kv_stats(mgr: KVCacheManager) -> KVStats:
     filled: dict[int, int] = {}
     table_blocks = 0
     for seq in mgr.seqs.values():
-        if seq.on_host:
+        if not seq.on_device:
             continue
         table_blocks += len(seq.block_table)
         n = min(len(seq.token_ids), len(seq.block_table) * B)
@@ -49,14 +49,14 @@ def kv_stats(mgr: KVCacheManager) -> KVStats:
 def check_integrity(mgr: KVCacheManager) -> None:
     """Raise IntegrityError unless every structure agrees with every other.
 
-    Checks both pools (free queue, ref counts, hash index), that each block's ref count
+    Checks every tier's pool (free queue, ref counts, hash index), that each block's ref count
     equals the block-table references to it (plus one if pinned), and that every cached
     block a sequence holds carries the hash of that sequence's prefix.
     """
-    mgr.pool.check_integrity()
-    mgr.host_pool.check_integrity()
+    for pool in mgr.tiers.values():
+        pool.check_integrity()
     B = mgr.block_size
-    refs = {False: Counter[int](), True: Counter[int]()}
+    refs = {tier: Counter[int]() for tier in mgr.tiers}
     for seq in mgr.seqs.values():
         table = seq.block_table
         if len(set(table)) != len(table):
@@ -65,17 +65,20 @@ def check_integrity(mgr: KVCacheManager) -> None:
             raise IntegrityError(f"sequence {seq.seq_id!r} computed more tokens than it has")
         if seq.num_computed > len(table) * B:
             raise IntegrityError(f"sequence {seq.seq_id!r} computed tokens have no slots")
+        if len(seq.block_hashes) * B > len(seq.token_ids):
+            raise IntegrityError(f"sequence {seq.seq_id!r} hashed blocks past its tokens")
         if seq.num_cached_blocks > seq.num_computed // B:
             raise IntegrityError(f"sequence {seq.seq_id!r} cached a block before computing it")
-        refs[seq.on_host].update(table)
-        if not seq.on_host:
+        refs[seq.tier].update(table)
+        if seq.on_device:
             for i in range(seq.num_cached_blocks):
                 h = mgr.pool.blocks[table[i]].block_hash
                 if h is not None and h != seq.block_hashes[i]:
                     raise IntegrityError(f"sequence {seq.seq_id!r} block {i} holds another "
                                          f"prefix's hash")
     mgr.index.check()
-    for pool, counts in ((mgr.pool, refs[False]), (mgr.host_pool, refs[True])):
+    for tier, pool in mgr.tiers.items():
+        counts = refs[tier]
         for block in pool.blocks:
             expected = counts[block.block_id] + block.pinned
             if block.ref_count != expected:
@@ -88,7 +91,6 @@ def pretty_print(mgr: KVCacheManager) -> str:
     lines = [f"KVCacheManager: {mgr.num_blocks} blocks x {mgr.block_size} slots, "
              f"{mgr.pool.num_free} free, {len(mgr.pool.cached)} cached"]
     for seq in mgr.seqs.values():
-        where = "host" if seq.on_host else "device"
-        lines.append(f"  seq {seq.seq_id!r} [{where}] tokens={len(seq.token_ids)} "
+        lines.append(f"  seq {seq.seq_id!r} [{seq.tier}] tokens={len(seq.token_ids)} "
                      f"computed={seq.num_computed} table={seq.block_table}")
     return "\n".join(lines)

@@ -1,6 +1,8 @@
 """Per-sequence block tables over a device block pool and a host (swap) pool.
 
-A sequence's tokens, and what the manager knows of them::
+Who owns what: the caller (the engine's ``Sequence``) owns a sequence's token ids; the manager
+reads that list, never copies or writes it, and owns the rest: the block table, the block hashes
+and how many tokens' KV is written (``num_computed``). A sequence's tokens, and the manager's view::
 
     token ids:    [ t0 t1 ... | ... | ...                          ]
     block table:  [ b7        | b2  | b9        ]   logical block i -> physical table[i]
@@ -13,7 +15,8 @@ A sequence's tokens, and what the manager knows of them::
 - ``allocate_slots`` grows a table for the next chunk or decode token; a write into a block shared
   with a fork copies it first (copy-on-write) and returns the ``(src, dst)`` copy for the runner.
 - ``mark_computed`` records written KV; only then do full blocks enter the prefix cache, so a
-  block is never served to another request before its KV exists.
+  block is never served to another request before its KV exists. The caller appends tokens to
+  its own list before it marks them computed.
 - ``swap_out`` / ``swap_in`` move whole sequences between the pools, returning block copy pairs.
 
 Every allocation is transactional: it raises ``OutOfBlocksError`` before changing anything.
@@ -21,7 +24,6 @@ Every allocation is transactional: it raises ``OutOfBlocksError`` before changin
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
@@ -32,6 +34,7 @@ from pagedkv.memory.inspection import check_integrity, kv_stats, pretty_print
 from pagedkv.memory.prefix_hash import chain_hashes, root_hash
 from pagedkv.memory.prefix_index import make_prefix_index
 from pagedkv.memory.stats import KVStats
+from pagedkv.memory.tiers import DEVICE, HOST, move_sequences
 
 CopyPair = tuple[int, int]  # (source block id, destination block id)
 
@@ -39,13 +42,17 @@ CopyPair = tuple[int, int]  # (source block id, destination block id)
 @dataclass(slots=True)
 class SeqState:
     seq_id: Hashable
-    token_ids: list[int]
+    token_ids: list[int]  # the caller's list (read, never written here)
     root: bytes  # parent hash of block 0: carries the tenant salt and adapter id
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks, chained
     num_cached_blocks: int = 0  # leading blocks already offered to the prefix cache
-    on_host: bool = False
+    tier: str = DEVICE  # the pool its block table points into (see memory/tiers.py)
+
+    @property
+    def on_device(self) -> bool:
+        return self.tier == DEVICE
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -80,8 +87,10 @@ class KVCacheManager:
         kwargs = {"alpha": lrc_alpha, "beta": lrc_beta} if eviction_policy == "lrc" else {}
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, eviction_policy=make_eviction_policy(eviction_policy, **kwargs))
-        self.host_pool = BlockPool(num_host_blocks, name="host")
+        self.pool = BlockPool(num_blocks, name=DEVICE,
+                              eviction_policy=make_eviction_policy(eviction_policy, **kwargs))
+        self.host_pool = BlockPool(num_host_blocks, name=HOST)
+        self.tiers = {DEVICE: self.pool, HOST: self.host_pool}
         self.watermark_blocks = int(watermark * num_blocks)
         # The pool's hash map always names cached blocks; the index finds a prompt's hits in it
         # (hash chain) or in a radix tree kept in step (check_integrity proves they agree).
@@ -121,10 +130,13 @@ class KVCacheManager:
         return self.seqs[seq_id].block_table
 
     def num_computed(self, seq_id: Hashable) -> int:
-        return self.seqs[seq_id].num_computed
+        """Tokens of the sequence whose KV is written; 0 for a sequence the manager does not hold
+        (new, or preempted by recompute)."""
+        seq = self.seqs.get(seq_id)
+        return seq.num_computed if seq is not None else 0
 
     def is_swapped(self, seq_id: Hashable) -> bool:
-        return self.seqs[seq_id].on_host
+        return not self.seqs[seq_id].on_device
 
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self.seqs
@@ -133,6 +145,9 @@ class KVCacheManager:
     def allocate_prompt(self, seq_id: Hashable, token_ids: list[int], num_new_tokens: int | None = None,
                         *, salt: str | None = None, adapter_id: str | None = None) -> int:
         """Register a sequence, reuse its cached prefix and reserve slots for its first chunk.
+
+        ``token_ids`` is the caller's own list of the sequence's tokens: the manager keeps reading
+        it (tokens the caller appends later are seen) and never modifies it.
 
         Reserves slots for ``num_new_tokens`` tokens after the cached prefix (default and
         maximum: the rest of the prompt). Returns how many prompt tokens are already cached
@@ -145,11 +160,11 @@ class KVCacheManager:
         if not token_ids:
             raise ValueError("cannot allocate an empty prompt")
         B = self.block_size
-        seq = SeqState(seq_id, list(token_ids), root_hash(salt, adapter_id))
+        seq = SeqState(seq_id, token_ids, root_hash(salt, adapter_id))
         pool = self.pool
         hits = []
         if self.enable_prefix_caching:
-            self._hash_full_blocks(seq)
+            self._hash_full_blocks(seq, len(token_ids) // B)
             # The block holding the last prompt token is never a hit: it must be computed.
             max_hits = (len(token_ids) - 1) // B
             hits = self.index.match(seq.root, token_ids, seq.block_hashes, max_hits)
@@ -180,7 +195,7 @@ class KVCacheManager:
         be done before this step's KV is written. Raises OutOfBlocksError, changing nothing.
         """
         seq = self.seqs[seq_id]
-        if seq.on_host:
+        if not seq.on_device:
             raise ValueError(f"sequence {seq_id!r} is swapped out; swap it in first")
         B = self.block_size
         table = seq.block_table
@@ -207,10 +222,6 @@ class KVCacheManager:
         self.cow_copies += len(copies)
         return copies
 
-    def append_tokens(self, seq_id: Hashable, token_ids: Iterable[int]) -> None:
-        """Record tokens generated for the sequence (bookkeeping only, allocates nothing)."""
-        self.seqs[seq_id].token_ids.extend(token_ids)
-
     def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
         """Record that the KV of ``num_tokens`` more tokens is written.
 
@@ -226,17 +237,20 @@ class KVCacheManager:
         if self.enable_prefix_caching and n // self.block_size > seq.num_cached_blocks:
             self._cache_full_blocks(seq)
 
-    def _hash_full_blocks(self, seq: SeqState) -> None:
-        B = self.block_size
+    def _hash_full_blocks(self, seq: SeqState, full: int) -> None:
+        """Extend the sequence's hash chain to its first ``full`` blocks (all full of tokens).
+
+        Only blocks whose tokens are settled are hashed: the prompt's, or computed ones. A block
+        the caller is still filling with sampled tokens is not, so a fork taken later carries
+        only hashes of the tokens it shares with its parent."""
         done = len(seq.block_hashes)
-        full = len(seq.token_ids) // B
         if full > done:
             parent = seq.block_hashes[-1] if done else seq.root
-            seq.block_hashes.extend(chain_hashes(parent, seq.token_ids, B, done, full))
+            seq.block_hashes.extend(chain_hashes(parent, seq.token_ids, self.block_size, done, full))
 
     def _cache_full_blocks(self, seq: SeqState) -> None:
         full = seq.num_computed // self.block_size
-        self._hash_full_blocks(seq)
+        self._hash_full_blocks(seq, full)
         blocks = self.pool.blocks
         start = seq.num_cached_blocks
         self.pool.cache((blocks[i] for i in seq.block_table[start:full]), seq.block_hashes[start:full])
@@ -244,14 +258,22 @@ class KVCacheManager:
         seq.num_cached_blocks = full
 
     # ------------------------------------------------------------------ forks and freeing
-    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
-        """Make ``child_id`` share every block of ``parent_id`` (ref counts, no copy)."""
+    def fork(self, parent_id: Hashable, child_id: Hashable, token_ids: list[int]) -> None:
+        """Make ``child_id`` share every block of ``parent_id`` (ref counts, no copy).
+
+        ``token_ids`` is the child's own token list (the caller's, read like ``allocate_prompt``'s):
+        it must start with the parent's computed (and hashed) tokens; tokens after them may differ.
+        """
         if child_id in self.seqs:
             raise ValueError(f"sequence {child_id!r} is already allocated")
         parent = self.seqs[parent_id]
-        if parent.on_host:
+        if not parent.on_device:
             raise ValueError(f"sequence {parent_id!r} is swapped out; swap it in before forking")
-        child = SeqState(child_id, list(parent.token_ids), parent.root, list(parent.block_table),
+        n = max(parent.num_computed, len(parent.block_hashes) * self.block_size)
+        if token_ids is parent.token_ids or token_ids[:n] != parent.token_ids[:n]:
+            raise ValueError(f"fork {child_id!r}: the child needs its own token list starting with "
+                             f"the first {n} tokens of {parent_id!r}")
+        child = SeqState(child_id, token_ids, parent.root, list(parent.block_table),
                          parent.num_computed, list(parent.block_hashes), parent.num_cached_blocks)
         blocks = self.pool.blocks
         for block_id in child.block_table:
@@ -262,7 +284,7 @@ class KVCacheManager:
         """Release a sequence's blocks. Its last block is freed first, so under LRU a cached
         prefix chain is evicted from its tail and its shared head survives longest."""
         seq = self.seqs.pop(seq_id)
-        pool = self.host_pool if seq.on_host else self.pool
+        pool = self.tiers[seq.tier]
         blocks = pool.blocks
         pool.free(blocks[i] for i in reversed(seq.block_table))
 
@@ -293,8 +315,8 @@ class KVCacheManager:
         Blocks shared among the given sequences are copied once and stay shared on the host.
         Raises OutOfBlocksError (pool "host"), changing nothing, when the host pool is full.
         """
-        seqs = self._resident(seq_ids, on_host=False)
-        mapping = self._remap(seqs, self.pool, self.host_pool)
+        seqs = self._in_tier(seq_ids, DEVICE)
+        mapping = move_sequences(seqs, self.pool, self.host_pool)
         self.swapped_out_blocks += len(mapping)
         return list(mapping.items())
 
@@ -303,8 +325,8 @@ class KVCacheManager:
 
         Raises OutOfBlocksError, changing nothing, when the device pool lacks the blocks.
         """
-        seqs = self._resident(seq_ids, on_host=True)
-        mapping = self._remap(seqs, self.host_pool, self.pool)
+        seqs = self._in_tier(seq_ids, HOST)
+        mapping = move_sequences(seqs, self.host_pool, self.pool)
         self.swapped_in_blocks += len(mapping)
         for seq in seqs:
             seq.num_cached_blocks = 0
@@ -312,28 +334,13 @@ class KVCacheManager:
                 self._cache_full_blocks(seq)
         return list(mapping.items())
 
-    def _resident(self, seq_ids: Iterable[Hashable], *, on_host: bool) -> list[SeqState]:
+    def _in_tier(self, seq_ids: Iterable[Hashable], tier: str) -> list[SeqState]:
         seqs = [self.seqs[s] for s in dict.fromkeys(seq_ids)]
         for seq in seqs:
-            if seq.on_host != on_host:
-                where = "swapped out" if seq.on_host else "on the device"
+            if seq.tier != tier:
+                where = "swapped out" if tier == DEVICE else "on the device"
                 raise ValueError(f"sequence {seq.seq_id!r} is already {where}")
         return seqs
-
-    def _remap(self, seqs: list[SeqState], src: BlockPool, dst: BlockPool) -> dict[int, int]:
-        refs = Counter(b for seq in seqs for b in seq.block_table)
-        if len(refs) > dst.num_free:
-            raise OutOfBlocksError(len(refs), dst.num_free, dst.name)
-        mapping = {}
-        for src_id, block in zip(refs, dst.allocate(len(refs))):
-            block.ref_count = refs[src_id]
-            mapping[src_id] = block.block_id
-        src_blocks = src.blocks
-        for seq in seqs:
-            src.free(src_blocks[i] for i in reversed(seq.block_table))
-            seq.block_table = [mapping[i] for i in seq.block_table]
-            seq.on_host = dst is self.host_pool
-        return mapping
 
     # ------------------------------------------------------------------ inspection
     def stats(self) -> KVStats:

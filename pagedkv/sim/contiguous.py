@@ -125,7 +125,7 @@ class ReservationPolicy:
             taken.append(seq)
         return True
 
-    def grow(self, seq: SimSeq, token: int) -> bool:
+    def grow(self, seq: SimSeq) -> bool:
         entry = self.held[seq.seq_id]
         if entry[2] >= entry[1]:
             return False  # past its reservation: a contiguous extent cannot grow in place

@@ -5,7 +5,7 @@ simulator drives every policy through the same five calls, in the same order, on
 
     admit(request, seqs)     all-or-nothing: room for every sequence's tokens so far (a new
                              request's prompt, or a preempted one's prompt + generated tokens)
-    grow(seq)                room for one more token of one sequence (a decode step)
+    grow(seq)                room for the token just appended to ``seq.tokens`` (a decode step)
     replace(loser, winner, new)   beam search: drop ``loser``, ``new`` continues ``winner``
     release(seqs)            the request finished or was preempted: free everything it holds
     usage()                  slots allocated and slots holding a token, for the waste metrics
@@ -57,7 +57,7 @@ class MemoryPolicy(Protocol):
 
     def admit(self, request: Request, seqs: list[SimSeq]) -> bool: ...
 
-    def grow(self, seq: SimSeq, token: int) -> bool: ...
+    def grow(self, seq: SimSeq) -> bool: ...
 
     def replace(self, loser: SimSeq, winner: SimSeq, new: SimSeq) -> bool: ...
 

@@ -3,14 +3,16 @@
 Nothing here re-implements paging: every allocation, prefix hit, fork and copy-on-write is the
 manager's. The adapter only maps the simulator's calls onto the manager's API::
 
-    admit    cow and n > 1:  allocate_prompt(root, prompt) + mark_computed, fork(root, child)...,
-                             then each sequence's generated tokens (after a preemption) via
-                             allocate_slots + append_tokens + mark_computed
+    admit    cow and n > 1:  allocate_prompt(prompt) + mark_computed, fork(prompt, seq) for every
+                             sequence, free(prompt); then each sequence's generated tokens (after
+                             a preemption) via allocate_slots + mark_computed
              otherwise:      allocate_prompt(seq, tokens) + mark_computed for every sequence
                              (without CoW each sample holds its own copy of the prompt, unless
                              prefix caching finds the full blocks another sample computed)
-    grow     allocate_slots(seq, 1), append_tokens(seq, [tok]), mark_computed(seq, 1)
+    grow     allocate_slots(seq, 1), mark_computed(seq, 1) (the simulator appended the token)
     replace  cow: free(loser), fork(winner, new); else free(loser), allocate_prompt(new, copy)
+
+The manager reads each ``SimSeq.tokens`` list; only the simulator writes it.
 
 Usage comes from the manager: allocated = used blocks x block size; filled = allocated minus the
 empty tails of the live sequences' last blocks, each physical block once: the same number as
@@ -45,40 +47,40 @@ class PagedPolicy:
         done: list[SimSeq] = []
         try:
             if self.cow and len(seqs) > 1:
+                # The prompt is computed once, as a sequence of its own that every sample forks.
                 prompt = request.prompt
-                root = seqs[0]
-                cached = mgr.allocate_prompt(root.seq_id, prompt)
-                done.append(root)
-                mgr.mark_computed(root.seq_id, len(prompt) - cached)
-                for seq in seqs[1:]:
-                    mgr.fork(root.seq_id, seq.seq_id)
-                    done.append(seq)
+                root = ("prompt", seqs[0].seq_id)
+                cached = mgr.allocate_prompt(root, prompt)
+                mgr.mark_computed(root, len(prompt) - cached)
                 for seq in seqs:
-                    generated = seq.tokens[len(prompt):]
+                    mgr.fork(root, seq.seq_id, seq.tokens)
+                    done.append(seq)
+                mgr.free(root)
+                for seq in seqs:
+                    generated = len(seq.tokens) - len(prompt)
                     if generated:
-                        mgr.allocate_slots(seq.seq_id, len(generated))
-                        mgr.append_tokens(seq.seq_id, generated)
-                        mgr.mark_computed(seq.seq_id, len(generated))
+                        mgr.allocate_slots(seq.seq_id, generated)
+                        mgr.mark_computed(seq.seq_id, generated)
             else:
                 for seq in seqs:
                     cached = mgr.allocate_prompt(seq.seq_id, seq.tokens)
                     done.append(seq)
                     mgr.mark_computed(seq.seq_id, len(seq.tokens) - cached)
         except OutOfBlocksError:
-            for seq in done:
-                mgr.free(seq.seq_id)
+            for seq_id in [s.seq_id for s in done] + [("prompt", seqs[0].seq_id)]:
+                if seq_id in mgr:
+                    mgr.free(seq_id)
             return False
         for seq in seqs:
             self.live[seq.seq_id] = seq
         return True
 
-    def grow(self, seq: SimSeq, token: int) -> bool:
+    def grow(self, seq: SimSeq) -> bool:
         mgr = self.manager
         try:
             mgr.allocate_slots(seq.seq_id, 1)
         except OutOfBlocksError:
             return False
-        mgr.append_tokens(seq.seq_id, (token,))
         mgr.mark_computed(seq.seq_id, 1)
         return True
 
@@ -86,7 +88,7 @@ class PagedPolicy:
         mgr = self.manager
         self.release([loser])
         if self.cow:
-            mgr.fork(winner.seq_id, new.seq_id)
+            mgr.fork(winner.seq_id, new.seq_id, new.tokens)
         else:
             try:
                 cached = mgr.allocate_prompt(new.seq_id, new.tokens)
@@ -134,8 +136,8 @@ class PagedPolicy:
         if set(self.live) != set(mgr.seqs):
             raise IntegrityError(f"{self.name}: live sequences differ from the manager's")
         for seq in self.live.values():
-            if mgr.seqs[seq.seq_id].token_ids != seq.tokens:
-                raise IntegrityError(f"{self.name}: sequence {seq.seq_id} tokens differ")
+            if mgr.seqs[seq.seq_id].token_ids is not seq.tokens:
+                raise IntegrityError(f"{self.name}: sequence {seq.seq_id} is read from another list")
 
     def counters(self) -> dict[str, int]:
         mgr = self.manager

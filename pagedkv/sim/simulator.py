@@ -204,11 +204,11 @@ def _decode(run: _Run) -> list[Request]:
         alive = True
         while group.grown < len(group.seqs):
             seq = group.seqs[group.grown]
-            token = output_token(seq.stream, len(seq.tokens) - prompt_len)
-            if policy.grow(seq, token):
-                seq.tokens.append(token)
+            seq.tokens.append(output_token(seq.stream, len(seq.tokens) - prompt_len))
+            if policy.grow(seq):
                 group.grown += 1
                 continue
+            seq.tokens.pop()  # no room: the token is generated again once it fits
             if len(run.running) == 1:  # cannot grow even alone: it will never fit
                 _drop(run, group)
                 done.append(group.req)

@@ -1,0 +1,49 @@
+"""Tiers: the pools a sequence's blocks can live in, and moving whole sequences between them.
+
+Each tier is a ``BlockPool`` named for where its blocks live: ``"device"`` (the pool attention
+reads) and ``"host"`` (swap space in CPU memory). A sequence lives in exactly one tier at a time
+(``SeqState.tier``) and its block table holds block ids of that tier's pool. Moving sequences
+allocates their blocks in the destination, frees them in the source and rewrites the tables in
+one go, returning the ``(source block, destination block)`` pairs whose data the runner copies.
+
+Block tables never say which tier or format a block has: a further tier (disk) is one more named
+pool in ``KVCacheManager.tiers`` with the runner copying its pairs, and a block format (int8, fp8
+with per-block scales) is a property of a tier's storage and of each ``Block.quant``, not of the
+tables that point at blocks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from pagedkv.memory.block_pool import BlockPool
+from pagedkv.memory.errors import OutOfBlocksError
+
+if TYPE_CHECKING:
+    from pagedkv.memory.kv_cache_manager import SeqState
+
+DEVICE = "device"
+HOST = "host"
+
+
+def move_sequences(seqs: list[SeqState], src: BlockPool, dst: BlockPool) -> dict[int, int]:
+    """Move every block of ``seqs`` from ``src`` to ``dst``; returns ``{src block: dst block}``.
+
+    Blocks shared among the given sequences move once and stay shared (the destination block
+    takes the same reference count). Raises OutOfBlocksError (naming ``dst``), changing nothing,
+    when ``dst`` lacks free blocks.
+    """
+    refs = Counter(b for seq in seqs for b in seq.block_table)
+    if len(refs) > dst.num_free:
+        raise OutOfBlocksError(len(refs), dst.num_free, dst.name)
+    mapping = {}
+    for src_id, block in zip(refs, dst.allocate(len(refs))):
+        block.ref_count = refs[src_id]
+        mapping[src_id] = block.block_id
+    src_blocks = src.blocks
+    for seq in seqs:
+        src.free(src_blocks[i] for i in reversed(seq.block_table))
+        seq.block_table = [mapping[i] for i in seq.block_table]
+        seq.tier = dst.name
+    return mapping
