@@ -96,7 +96,8 @@ async def run_rate(url: str, rate: float, run: int, args: argparse.Namespace,
         start = time.perf_counter()
         for i in range(args.num_requests):
             words = [rng.choice(_WORDS) for _ in range(args.input_len)]
-            body = {"prompt": f"run {run} request {i}: " + " ".join(words), "max_tokens": args.output_len, "stream": True,
+            body = {"prompt": f"run {run} request {i}: " + " ".join(words), "max_tokens": args.output_len,
+                    "stream": True,
                     "temperature": 0.0, "ignore_eos": True, "stream_options": {"include_usage": True}}
             tasks.append(asyncio.create_task(one_request(client, url, body, headers)))
             if math.isfinite(rate):

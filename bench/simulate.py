@@ -19,11 +19,11 @@ import argparse
 import json
 import time
 
-from pagedkv.sim.distributions import ALPACA, SHAREGPT
 from pagedkv.sim.policies import parse_policies
 from pagedkv.sim.report import simulate_table
 from pagedkv.sim.simulator import SimConfig, simulate
-from pagedkv.sim.workload import WorkloadConfig, generate_workload
+from pagedkv.sim.workload import generate_workload
+from pagedkv.workloads import ALPACA, SHAREGPT, WorkloadConfig
 
 SCENARIOS = {
     "sharegpt": (dict(shape=SHAREGPT), 65536,

@@ -1,10 +1,10 @@
 """Output throughput of pagedkv against transformers (and optionally vLLM's CPU build).
 
-Workloads (seeded; see shared BENCHMARKS.md): a ShareGPT-like mix of 64 requests (log-normal
-prompts, median ~100, tail to ~1,000 tokens; 64..256 new tokens), case a (1 x 128 -> 128) and
-case b (32 requests, prompts uniform 32..256, 128 new tokens each). Greedy, ignore_eos, float32,
-threads pinned. transformers runs `generate` on padded static batches of the same requests in
-the same process; only the tokens each request asked for count as output.
+Workloads (seeded; defined in pagedkv/workloads.py, see shared BENCHMARKS.md): a ShareGPT-like
+mix of 64 requests (log-normal prompts, median ~100, tail to ~1,000 tokens; 64..256 new tokens),
+case a (1 x 128 -> 128) and case b (32 requests, prompts uniform 32..256, 128 new tokens each).
+Greedy, ignore_eos, float32, threads pinned. transformers runs `generate` on padded static batches
+of the same requests in the same process; only the tokens each request asked for count as output.
 
     .venv/bin/python bench/throughput.py [--threads 1] [--skip-hf] [--profile]
         [--vllm-python /path/to/venv-with-vllm/bin/python]
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from pagedkv.benchmark import Workload, case_a, case_b, case_c, run_pagedkv, sharegpt_like
+from pagedkv.benchmark import Workload, build_workload, run_pagedkv
 from pagedkv.engine import LLMEngine
 
 
@@ -168,9 +168,8 @@ def main() -> None:
     engine = LLMEngine.from_options(args.model, max_num_seqs=64, max_num_batched_tokens=2048,
                                     kv_cache_memory="2GiB", threads=args.threads)
     vocab = engine.runner.config.vocab_size
-    makers = {"sharegpt": sharegpt_like, "case_a": case_a, "case_b": case_b, "case_c": case_c}
-    workloads = [makers[c](vocab, args.seed) for c in args.cases.split(",")]
-    run_pagedkv(engine, case_a(vocab, 99))  # warm-up
+    workloads = [build_workload(c, vocab, args.seed) for c in args.cases.split(",")]
+    run_pagedkv(engine, build_workload("case_a", vocab, 99))  # warm-up
     results = {}
     for w in workloads:
         r = run_pagedkv(engine, w, progress=sys.stderr.isatty())
@@ -182,6 +181,7 @@ def main() -> None:
     hf = {}
     if not args.skip_hf:
         import transformers
+
         from pagedkv.models.gguf_loader import converted_folder
         from pagedkv.models.loader import resolve_model_path
         path, _ = resolve_model_path(args.model)
@@ -213,7 +213,7 @@ def main() -> None:
               f"{v or float('nan'):8.1f}")
     profile = {}
     if args.profile:
-        profile = profile_decode(engine, case_b(vocab, args.seed + 1))
+        profile = profile_decode(engine, build_workload("case_b", vocab, args.seed + 1))
         print("\none decode step of 32 sequences (ms per step, cProfile cumulative times):")
         for k, v in profile.items():
             print(f"  {k:<45} {v:8.2f}")

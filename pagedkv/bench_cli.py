@@ -12,18 +12,20 @@ import sys
 
 def add_bench_parser(subparsers) -> None:
     from pagedkv.engine.flags import add_engine_arguments
+    from pagedkv.workloads import BENCHMARK_CASES
 
     p = subparsers.add_parser("bench", help="measure output throughput on a benchmark workload",
                               description=__doc__)
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: bundled model)")
-    p.add_argument("--case", default="case_b", choices=["case_a", "case_b", "case_c", "sharegpt"])
+    p.add_argument("--case", default="case_b", choices=list(BENCHMARK_CASES),
+                   help="a workload of pagedkv.workloads.BENCHMARK_CASES")
     p.add_argument("--workload-seed", type=int, default=0)
     add_engine_arguments(p.add_argument_group("engine"))
     p.set_defaults(func=run_bench)
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from pagedkv.benchmark import WORKLOADS, run_pagedkv
+    from pagedkv.benchmark import build_workload, run_pagedkv
     from pagedkv.engine import LLMEngine
     from pagedkv.engine.flags import engine_options
 
@@ -35,7 +37,7 @@ def run_bench(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"pagedkv bench: {exc}", file=sys.stderr)
         return 2
-    workload = WORKLOADS[args.case](engine.runner.config.vocab_size, args.workload_seed)
+    workload = build_workload(args.case, engine.runner.config.vocab_size, args.workload_seed)
     r = run_pagedkv(engine, workload, progress=sys.stderr.isatty())
     print(f"{workload.name}: {len(workload.prompts)} requests, {r.output_tokens} output tokens in "
           f"{r.seconds:.1f}s = {r.tok_s:.1f} tok/s; {r.steps} steps, peak {r.peak_used_blocks} "

@@ -1,9 +1,10 @@
-"""Benchmark workloads (see shared BENCHMARKS.md) and pagedkv's own measurement of them.
+"""Benchmark workloads as token ids, and pagedkv's own measurement of them.
 
-Each workload is a seeded list of (prompt token ids, new tokens). ``run_pagedkv`` drives an
-``LLMEngine`` step by step so it can also report KV waste (fragmentation) and peak blocks used.
-``pagedkv bench`` and ``bench/throughput.py`` (which adds the transformers and vLLM baselines)
-both use this module.
+The workloads are defined in ``pagedkv.workloads`` (``BENCHMARK_CASES``, see shared BENCHMARKS.md),
+the same definitions the simulator uses; here each becomes a seeded list of (prompt token ids, new
+tokens). ``run_pagedkv`` drives an ``LLMEngine`` step by step so it can also report KV waste
+(fragmentation) and peak blocks used. ``pagedkv bench`` and ``bench/throughput.py`` (which adds the
+transformers and vLLM baselines) both use this module.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedkv.sampling_params import SamplingParams
+from pagedkv.workloads import BENCHMARK_CASES, WorkloadConfig
 
 VOCAB_LOW = 100  # skip the special tokens at the start of the vocabulary
 
@@ -29,46 +31,33 @@ class Workload:
         return sum(self.new_tokens)
 
 
+def build_workload(name: str, vocab: int, seed: int = 0, config: WorkloadConfig | None = None) -> Workload:
+    """Token ids for the workload ``config`` (default: the benchmark case ``name``), seeded.
+
+    Draws from a stream of its own per name, so no two workloads share prompt tokens by accident:
+    the shared prefix first, then per request its prompt length, its output length and its prompt
+    tokens (ids in ``[VOCAB_LOW, vocab)``). Only what a real run can realize is allowed: every
+    request arrives at once with one sequence, and at most one shared prefix.
+    """
+    config = config or BENCHMARK_CASES[name]
+    config.validate()
+    if (config.rate != math.inf or config.clients or config.turns > 1 or config.num_prefixes > 1
+            or config.n > 1 or config.beam_width > 1):
+        raise ValueError(f"workload {name}: the benchmark runs single-turn requests that all arrive at "
+                         f"once, one sequence each, with at most one shared prefix")
+    rng = random.Random(f"{name}-{seed}")
+    shared = _tokens(rng, config.prefix_len, vocab)
+    prompts, outs = [], []
+    for _ in range(config.num_requests):
+        room = config.max_model_len - len(shared)
+        n = config.shape.prompt.sample(rng, room - 1)
+        outs.append(config.shape.output.sample(rng, room - n))
+        prompts.append(shared + _tokens(rng, n, vocab))
+    return Workload(name, prompts, outs)
+
+
 def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(VOCAB_LOW, vocab) for _ in range(n)]
-
-
-def _rng(name: str, seed: int) -> random.Random:
-    """Each workload draws from its own stream, so no two share prompt tokens by accident."""
-    return random.Random(f"{name}-{seed}")
-
-
-def case_a(vocab: int, seed: int = 0) -> Workload:
-    rng = _rng("case_a", seed)
-    return Workload("case_a", [_tokens(rng, 128, vocab)], [128])
-
-
-def case_b(vocab: int, seed: int = 0) -> Workload:
-    rng = _rng("case_b", seed)
-    prompts = [_tokens(rng, rng.randint(32, 256), vocab) for _ in range(32)]
-    return Workload("case_b", prompts, [128] * 32)
-
-
-def case_c(vocab: int, seed: int = 0) -> Workload:
-    rng = _rng("case_c", seed)
-    shared = _tokens(rng, 512, vocab)
-    return Workload("case_c", [shared + _tokens(rng, 32, vocab) for _ in range(64)], [128] * 64)
-
-
-def sharegpt_like(vocab: int, seed: int = 0, num_requests: int = 64, max_len: int = 2048) -> Workload:
-    """Log-normal prompt lengths (median ~100, tail to ~1,000), outputs uniform in 64..256."""
-    rng = _rng("sharegpt", seed)
-    prompts, outs = [], []
-    for _ in range(num_requests):
-        n = int(min(max(4, rng.lognormvariate(math.log(100), 0.8)), 1000))
-        out = rng.randint(64, 256)
-        n = min(n, max_len - out)
-        prompts.append(_tokens(rng, n, vocab))
-        outs.append(out)
-    return Workload("sharegpt", prompts, outs)
-
-
-WORKLOADS = {"case_a": case_a, "case_b": case_b, "case_c": case_c, "sharegpt": sharegpt_like}
 
 
 @dataclass(slots=True)

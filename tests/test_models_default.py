@@ -69,7 +69,8 @@ def test_dequantized_weights_match_transformers_gguf_reader(default: object, ref
         torch.testing.assert_close(fused[q:q + kv], theirs[f"{prefix}.k_proj.weight"].float(), atol=1e-6, rtol=0)
         torch.testing.assert_close(fused[q + kv:], theirs[f"{prefix}.v_proj.weight"].float(), atol=1e-6, rtol=0)
         gate_up = ours.layers[i].mlp.gate_up_proj.weight
-        torch.testing.assert_close(gate_up[cfg.intermediate_size:], theirs[f"model.layers.{i}.mlp.up_proj.weight"].float(),
+        up = theirs[f"model.layers.{i}.mlp.up_proj.weight"].float()
+        torch.testing.assert_close(gate_up[cfg.intermediate_size:], up,
                                    atol=1e-6, rtol=0)
     torch.testing.assert_close(ours.embed_tokens.weight, theirs["model.embed_tokens.weight"].float(), atol=1e-6, rtol=0)
 

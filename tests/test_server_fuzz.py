@@ -100,7 +100,8 @@ def bodies(model: type) -> st.SearchStrategy[bytes]:
             at = raw.index('"', 1)
             raw = raw[:at] + "\\ud800" + raw[at:]
         elif mangle in ("nan", "infinity"):
-            raw = raw[:-1] + (", " if len(body) else "") + f'"temperature": {"NaN" if mangle == "nan" else "Infinity"}}}'
+            bad = "NaN" if mangle == "nan" else "Infinity"
+            raw = raw[:-1] + (", " if len(body) else "") + f'"temperature": {bad}}}'
         elif mangle == "truncate":
             raw = raw[: draw(st.integers(0, max(len(raw) - 1, 0)))]
         elif mangle == "array":

@@ -11,10 +11,10 @@ import math
 
 import pytest
 
-from pagedkv.sim.distributions import resolve_shape
 from pagedkv.sim.policies import PolicySpec
 from pagedkv.sim.simulator import SimConfig, simulate
-from pagedkv.sim.workload import Request, WorkloadConfig, generate_workload
+from pagedkv.sim.workload import Request, generate_workload
+from pagedkv.workloads import WorkloadConfig, resolve_shape
 
 
 def _requests(prompt: str, output: str, count: int, **kw: object) -> list[Request]:

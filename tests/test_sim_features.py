@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pagedkv.sim.distributions import ALPACA, SHAREGPT, resolve_shape
 from pagedkv.sim.policies import PolicySpec, parse_policies
 from pagedkv.sim.simulator import SimConfig, simulate
-from pagedkv.sim.workload import Request, WorkloadConfig, generate_workload
+from pagedkv.sim.workload import Request, generate_workload
+from pagedkv.workloads import ALPACA, SHAREGPT, WorkloadConfig, resolve_shape
 
 
 def test_shared_system_prompt_hits_the_prefix_cache() -> None:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv.sim.distributions import SHAREGPT
 from pagedkv.sim.metrics import PolicyResult
 from pagedkv.sim.policies import PolicySpec
 from pagedkv.sim.simulator import SimConfig, simulate
-from pagedkv.sim.workload import WorkloadConfig, generate_workload
+from pagedkv.sim.workload import generate_workload
+from pagedkv.workloads import SHAREGPT, WorkloadConfig
 
 CONFIG = SimConfig(capacity=32768, max_model_len=2048)
 

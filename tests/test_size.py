@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.sim.distributions import SHAREGPT, resolve_shape
 from pagedkv.sim.model_spec import load_model_spec, spec_from_gguf, spec_from_hf_config
 from pagedkv.sim.presets import PRESETS, find_preset
 from pagedkv.sim.sizing import (
@@ -20,6 +19,7 @@ from pagedkv.sim.sizing import (
     size_kv_cache,
 )
 from pagedkv.units import format_bytes, parse_bytes
+from pagedkv.workloads import SHAREGPT, resolve_shape
 
 # 2 (K and V) * layers * kv_heads * head_dim * 2 bytes (fp16), by hand.
 HAND_FP16 = {
@@ -54,7 +54,7 @@ def test_preset_parameter_counts_match_published() -> None:
 def test_seed_sizing_worked_example() -> None:
     """H=32, d_k=128, B=32, L_max=4096, 71 GB of KV memory, FP8, a 32-layer 7B-class model."""
     spec = find_preset("Llama-2-7B")
-    assert spec is not None and (spec.num_kv_heads, spec.head_dim, spec.num_layers) == (32, 128, 32)
+    assert spec is not None and (spec.num_key_value_heads, spec.head_dim, spec.num_hidden_layers) == (32, 128, 32)
     result = size_kv_cache(spec, SizingInputs(kv_memory=parse_bytes("71GB", "--kv-memory"),
                                               kv_dtype="fp8", block_size=32, max_len=4096), SHAREGPT)
     seed_block_bytes = 32 * 128 * 32 * 1  # K only, one layer: the seed's 131,072
@@ -173,7 +173,7 @@ def test_gguf_reader_on_a_small_file(tmp_path: Path) -> None:
     writer.write_tensors_to_file()
     writer.close()
     spec = load_model_spec(str(path))
-    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (2, 2, 16)
+    assert (spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim) == (2, 2, 16)
     assert kv_bytes_per_token(spec, "fp16") == 2 * 2 * 2 * 16 * 2
     assert (spec.num_params, spec.weight_bytes) == (640, 1280)
 

@@ -32,7 +32,8 @@ def select_beams(beams: list[Sequence], candidates: dict[str, tuple[list[float],
     for order, beam in enumerate(beams):
         values, ids = candidates[beam.seq_id]
         for rank, (lp, tok) in enumerate(zip(values, ids)):
-            proposals.append((beam.cumulative_logprob + lp, order, rank, Proposal(beam, tok, beam.cumulative_logprob + lp)))
+            cum = beam.cumulative_logprob + lp
+            proposals.append((cum, order, rank, Proposal(beam, tok, cum)))
     proposals.sort(key=lambda p: (-p[0], p[1], p[2]))
     live, done = [], []
     for *_, prop in proposals:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pagedkv.engine.faults import FaultSpec
 from pagedkv.memory import EVICTION_POLICIES
 from pagedkv.memory.prefix_index import PREFIX_INDEXES
+from pagedkv.model_shape import check_block_size
 from pagedkv.units import parse_bytes
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -50,7 +51,7 @@ class EngineConfig:
     threads: int | None = None
 
     def __post_init__(self) -> None:
-        _int_in("block_size", self.block_size, 1, 256)
+        check_block_size(self.block_size)
         _int_in("max_num_seqs", self.max_num_seqs, 1, 1 << 20)
         _int_in("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 24)
         if self.kv_cache_memory is not None:

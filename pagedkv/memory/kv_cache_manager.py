@@ -35,6 +35,7 @@ from pagedkv.memory.prefix_hash import chain_hashes, root_hash
 from pagedkv.memory.prefix_index import make_prefix_index
 from pagedkv.memory.stats import KVStats
 from pagedkv.memory.tiers import DEVICE, HOST, move_sequences
+from pagedkv.model_shape import check_block_size
 
 CopyPair = tuple[int, int]  # (source block id, destination block id)
 
@@ -76,8 +77,7 @@ class KVCacheManager:
                  enable_prefix_caching: bool = True, eviction_policy: str = "lru",
                  watermark: float = 0.0, lrc_alpha: float = 0.7, lrc_beta: float = 0.3,
                  prefix_index: str = "hash") -> None:
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        check_block_size(block_size)
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
         if num_host_blocks < 0:

@@ -1,14 +1,17 @@
-"""ModelConfig: the one frozen, validated description of a Llama-family model.
+"""ModelConfig: the one frozen, validated description of a Llama-family model the engine runs.
 
-Built once from a Hugging Face ``config.json`` dict (both the older ``rope_theta`` + ``rope_scaling``
-layout and the newer ``rope_parameters`` layout) or from GGUF metadata; nothing mutates it later.
+Its dimensions are a :class:`~pagedkv.model_shape.ModelShape` (the torch-free owner of shapes, of
+the config.json and GGUF readers of them and of KV bytes); this module adds what only the model
+code needs: RMSNorm epsilon and RoPE, read from both the older ``rope_theta`` + ``rope_scaling``
+layout and the newer ``rope_parameters`` layout. Built once; nothing mutates it later.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from pagedkv.model_shape import ModelShape, hf_text_config, shape_from_hf_dict
 from pagedkv.models.errors import UnsupportedModelError
 
 # config.json "architectures" / "model_type" values that map onto the one Llama implementation.
@@ -44,37 +47,26 @@ class RopeConfig:
             raise ValueError(f"rope factor must be > 0, got {self.factor}")
 
 
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    """Shape and hyper-parameters of a Llama-family decoder (llama, mistral, qwen2, SmolLM)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelConfig(ModelShape):
+    """A Llama-family decoder (llama, mistral, qwen2, SmolLM) this engine can run: its shape
+    (:class:`~pagedkv.model_shape.ModelShape`, which owns the dimensions and the config.json/GGUF
+    reading of them) plus what the model code alone needs, RMSNorm epsilon and RoPE."""
 
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
     rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = 2048
     rope: RopeConfig = RopeConfig()
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False  # bias on q/k/v (qwen2 always; llama when attention_bias)
-    o_proj_bias: bool = False  # llama's attention_bias also puts a bias on o_proj
-    mlp_bias: bool = False
-    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
+        ModelShape.__post_init__(self)  # (slotted dataclasses break zero-argument super())
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model_type {self.model_type!r} is not supported "
                 f"(supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
             )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.is_mla or self.num_experts:
+            raise UnsupportedModelError("MLA attention and mixture-of-experts layers are not supported")
+        if self.model_type == "qwen2" and self.sliding_window is not None:
+            raise UnsupportedModelError("qwen2 with use_sliding_window=true (per-layer windows) is not supported")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -83,17 +75,12 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
 
-    @property
-    def q_size(self) -> int:
-        return self.num_attention_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_key_value_heads * self.head_dim
-
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
+    @classmethod
+    def from_shape(cls, shape: ModelShape, *, rms_norm_eps: float = 1e-6,
+                   rope: RopeConfig = RopeConfig()) -> ModelConfig:
+        """``shape`` with the model code's own parameters added (validated as a runnable model)."""
+        return cls(**{f.name: getattr(shape, f.name) for f in fields(ModelShape)},
+                   rms_norm_eps=rms_norm_eps, rope=rope)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json dict (``rope_parameters`` layout) that :meth:`from_hf_dict` reads back."""
@@ -118,43 +105,13 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        """Read a Hugging Face ``config.json`` dict; raises UnsupportedModelError for other architectures."""
+        """Read a Hugging Face ``config.json`` dict: the shape through
+        :func:`~pagedkv.model_shape.shape_from_hf_dict`, then RMSNorm epsilon and RoPE. Raises
+        UnsupportedModelError for other architectures, ValueError for a missing shape key."""
         model_type = _model_type(d)
-        text = d.get("text_config")
-        if isinstance(text, dict) and "hidden_size" not in d:
-            d = {**d, **text}
-        try:
-            hidden = int(d["hidden_size"])
-            heads = int(d["num_attention_heads"])
-            layers = int(d["num_hidden_layers"])
-            inter = int(d["intermediate_size"])
-            vocab = int(d["vocab_size"])
-        except KeyError as e:
-            raise ValueError(f"config.json lacks required key {e.args[0]!r}") from None
-        head_dim = d.get("head_dim") or hidden // heads
-        is_qwen2 = model_type == "qwen2"
-        llama_bias = bool(d.get("attention_bias", False)) and model_type == "llama"
-        if is_qwen2 and d.get("use_sliding_window"):
-            raise UnsupportedModelError("qwen2 with use_sliding_window=true (per-layer windows) is not supported")
-        sliding = None if is_qwen2 else d.get("sliding_window")
-        return cls(
-            model_type=model_type,
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=inter,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            rope=_rope_from_hf(d),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=is_qwen2 or llama_bias,
-            o_proj_bias=llama_bias,
-            mlp_bias=bool(d.get("mlp_bias", False)),
-            sliding_window=int(sliding) if sliding else None,
-        )
+        d = hf_text_config(d)
+        shape = shape_from_hf_dict({**d, "model_type": model_type})
+        return cls.from_shape(shape, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope=_rope_from_hf(d))
 
 
 def _model_type(d: dict[str, Any]) -> str:

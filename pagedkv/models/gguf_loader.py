@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from pagedkv.model_shape import shape_from_gguf
 from pagedkv.models.cache_dir import cache_root, file_key
 from pagedkv.models.config import ModelConfig, RopeConfig
 from pagedkv.models.errors import ModelLoadError, UnsupportedModelError
@@ -78,8 +79,9 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return default if f is None else f.contents()
 
 
-def gguf_config(reader: Any, tensor_names: set[str]) -> tuple[ModelConfig, dict[str, Any]]:
-    """ModelConfig plus extra config.json keys (token ids) from GGUF metadata."""
+def gguf_config(reader: Any) -> tuple[ModelConfig, dict[str, Any]]:
+    """ModelConfig plus extra config.json keys (token ids) from GGUF metadata: the shape through
+    :func:`~pagedkv.model_shape.shape_from_gguf`, then RMSNorm epsilon and RoPE."""
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
@@ -89,9 +91,6 @@ def gguf_config(reader: Any, tensor_names: set[str]) -> tuple[ModelConfig, dict[
     def key(name: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{name}", default)
 
-    hidden = int(key("embedding_length"))
-    heads = int(key("attention.head_count"))
-    tokens = _field(reader, "tokenizer.ggml.tokens") or []
     scaling = key("rope.scaling.type", "none")
     rope_type = {"none": "default", "linear": "linear"}.get(scaling)
     if rope_type is None:
@@ -103,21 +102,8 @@ def gguf_config(reader: Any, tensor_names: set[str]) -> tuple[ModelConfig, dict[
         factor=float(key("rope.scaling.factor", 1.0) or 1.0) if rope_type != "default" else 1.0,
         original_max_position_embeddings=int(orig) if orig else None,
     )
-    config = ModelConfig(
-        model_type="qwen2" if arch == "qwen2" else "llama",
-        vocab_size=int(key("vocab_size", len(tokens))),
-        hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
-        num_hidden_layers=int(key("block_count")),
-        num_attention_heads=heads,
-        num_key_value_heads=int(key("attention.head_count_kv", heads)),
-        head_dim=int(key("attention.key_length", hidden // heads)),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        max_position_embeddings=int(key("context_length", 2048)),
-        rope=rope,
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensor_names,
-    )
+    config = ModelConfig.from_shape(shape_from_gguf(reader), rope=rope,
+                                    rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)))
     extra: dict[str, Any] = {}
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eos = {int(v) for k in ("eos_token_id", "eot_token_id", "eom_token_id")
@@ -156,7 +142,7 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
     reader = GGUFReader(str(path))
     arch = _field(reader, "general.architecture")
     names = {t.name for t in reader.tensors}
-    config, extra = gguf_config(reader, names)
+    config, extra = gguf_config(reader)
     if "rope_freqs.weight" in names:  # llama3-style scaling baked into per-frequency factors
         t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         factors = np.asarray(t.data, dtype=np.float32).reshape(-1)

@@ -4,13 +4,16 @@ Both pools hold every layer in one tensor::
 
     [num_layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]
 
-so ``kv[layer, 0]`` is one layer's K cache ``[num_blocks, block_size, kv_heads, head_dim]``.
+so ``kv[layer, 0]`` is one layer's K cache ``[num_blocks, block_size, kv_heads, head_dim]``. The bytes
+of one block come from :mod:`pagedkv.model_shape` (the one KV-bytes formula); a test checks that they
+equal what these tensors take.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pagedkv.model_shape import SCALED_KV_DTYPES, check_block_size, kv_bytes_per_block
 from pagedkv.models.config import ModelConfig
 from pagedkv.units import parse_bytes
 
@@ -25,10 +28,19 @@ def parse_memory_size(value: str | int) -> int:
     return size
 
 
+def _kv_dtype_name(dtype: torch.dtype) -> str:
+    """torch's name of ``dtype`` (``"float16"``), which :mod:`pagedkv.model_shape` reads."""
+    return str(dtype).removeprefix("torch.")
+
+
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes one block takes across all layers, K and V."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * elem
+    """Bytes one block of :class:`KVCache` takes across all layers, K and V
+    (:func:`pagedkv.model_shape.kv_bytes_per_block`). Raises ValueError for a bad ``block_size``
+    and for KV kinds with per-block scales (int8), which these pools do not hold."""
+    name = _kv_dtype_name(dtype)
+    if name in SCALED_KV_DTYPES:
+        raise ValueError(f"KVCache holds no per-block scales: {name} KV is not supported")
+    return kv_bytes_per_block(config, block_size, name)
 
 
 def num_blocks_for_memory(config: ModelConfig, block_size: int, memory: str | int,
@@ -48,8 +60,7 @@ class KVCache:
 
     def __init__(self, config: ModelConfig, *, block_size: int, num_blocks: int, num_host_blocks: int = 0,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        if not 1 <= block_size <= 4096:
-            raise ValueError(f"block_size must be in 1..4096, got {block_size}")
+        check_block_size(block_size)
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if num_host_blocks < 0:

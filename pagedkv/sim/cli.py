@@ -13,7 +13,7 @@ import math
 import sys
 from typing import Any
 
-from pagedkv.sim.distributions import NAMED_SHAPES, resolve_shape
+from pagedkv.workloads import NAMED_SHAPES, resolve_shape
 
 _DATASETS = [*NAMED_SHAPES, "custom"]
 
@@ -28,6 +28,7 @@ def _add_dataset_flags(p: argparse.ArgumentParser) -> None:
 
 def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``simulate`` on an ``argparse`` subparsers object; returns the new parser."""
+    from pagedkv.model_shape import KV_DTYPE_BYTES
     from pagedkv.sim.policies import DEFAULT_BLOCK_SIZES, DEFAULT_POLICIES
 
     p = subparsers.add_parser(
@@ -57,7 +58,7 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="KV capacity in token slots (default 65536, or from --model)")
     m.add_argument("--model", help="derive capacity from a preset/config.json/.gguf (see size)")
     m.add_argument("--device-memory", default="80GiB", help="with --model (e.g. 80GiB)")
-    m.add_argument("--kv-dtype", default="fp16", help="with --model")
+    m.add_argument("--kv-dtype", default="fp16", help=f"with --model: {', '.join(KV_DTYPE_BYTES)}")
     m.add_argument("--reserved-fraction", type=float, default=0.10, help="with --model")
     m.add_argument("--tp", type=int, default=1, help="with --model")
     m.add_argument("--max-model-len", type=int, default=2048)
@@ -81,6 +82,7 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def add_size_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``size`` on an ``argparse`` subparsers object; returns the new parser."""
+    from pagedkv.model_shape import KV_DTYPE_BYTES, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
     from pagedkv.sim.presets import PRESETS
 
     p = subparsers.add_parser(
@@ -94,8 +96,9 @@ def add_size_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--weight-dtype", default="bf16", help="fp32, bf16, fp16, fp8, int8, int4")
     p.add_argument("--reserved-fraction", type=float, default=0.10,
                    help="device memory kept for activations, graphs and the runtime")
-    p.add_argument("--kv-dtype", default="fp16", help="fp32, fp16, bf16, fp8, int8")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-dtype", default="fp16", help=", ".join(KV_DTYPE_BYTES))
+    p.add_argument("--block-size", type=int, default=16,
+                   help=f"tokens per KV block, {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE} (the engine's bounds)")
     p.add_argument("--max-len", type=int, help="max context (default: the model's)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--max-waste", type=float, default=0.02,
@@ -146,9 +149,9 @@ def _capacity(args: argparse.Namespace) -> int:
         return int(args.kv_tokens)
     if not args.model:
         return 65536
-    from pagedkv.sim.distributions import SHAREGPT
     from pagedkv.sim.model_spec import load_model_spec
     from pagedkv.sim.sizing import size_kv_cache
+    from pagedkv.workloads import SHAREGPT
 
     result = size_kv_cache(load_model_spec(args.model), _sizing_inputs(args, 1), SHAREGPT)
     return result.token_capacity

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedkv.model_shape import MAX_BLOCK_SIZE
 from pagedkv.sim.buddy import BuddyAllocator
 from pagedkv.sim.contiguous import ExtentAllocator, ReservationPolicy
 from pagedkv.sim.memory_policy import MemoryPolicy
@@ -28,7 +29,6 @@ RESERVATION_KINDS = ("contiguous-max", "contiguous-oracle", "buddy")
 PAGED_OPTIONS = ("prefix", "cow")
 DEFAULT_POLICIES = "contiguous-max,contiguous-oracle,buddy,paged,paged+prefix@16,paged+cow@16"
 DEFAULT_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-MAX_BLOCK_SIZE = 1024
 
 
 @dataclass(frozen=True, slots=True)

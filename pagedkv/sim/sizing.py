@@ -1,5 +1,8 @@
 """KV cache sizing: bytes per token and per block, blocks that fit, and sequences they hold.
 
+The KV bytes of a token and a block come from :mod:`pagedkv.model_shape`, the same formulas the
+runner sizes its pools with; this module adds device budgets, weights and length distributions.
+
 Rules (per tensor-parallel rank; every rank holds the same number of blocks)::
 
     kv heads per rank   = num_kv_heads / tp          (tp must divide it, or be a multiple of it:
@@ -28,13 +31,21 @@ import math
 import random
 from dataclasses import asdict, dataclass, field
 
-from pagedkv.sim.distributions import WorkloadShape
-from pagedkv.sim.model_spec import ModelSpec
+from pagedkv.model_shape import (
+    KV_DTYPE_BYTES,
+    MAX_BLOCK_SIZE,
+    MIN_BLOCK_SIZE,
+    ModelShape,
+    check_block_size,
+    kv_bytes_per_block,
+    kv_bytes_per_token,
+    kv_heads_per_rank,
+    scale_bytes_per_block,
+)
+from pagedkv.workloads import WorkloadShape
 
-KV_DTYPE_BYTES: dict[str, float] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
 WEIGHT_DTYPE_BYTES: dict[str, float] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1,
                                         "int4": 0.5}
-SCALE_BYTES = 4  # one fp32 scale
 CANDIDATE_BLOCK_SIZES = (16, 32, 64, 128)
 MIN_KERNEL_BLOCK = 16
 _SAMPLES = 20000
@@ -65,10 +76,10 @@ class SizingInputs:
                              f"got {self.weight_dtype!r}")
         if self.device_memory is None and self.kv_memory is None:
             raise ValueError("--device-memory or --kv-memory is required")
+        check_block_size(self.block_size, "--block-size")
         checks = [
             (0.0 <= self.reserved_fraction < 1.0, "--reserved-fraction", "in [0, 1)",
              self.reserved_fraction),
-            (1 <= self.block_size <= 1024, "--block-size", "in 1..1024", self.block_size),
             (self.max_len is None or self.max_len >= 1, "--max-len", ">= 1", self.max_len),
             (self.tp >= 1, "--tp", ">= 1", self.tp),
             (0.0 < self.max_waste < 1.0, "--max-waste", "in (0, 1)", self.max_waste),
@@ -113,34 +124,6 @@ class SizingResult:
         return asdict(self)
 
 
-def kv_heads_per_rank(spec: ModelSpec, tp: int) -> int:
-    """KV heads each rank stores; raises ``ValueError`` naming ``--tp`` if heads do not split."""
-    heads = spec.num_kv_heads
-    if tp <= heads:
-        if heads % tp:
-            raise ValueError(f"--tp: {tp} does not divide the {heads} KV heads of {spec.name}")
-        return heads // tp
-    if tp % heads:
-        raise ValueError(f"--tp: {tp} is above the {heads} KV heads of {spec.name} and not a "
-                         f"multiple of them (heads are replicated, at least 1 per rank)")
-    return 1
-
-
-def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str, tp: int = 1) -> int:
-    """KV bytes one token takes on one rank, K and V of every layer (see the module rules)."""
-    dtype = KV_DTYPE_BYTES[kv_dtype]
-    if spec.is_mla:
-        return int(spec.num_layers * ((spec.kv_lora_rank or 0) + (spec.qk_rope_head_dim or 0)) * dtype)
-    return int(spec.num_layers * 2 * kv_heads_per_rank(spec, tp) * spec.head_dim * dtype)
-
-
-def scale_bytes_per_block(spec: ModelSpec, kv_dtype: str, tp: int = 1) -> int:
-    if kv_dtype != "int8":
-        return 0
-    per_layer = 1 if spec.is_mla else 2 * kv_heads_per_rank(spec, tp)
-    return spec.num_layers * per_layer * SCALE_BYTES
-
-
 def length_moments(shape: WorkloadShape, max_len: int, seed: int = 0) -> tuple[float, float]:
     """``(mean final length, mean live length)`` of ``shape`` clipped to ``max_len``, by a fixed
     seeded sample. Live length weighs each sequence by its lifetime (its output length)."""
@@ -155,7 +138,7 @@ def length_moments(shape: WorkloadShape, max_len: int, seed: int = 0) -> tuple[f
     return final_sum / _SAMPLES, live_sum / steps
 
 
-def size_kv_cache(spec: ModelSpec, inputs: SizingInputs, shape: WorkloadShape) -> SizingResult:
+def size_kv_cache(spec: ModelShape, inputs: SizingInputs, shape: WorkloadShape) -> SizingResult:
     """Compute every sizing figure. Raises ``ValueError`` (naming the flag) when the inputs are
     invalid or the weights leave no room for KV blocks."""
     inputs.validate()
@@ -163,7 +146,7 @@ def size_kv_cache(spec: ModelSpec, inputs: SizingInputs, shape: WorkloadShape) -
     max_len = inputs.max_len or spec.max_position_embeddings
     per_token = kv_bytes_per_token(spec, inputs.kv_dtype, tp)
     scales = scale_bytes_per_block(spec, inputs.kv_dtype, tp)
-    block_bytes = B * per_token + scales
+    block_bytes = kv_bytes_per_block(spec, B, inputs.kv_dtype, tp)
     if inputs.weight_memory is not None:
         weights = inputs.weight_memory
     elif spec.weight_bytes is not None:
@@ -185,13 +168,13 @@ def size_kv_cache(spec: ModelSpec, inputs: SizingInputs, shape: WorkloadShape) -
     num_blocks = kv_memory // block_bytes
     blocks_per_seq = math.ceil(max_len / B)
     mean_final, mean_live = length_moments(shape, max_len)
-    table = [_block_size_row(b, per_token, spec, inputs, kv_memory, mean_live)
-             for b in sorted({*CANDIDATE_BLOCK_SIZES, 1, 8, B, 256})]
+    table = [_block_size_row(b, spec, inputs, kv_memory, mean_live)
+             for b in sorted({MIN_BLOCK_SIZE, 8, *CANDIDATE_BLOCK_SIZES, B, MAX_BLOCK_SIZE})]
     best, reason = recommend_block_size(table, inputs.max_waste, mean_live, spec)
     footprint = mean_live + (B - 1) / 2
     return SizingResult(
         model=spec.name, kv_dtype=inputs.kv_dtype, block_size=B, tp=tp, max_len=max_len,
-        kv_heads_per_rank=1 if spec.is_mla else kv_heads_per_rank(spec, tp),
+        kv_heads_per_rank=kv_heads_per_rank(spec, tp),
         kv_bytes_per_token=per_token, scale_bytes_per_block=scales, block_bytes=block_bytes,
         device_memory=inputs.device_memory, weight_memory=weights_per_rank,
         reserved_memory=reserved, kv_memory=kv_memory, num_blocks=num_blocks,
@@ -204,9 +187,9 @@ def size_kv_cache(spec: ModelSpec, inputs: SizingInputs, shape: WorkloadShape) -
         recommended_block_size=best, recommendation=reason, block_size_table=table)
 
 
-def _block_size_row(b: int, per_token: int, spec: ModelSpec, inputs: SizingInputs,
-                    kv_memory: int, mean_live: float) -> dict[str, float | int]:
-    block_bytes = b * per_token + scale_bytes_per_block(spec, inputs.kv_dtype, inputs.tp)
+def _block_size_row(b: int, spec: ModelShape, inputs: SizingInputs, kv_memory: int,
+                    mean_live: float) -> dict[str, float | int]:
+    block_bytes = kv_bytes_per_block(spec, b, inputs.kv_dtype, inputs.tp)
     blocks = kv_memory // block_bytes
     footprint = mean_live + (b - 1) / 2
     return {"block_size": b, "block_bytes": block_bytes, "num_blocks": blocks,
@@ -215,7 +198,7 @@ def _block_size_row(b: int, per_token: int, spec: ModelSpec, inputs: SizingInput
 
 
 def recommend_block_size(table: list[dict[str, float | int]], max_waste: float, mean_live: float,
-                         spec: ModelSpec) -> tuple[int, str]:
+                         spec: ModelShape) -> tuple[int, str]:
     """The largest of 16/32/64/128 whose steady-state internal waste stays within ``max_waste``
     (16 when none does), with the reasoning as one paragraph.
 

@@ -1,9 +1,11 @@
 """Simulated requests: lengths, token ids, shared prefixes, multi-turn chats and arrival times.
 
-A workload is a list of ``Request`` in id order, built once from a seed and replayed unchanged
-against every memory policy. Arrivals are either fixed (``arrival_step``, Poisson or all at once) or
-triggered by another request's completion (``after`` + ``delay``: a closed-loop client, or the next
-turn of a chat), so the trace is identical for every policy even when the timing is not.
+The workload itself (shape, count, sharing, arrivals) is a ``WorkloadConfig`` from
+``pagedkv.workloads``, the definition the benchmarks use too. Here it becomes a list of
+``Request`` in id order, built once from a seed and replayed unchanged against every memory
+policy. Arrivals are either fixed (``arrival_step``, Poisson or all at once) or triggered by
+another request's completion (``after`` + ``delay``: a closed-loop client, or the next turn of a
+chat), so the trace is identical for every policy even when the timing is not.
 
 Token ids are synthetic but deterministic, so prefix caching sees real sharing:
 
@@ -22,7 +24,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedkv.sim.distributions import WorkloadShape
+from pagedkv.workloads import WorkloadConfig
 
 _STREAM_STRIDE = 1 << 20  # tokens per output stream / shared prefix; lengths stay far below this
 _PREFIX_BASE = 1 << 32
@@ -70,49 +72,6 @@ class Request:
     @property
     def final_len(self) -> int:
         return len(self.prompt) + self.output_len
-
-
-@dataclass(frozen=True, slots=True)
-class WorkloadConfig:
-    """How to generate a workload. Validated by ``validate()`` (``ValueError`` names the flag).
-
-    ``rate`` is in requests per simulated step (``math.inf``: all arrive at step 0); ``clients`` > 0
-    switches to a closed loop of that many clients with ``think_steps`` between a completion and the
-    client's next request. ``turns`` > 1 makes multi-turn chats whose turns arrive ``think_steps``
-    after the previous turn completes. ``prefix_len`` > 0 gives every conversation one of
-    ``num_prefixes`` shared system prompts of that many tokens.
-    """
-
-    shape: WorkloadShape
-    num_requests: int = 500
-    max_model_len: int = 2048
-    rate: float = math.inf
-    clients: int = 0
-    think_steps: int = 0
-    turns: int = 1
-    prefix_len: int = 0
-    num_prefixes: int = 1
-    n: int = 1
-    beam_width: int = 1
-    seed: int = 0
-
-    def validate(self) -> None:
-        checks = [
-            (self.num_requests >= 1, "--num-requests", ">= 1", self.num_requests),
-            (self.max_model_len >= 2, "--max-model-len", ">= 2", self.max_model_len),
-            (self.rate > 0, "--rate", "> 0 (inf: all at once)", self.rate),
-            (self.clients >= 0, "--clients", ">= 0", self.clients),
-            (self.think_steps >= 0, "--think-steps", ">= 0", self.think_steps),
-            (self.turns >= 1, "--turns", ">= 1", self.turns),
-            (0 <= self.prefix_len < self.max_model_len - 1, "--prefix-len",
-             f"0 .. {self.max_model_len - 2}", self.prefix_len),
-            (self.num_prefixes >= 1, "--num-prefixes", ">= 1", self.num_prefixes),
-            (self.n >= 1, "--n", ">= 1", self.n),
-            (self.beam_width >= 1, "--beam-width", ">= 1", self.beam_width),
-        ]
-        for ok, flag, allowed, value in checks:
-            if not ok:
-                raise ValueError(f"{flag}: must be {allowed}, got {value}")
 
 
 class _TokenCounter:
