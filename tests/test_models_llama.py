@@ -77,18 +77,23 @@ def test_prefill_logits_match_transformers(name: str, tmp_path_factory: pytest.T
     torch.testing.assert_close(last[0], hf_logits(ref, ids[:7])[-1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "plain"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_greedy_32_tokens_match_transformers(name: str, tmp_path_factory: pytest.TempPathFactory,
-                                             built: dict[str, Any]) -> None:
+                                             built: dict[str, Any], native: bool) -> None:
+    """Both attention paths: the native kernel (where it builds) and plain PyTorch."""
+    from pagedkv.ops import native as native_ops
+    if native and not native_ops.available():
+        pytest.skip("native kernels unavailable")
     ref, loaded = _case(name, tmp_path_factory, built)
     vocab = loaded.config.vocab_size
     prompts = [_prompt(n, vocab, 10 + n) for n in (13, 21, 5)]
     want = [hf_greedy(ref, p, 32) for p in prompts]
-    runner = ModelRunner(loaded, block_size=4, num_blocks=128)
+    runner = ModelRunner(loaded, block_size=4, num_blocks=128, native_attention=native)
     # whole prompts at once, all three sequences batched (ragged decode)
     assert paged_greedy(runner, prompts, 32) == want
     # prompts split into prefill chunks of 6 tokens, mixed with the other sequences' decodes
-    runner = ModelRunner(loaded, block_size=3, num_blocks=128)
+    runner = ModelRunner(loaded, block_size=3, num_blocks=128, native_attention=native)
     assert paged_greedy(runner, prompts, 32, chunk=6) == want
 
 
@@ -134,14 +139,19 @@ def test_copy_on_write_fork_continues_identically(tmp_path_factory: pytest.TempP
     torch.testing.assert_close(b[0], a[1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("native", [False, True])
 def test_decode_length_buckets_match_sequences_run_alone(tmp_path_factory: pytest.TempPathFactory,
-                                                         built: dict[str, Any]) -> None:
-    """Very ragged contexts split the decode batch into several length groups; each sequence's
-    logits must equal a batch of one, and the groups must interleave with a prefill chunk."""
+                                                         built: dict[str, Any], native: bool) -> None:
+    """Very ragged contexts split the decode batch into several length groups (plain path; the
+    native kernel takes them in one call); each sequence's logits must equal a batch of one, and
+    the decodes must interleave with a prefill chunk."""
+    from pagedkv.ops import native as native_ops
+    if native and not native_ops.available():
+        pytest.skip("native kernels unavailable")
     _, loaded = _case("llama_gqa", tmp_path_factory, built)
     vocab = loaded.config.vocab_size
     lens = [3, 40, 250, 251, 2, 180]
-    runner = ModelRunner(loaded, block_size=8, num_blocks=256)
+    runner = ModelRunner(loaded, block_size=8, num_blocks=256, native_attention=native)
     alloc = TinyAllocator(256, seed=9)
     tables = [alloc.take(-(-(n + 1) // 8)) for n in lens]
     prompts = [_prompt(n, vocab, 50 + n) for n in lens]
@@ -149,7 +159,7 @@ def test_decode_length_buckets_match_sequences_run_alone(tmp_path_factory: pytes
     extra_table = alloc.take(4)
     chunks = [SeqChunk([7 + i], n, t) for i, (n, t) in enumerate(zip(lens, tables))]
     mixed = chunks[:3] + [SeqChunk(_prompt(20, vocab, 99), 0, extra_table)] + chunks[3:]
-    assert len(runner.prepare(mixed).decode_groups) > 1
+    assert len(runner.prepare(mixed).decode_groups) > 1 or native
     together = runner.execute(mixed)
     together = torch.cat([together[:3], together[4:]])
     for i, c in enumerate(chunks):

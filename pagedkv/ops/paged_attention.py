@@ -129,3 +129,72 @@ def paged_prefill_attention(
     out = F.scaled_dot_product_attention(qh, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
                                          attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out[0].transpose(0, 1)  # [n, heads, d]
+
+
+@dataclass(slots=True)
+class NativeMetadata:
+    """Per-step inputs of the native kernel, shared by every layer: each token row's sequence (a
+    row of ``block_tables``) and visible length (position + 1; 0: the row is attended elsewhere)."""
+
+    block_tables: torch.Tensor  # [seqs, max_blocks] int32
+    row_seq: torch.Tensor  # [rows] int32
+    row_len: torch.Tensor  # [rows] int32
+    num_rows: int  # rows with row_len > 0
+
+    @classmethod
+    def build(cls, tables: list[list[int]], row_seq: list[int], row_len: list[int]) -> NativeMetadata:
+        width = max((len(t) for t in tables), default=1) or 1
+        return cls(torch.tensor([t + [0] * (width - len(t)) for t in tables] or [[0]], dtype=torch.int32),
+                   torch.tensor(row_seq, dtype=torch.int32), torch.tensor(row_len, dtype=torch.int32),
+                   sum(1 for n in row_len if n > 0))
+
+
+def native_paged_attention(
+    out: torch.Tensor,  # [rows, heads, head_dim]: rows with row_len > 0 are written
+    q: torch.Tensor,  # [rows, heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] (float32/float16/bfloat16)
+    v_cache: torch.Tensor,
+    meta: NativeMetadata,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Attention of each row over its sequence's first ``row_len`` cached tokens (the last
+    ``sliding_window`` of them), reading K and V blocks in place (``csrc/paged_attention.cpp``;
+    needs ``pagedkv.ops.native.available()``). Accumulates in float32; returns ``out``."""
+    from pagedkv.ops import native  # builds or loads the kernel once
+    if not native.available():
+        raise RuntimeError(f"the native paged-attention kernel is unavailable: {native.why_unavailable()}")
+    d = q.shape[-1]
+    qf = q.float().contiguous() if q.dtype != torch.float32 or not q.is_contiguous() else q
+    target = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32)
+    torch.ops.pagedkv.paged_attention(target, qf, k_cache, v_cache, meta.block_tables, meta.row_seq,
+                                      meta.row_len, scale if scale is not None else d ** -0.5,
+                                      sliding_window or 0)
+    if target is not out:
+        rows = meta.row_len > 0
+        out[rows] = target[rows].to(out.dtype)
+    return out
+
+
+def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: list[list[int]], row_seq: list[int], row_len: list[int],
+                              scale: float | None = None, sliding_window: int | None = None) -> torch.Tensor:
+    """Plain PyTorch, one row at a time (for tests): what ``native_paged_attention`` computes."""
+    rows, heads, d = q.shape
+    kvh = k_cache.shape[2]
+    out = torch.zeros(rows, heads, d, dtype=torch.float32)
+    for r in range(rows):
+        n = row_len[r]
+        if n <= 0:
+            continue
+        table = torch.tensor(block_tables[row_seq[r]], dtype=torch.long)
+        keys = k_cache.index_select(0, table).reshape(-1, kvh, d)[:n].float()
+        values = v_cache.index_select(0, table).reshape(-1, kvh, d)[:n].float()
+        first = max(0, n - sliding_window) if sliding_window else 0
+        keys, values = keys[first:], values[first:]
+        group = heads // kvh
+        k = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, n, d]
+        v = values.repeat_interleave(group, dim=1).transpose(0, 1)
+        s = torch.einsum("hd,hnd->hn", q[r].float(), k) * (scale if scale is not None else d ** -0.5)
+        out[r] = torch.einsum("hn,hnd->hd", torch.softmax(s, dim=-1), v)
+    return out

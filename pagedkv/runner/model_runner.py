@@ -16,8 +16,9 @@ from pagedkv.models.config import ModelConfig
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.loader import LoadedModel
 from pagedkv.models.packed_linear import pack_lm_head as pack_head
+from pagedkv.ops import native
 from pagedkv.ops.cache_ops import copy_blocks, swap_blocks, write_kv
-from pagedkv.ops.paged_attention import paged_decode_attention, paged_prefill_attention
+from pagedkv.ops.paged_attention import native_paged_attention, paged_decode_attention, paged_prefill_attention
 from pagedkv.runner.batch import SeqChunk
 from pagedkv.runner.kv_cache import KVCache, num_blocks_for_memory
 from pagedkv.runner.step_inputs import BatchError, StepInputs, build_step_inputs
@@ -37,9 +38,14 @@ class _StepAttention:
         inp = self.inputs
         k_cache, v_cache = self.cache.layer(layer_idx)
         write_kv(k_cache, v_cache, k, v, inp.slot_mapping)
-        if inp.identity_decode:
+        if inp.native is not None:
+            out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype)
+            if inp.native.num_rows:
+                native_paged_attention(out, q, k_cache, v_cache, inp.native, sliding_window=self.sliding_window)
+        elif inp.identity_decode:
             return paged_decode_attention(q, k_cache, v_cache, inp.decode_groups[0].meta)  # [T, H, d]
-        out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype)  # [T, H, d]
+        else:
+            out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype)  # [T, H, d]
         for group in inp.decode_groups:
             q_dec = q.index_select(0, group.rows)
             out.index_copy_(0, group.rows, paged_decode_attention(q_dec, k_cache, v_cache, group.meta))
@@ -69,6 +75,7 @@ class ModelRunner:
         num_host_blocks: int = 0,
         kv_cache_dtype: torch.dtype | None = None,
         pack_lm_head: bool = True,
+        native_attention: bool | None = None,
     ) -> None:
         net = model.model if isinstance(model, LoadedModel) else model
         if pack_lm_head:  # ~2x faster LM head at decode batch sizes; see models/packed_linear.py
@@ -88,6 +95,8 @@ class ModelRunner:
             num_blocks = num_blocks_for_memory(self.config, block_size, kv_cache_memory, dtype)
         self.cache = KVCache(self.config, block_size=block_size, num_blocks=num_blocks,
                              num_host_blocks=num_host_blocks, dtype=dtype)
+        # The native kernel reads blocks in place (None: use it when it builds here).
+        self.native_attention = native.available() if native_attention is None else native_attention
 
     @property
     def block_size(self) -> int:
@@ -107,7 +116,7 @@ class ModelRunner:
         return build_step_inputs(list(chunks), block_size=self.block_size, num_blocks=self.num_blocks,
                                  num_heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
                                  head_dim=cfg.head_dim, sliding_window=cfg.sliding_window,
-                                 dtype=self.cache.dtype)
+                                 dtype=self.cache.dtype, native=self.native_attention)
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[SeqChunk], return_all_logits: bool = False) -> torch.Tensor:

@@ -1,6 +1,11 @@
 """Flatten a list of ``SeqChunk`` into the tensors one forward pass needs, built once per step.
 
-Token order is chunk order: chunk 0's tokens, then chunk 1's, ... Decode chunks (one token) are
+Token order is chunk order: chunk 0's tokens, then chunk 1's, ...
+
+With the native kernel (``native=True``), decodes and prefill chunks over a cached prefix are all
+attended by one call per layer that reads blocks in place (``NativeMetadata``: each row's sequence
+and visible length); only prefill chunks without a cached prefix go to torch's flash SDPA over
+their own fresh K/V. Without it (the plain PyTorch path), decode chunks (one token) are
 batched into few paged-attention calls: sorted by context length and cut into at most
 ``MAX_DECODE_GROUPS`` groups where that saves more padded slots than a group costs, because the
 padded slots are what decode attention spends its time reading. Prefill chunks (several tokens)
@@ -14,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.errors import PagedKVError
-from pagedkv.ops.paged_attention import DecodeMetadata
+from pagedkv.ops.paged_attention import DecodeMetadata, NativeMetadata
 from pagedkv.runner.batch import SeqChunk
 
 
@@ -88,6 +93,7 @@ class StepInputs:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillItem]
     identity_decode: bool  # one decode group covering every token in order: its output is the output
+    native: NativeMetadata | None = None  # the native kernel's rows (then no decode groups)
 
     @property
     def num_tokens(self) -> int:
@@ -96,7 +102,7 @@ class StepInputs:
 
 def build_step_inputs(chunks: list[SeqChunk], *, block_size: int, num_blocks: int, num_heads: int,
                       kv_heads: int, head_dim: int, dtype: torch.dtype,
-                      sliding_window: int | None = None) -> StepInputs:
+                      sliding_window: int | None = None, native: bool = False) -> StepInputs:
     """Validate ``chunks`` and build every index the step's 30-odd layers share."""
     if not chunks:
         raise BatchError("execute() needs at least one chunk")
@@ -108,6 +114,9 @@ def build_step_inputs(chunks: list[SeqChunk], *, block_size: int, num_blocks: in
     dec_tables: list[list[int]] = []
     dec_lens: list[int] = []
     prefills: list[PrefillItem] = []
+    tables: list[list[int]] = []  # native: one per chunk
+    row_seq: list[int] = []
+    row_len: list[int] = []
     for i, c in enumerate(chunks):
         n = len(c.token_ids)
         if n == 0:
@@ -130,7 +139,14 @@ def build_step_inputs(chunks: list[SeqChunk], *, block_size: int, num_blocks: in
             positions.append(p)
             slots.append(table[p // block_size] * block_size + p % block_size)
         last_rows.extend(range(row, row + n) if c.all_logits else (row + n - 1,))
-        if n == 1:
+        if native:
+            fresh = n > 1 and c.start_pos == 0  # flash SDPA over its own K/V
+            tables.append(table)
+            row_seq.extend([i] * n)
+            row_len.extend([0] * n if fresh else range(c.start_pos + 1, ctx + 1))
+            if fresh:
+                prefills.append(PrefillItem(row, row + n, 0, torch.tensor(table, dtype=torch.long)))
+        elif n == 1:
             dec_rows.append(row)
             dec_tables.append(table)
             dec_lens.append(ctx)
@@ -153,4 +169,5 @@ def build_step_inputs(chunks: list[SeqChunk], *, block_size: int, num_blocks: in
         decode_groups=groups,
         prefills=prefills,
         identity_decode=identity,
+        native=NativeMetadata.build(tables, row_seq, row_len) if native else None,
     )

@@ -1,0 +1,95 @@
+"""Native CPU kernels (C++), built once per machine with PyTorch's extension tooling.
+
+``available()`` builds ``csrc/paged_attention.cpp`` on first use (about a minute; ``scripts/setup.sh``
+does it ahead of time) into ``$PAGEDKV_CACHE_DIR/native/`` (default ``~/.cache/pagedkv/native``),
+keyed by the source, the torch version and the CPU's instruction sets (it is built with
+``-march=native``), and registers ``torch.ops.pagedkv.paged_attention``. Where no compiler is present
+or the build fails, ``available()`` is False, the reason is logged once, and callers use the plain
+PyTorch ops. ``PAGEDKV_NATIVE=0`` turns the native path off.
+
+    python -m pagedkv.ops.native    build now and say whether it works
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from pagedkv.models.cache_dir import cache_root
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
+def _build_key() -> str:
+    h = hashlib.sha256()
+    for src in _SOURCES:
+        h.update(src.read_bytes())
+    h.update(" ".join(_FLAGS).encode())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_flags().encode())
+    return h.hexdigest()[:16]
+
+
+def _build(verbose: bool = False) -> None:
+    from torch.utils import cpp_extension
+    key = _build_key()
+    folder = cache_root() / "native" / key
+    folder.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(name=f"pagedkv_native_{key}", sources=[str(s) for s in _SOURCES],
+                       extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(folder),
+                       is_python_module=False, verbose=verbose)
+
+
+def available() -> bool:
+    """Whether ``torch.ops.pagedkv.paged_attention`` is usable (builds it on first call)."""
+    if "ok" in _state:
+        return bool(_state["ok"])
+    with _lock:
+        if "ok" not in _state:
+            if os.environ.get("PAGEDKV_NATIVE", "1") == "0":
+                _state["ok"], _state["why"] = False, "PAGEDKV_NATIVE=0"
+            else:
+                try:
+                    _build()
+                    _state["ok"] = True
+                except Exception as exc:  # noqa: BLE001 - no compiler, failed build: use the fallback
+                    _state["ok"], _state["why"] = False, f"{type(exc).__name__}: {exc}"
+                    logger.warning("native CPU kernels unavailable, using plain PyTorch attention (%s)",
+                                   str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    return bool(_state["ok"])
+
+
+def why_unavailable() -> str | None:
+    return None if available() else str(_state.get("why"))
+
+
+def main() -> int:
+    ok = available()
+    print("native CPU kernels: " + ("built and loaded" if ok else f"unavailable ({why_unavailable()})"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
