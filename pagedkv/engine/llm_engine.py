@@ -154,12 +154,8 @@ class LLMEngine:
                 self._record_prompt_logprobs(out, chunks, ends, logits, step)
                 if ends[-1] != len(ends):  # keep only the rows sampled from
                     logits = logits.index_select(0, logits.new_tensor([e - 1 for e in ends]).long())
-                self._sample(out, logits, list(range(len(ends))), step)
+                self._sample(out, logits, step)
         self.scheduler.update_from_output(out, step)
-        now = time.time()
-        for group in step.progressed.values():
-            if group.is_finished:
-                group.metrics.setdefault("finished_time", now)
         self._steps += 1
         if self.config.debug_integrity:
             self.kv.check_integrity()
@@ -223,7 +219,6 @@ class LLMEngine:
         if group.error is not None:
             return
         group.error = message
-        group.metrics.setdefault("finished_time", time.time())
         if step is None:
             self.scheduler.abort(group.request_id, reason="error")
         else:
@@ -238,7 +233,8 @@ class LLMEngine:
             self._fail(group, f"building this request's output failed: {exc!r}", None)
             return self.outputs.make_output(group)  # the error path does not detokenize
 
-    def _sample(self, out: SchedulerOutput, logits, last_rows: list[int], step: StepResult) -> None:
+    def _sample(self, out: SchedulerOutput, logits, step: StepResult) -> None:
+        """Row i of ``logits`` is the next-token row of ``out.scheduled[i]``."""
         rows: list[SampleRow] = []
         targets: list[tuple[SequenceGroup, Sequence]] = []
         beam_rows: list[tuple[int, SequenceGroup, Sequence]] = []
@@ -247,7 +243,7 @@ class LLMEngine:
                 continue
             group, seq = s.group, s.seq
             if group.beam_width:
-                beam_rows.append((last_rows[i], group, seq))
+                beam_rows.append((i, group, seq))
                 continue
             seqs = [seq]
             if not group.forked:
@@ -258,7 +254,7 @@ class LLMEngine:
                     self._fail_requests([group], "forking", exc, step)
                     continue
             for q in seqs:
-                rows.append(SampleRow(last_rows[i], group.params, q.rng))
+                rows.append(SampleRow(i, group.params, q.rng))
                 targets.append((group, q))
         if rows:
             try:

@@ -18,6 +18,7 @@ Pure Python: the scheduler drives the memory core and never touches tensors.
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from pagedkv.engine.sequence import GroupStatus, Sequence, SequenceGroup
@@ -285,6 +286,7 @@ class Scheduler:
             if seq.seq_id in self.kv:
                 self.kv.free(seq.seq_id)
         group.status = GroupStatus.FINISHED
+        group.metrics.setdefault("finished_time", time.time())
         self.groups.pop(group.request_id, None)
 
     def _enqueue(self, queue: list[SequenceGroup], group: SequenceGroup, status: GroupStatus) -> None:
