@@ -198,3 +198,28 @@ def test_packed_linear_pads_rows_to_buckets_without_changing_the_result(rows: in
     out = PackedLinear(w, b)(x)
     assert out.shape == (rows, 70)
     torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_input_major_linears_match_plain(bias: bool) -> None:
+    """The runner stores q/k/v and gate/up input-major: same outputs, same weight values, and the
+    conversion is idempotent."""
+    from torch import nn
+
+    from pagedkv.models.packed_linear import InputMajorLinear, transpose_wide_linears
+
+    gen = torch.Generator().manual_seed(0)
+    lin = nn.Linear(24, 40, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(40, 24, generator=gen))
+    moved = InputMajorLinear(lin.weight, lin.bias)
+    for rows in (1, 7, 33):
+        x = torch.randn(rows, 24, generator=gen)
+        torch.testing.assert_close(moved(x), lin(x), atol=1e-5, rtol=1e-5)
+    assert torch.equal(moved.weight, lin.weight) and moved.weight_t.is_contiguous()
+    folder_model = nn.Module()
+    layer = nn.Module()
+    layer.self_attn, layer.mlp = nn.Module(), nn.Module()
+    layer.self_attn.qkv_proj, layer.mlp.gate_up_proj = nn.Linear(8, 12), nn.Linear(8, 16, bias=False)
+    folder_model.layers = nn.ModuleList([layer])
+    assert transpose_wide_linears(folder_model) == 2 and transpose_wide_linears(folder_model) == 0

@@ -16,6 +16,7 @@ from pagedkv.models.config import ModelConfig
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.loader import LoadedModel
 from pagedkv.models.packed_linear import pack_lm_head as pack_head
+from pagedkv.models.packed_linear import transpose_wide_linears
 from pagedkv.ops import native
 from pagedkv.ops.cache_ops import copy_blocks, swap_blocks, write_kv
 from pagedkv.ops.paged_attention import native_paged_attention, paged_decode_attention, paged_prefill_attention
@@ -80,6 +81,7 @@ class ModelRunner:
         net = model.model if isinstance(model, LoadedModel) else model
         if pack_lm_head:  # ~2x faster LM head at decode batch sizes; see models/packed_linear.py
             pack_head(net)
+        transpose_wide_linears(net)  # faster q/k/v and gate/up matmuls (models/packed_linear.py)
         self.model: LlamaForCausalLM = net
         self.config: ModelConfig = net.config
         model_dtype = next(net.parameters()).dtype
