@@ -1,4 +1,4 @@
-"""The native paged-attention kernel (``csrc/paged_attention.cpp``) against plain PyTorch.
+"""The native kernels (``csrc/paged_attention.cpp``: paged attention, RMSNorm) against plain PyTorch.
 
 Decode rows and prefill/extend rows of ragged sequences in one call, block sizes 1/16/64 (and
 odd ones), GQA ratios 1..8, sliding windows, float32/float16/bfloat16 caches, rows skipped by a
@@ -107,3 +107,20 @@ def test_runner_logits_equal_the_plain_path(tmp_path):
             SeqChunk([9, 8, 7, 6, 5], 0, [20, 21])]
     native_logits, plain_logits = (r.execute(step) for r in runners)
     torch.testing.assert_close(native_logits, plain_logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (7, 100), (33, 64)])
+def test_native_rms_norm_matches_torch(rows, hidden):
+    """The fused RMSNorm the runner switches on (``RMSNorm.native``) equals torch's rms_norm."""
+    gen = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, hidden, generator=gen) * 3, torch.randn(hidden, generator=gen)
+    out = torch.empty_like(x)
+    torch.ops.pagedkv.rms_norm(out, x, w, 1e-5)
+    torch.testing.assert_close(out, torch.nn.functional.rms_norm(x, (hidden,), w, 1e-5), atol=1e-5, rtol=1e-5)
+    from pagedkv.models.llama import RMSNorm
+    norm = RMSNorm(hidden, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(w)
+    plain = norm(x)
+    norm.native = True
+    torch.testing.assert_close(norm(x), plain, atol=1e-5, rtol=1e-5)

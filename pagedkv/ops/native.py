@@ -3,7 +3,8 @@
 ``available()`` builds ``csrc/paged_attention.cpp`` on first use (about a minute; ``scripts/setup.sh``
 does it ahead of time) into ``$PAGEDKV_CACHE_DIR/native/`` (default ``~/.cache/pagedkv/native``),
 keyed by the source, the torch version and the CPU's instruction sets (it is built with
-``-march=native``), and registers ``torch.ops.pagedkv.paged_attention``. Where no compiler is present
+``-march=native``), and registers ``torch.ops.pagedkv.paged_attention`` and
+``torch.ops.pagedkv.rms_norm``. Where no compiler is present
 or the build fails, ``available()`` is False, the reason is logged once, and callers use the plain
 PyTorch ops. ``PAGEDKV_NATIVE=0`` turns the native path off.
 

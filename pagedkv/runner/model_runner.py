@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from pagedkv.models.config import ModelConfig
-from pagedkv.models.llama import LlamaForCausalLM
+from pagedkv.models.llama import LlamaForCausalLM, RMSNorm
 from pagedkv.models.loader import LoadedModel
 from pagedkv.models.packed_linear import pack_lm_head as pack_head
 from pagedkv.models.packed_linear import transpose_wide_linears
@@ -97,8 +97,12 @@ class ModelRunner:
             num_blocks = num_blocks_for_memory(self.config, block_size, kv_cache_memory, dtype)
         self.cache = KVCache(self.config, block_size=block_size, num_blocks=num_blocks,
                              num_host_blocks=num_host_blocks, dtype=dtype)
-        # The native kernel reads blocks in place (None: use it when it builds here).
+        # The native kernels read blocks in place and fuse RMSNorm (None: use them where they build).
         self.native_attention = native.available() if native_attention is None else native_attention
+        if self.native_attention:
+            for module in net.modules():
+                if isinstance(module, RMSNorm):
+                    module.native = True
 
     @property
     def block_size(self) -> int:
