@@ -124,3 +124,38 @@ def test_native_rms_norm_matches_torch(rows, hidden):
     plain = norm(x)
     norm.native = True
     torch.testing.assert_close(norm(x), plain, atol=1e-5, rtol=1e-5)
+
+
+def _probe(env_extra: dict[str, str]) -> str:
+    import os
+    import subprocess
+    import sys
+    code = ("from pagedkv.ops import native\n"
+            "from pagedkv.models.loader import load_model\n"
+            "import sys\n"
+            "from tiny_model import write_tiny_model\n"
+            "from pagedkv.runner import ModelRunner, SeqChunk\n"
+            "folder = write_tiny_model(sys.argv[1])\n"
+            "runner = ModelRunner(load_model(str(folder)), block_size=4, num_blocks=16)\n"
+            "runner.execute([SeqChunk([1, 2, 3, 4, 5], 0, [0, 1])])\n"
+            "print(native.available(), runner.native_attention)\n")
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__), **env_extra}
+        env = {k: v.replace("{tmp}", tmp) for k, v in env.items()}
+        proc = subprocess.run([sys.executable, "-c", code, tmp + "/m"], capture_output=True, text=True,
+                              env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.strip() + "\n" + proc.stderr
+
+
+@pytest.mark.parametrize("env", [{"PAGEDKV_NATIVE": "0"},
+                                 {"PAGEDKV_CACHE_DIR": "{tmp}/cache", "CXX": "/nonexistent/c++"}],
+                         ids=["disabled", "no-compiler"])
+def test_without_the_kernel_the_runner_falls_back(env):
+    """PAGEDKV_NATIVE=0, or a build that fails (no compiler), leaves the plain PyTorch path
+    running; a failed build says why once on stderr."""
+    out = _probe(env)
+    assert out.splitlines()[0] == "False False"
+    if "CXX" in env:
+        assert "native CPU kernels unavailable" in out
