@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pagedkv.ops import native
+
 
 @dataclass(slots=True)
 class DecodeMetadata:
@@ -161,8 +163,7 @@ def native_paged_attention(
     """Attention of each row over its sequence's first ``row_len`` cached tokens (the last
     ``sliding_window`` of them), reading K and V blocks in place (``csrc/paged_attention.cpp``;
     needs ``pagedkv.ops.native.available()``). Accumulates in float32; returns ``out``."""
-    from pagedkv.ops import native  # builds or loads the kernel once
-    if not native.available():
+    if not native.available():  # loads (or builds) the kernel on first use; a dict lookup after
         raise RuntimeError(f"the native paged-attention kernel is unavailable: {native.why_unavailable()}")
     d = q.shape[-1]
     qf = q.float().contiguous() if q.dtype != torch.float32 or not q.is_contiguous() else q
