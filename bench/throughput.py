@@ -163,6 +163,14 @@ def profile_decode(engine: LLMEngine, workload: Workload, steps: int = 12) -> di
     return {k: v / steps * 1000 for k, v in out.items()}
 
 
+def _model_folder(model: str | None) -> Path:
+    """The HF-style folder of ``model`` that transformers and vLLM load (a GGUF is converted once)."""
+    from pagedkv.models.gguf_loader import converted_folder
+    from pagedkv.models.loader import resolve_model_path
+    path, _ = resolve_model_path(model)
+    return converted_folder(path) if path.is_file() else path
+
+
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -195,19 +203,11 @@ def main() -> None:
     if not args.skip_hf:
         import transformers
 
-        from pagedkv.models.gguf_loader import converted_folder
-        from pagedkv.models.loader import resolve_model_path
-        path, _ = resolve_model_path(args.model)
-        folder = converted_folder(path) if path.is_file() else path
-        hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(_model_folder(args.model),
+                                                                     torch_dtype=torch.float32).eval()
         pad = engine.tokenizer.eos_token_ids and min(engine.tokenizer.eos_token_ids) or 0
         hf_static_batches(hf_model, warmup, len(warmup.prompts), pad)
-    vllm_folder = None
-    if args.vllm_python:
-        from pagedkv.models.gguf_loader import converted_folder
-        from pagedkv.models.loader import resolve_model_path
-        path, _ = resolve_model_path(args.model)
-        vllm_folder = converted_folder(path) if path.is_file() else path
+    vllm_folder = _model_folder(args.model) if args.vllm_python else None
 
     runs: dict[str, list] = {w.name: [] for w in workloads}  # pagedkv RunResults per repeat
     hf: dict[str, list[float]] = {w.name: [] for w in workloads}

@@ -15,7 +15,8 @@ import torch
 from tiny_model import write_tiny_model
 
 from pagedkv.ops import native
-from pagedkv.ops.paged_attention import NativeMetadata, native_paged_attention, reference_paged_attention
+from pagedkv.ops.paged_attention import NativeMetadata, native_paged_attention
+from pagedkv.ops.reference import reference_paged_attention
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels unavailable: "
                                 f"{native.why_unavailable() if not native.available() else ''}")

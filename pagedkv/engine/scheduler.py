@@ -166,9 +166,10 @@ class Scheduler:
         for parent, child in result.forks:
             if child.finish_reason is None:
                 kv.fork(parent.seq_id, child.seq_id, child.token_ids)
-        for group, seq in result.finished:
+        for _, seq in result.finished:
             if seq.seq_id in kv:
                 kv.free(seq.seq_id)
+        for group in {id(g): g for g, _ in result.finished}.values():
             if group.num_live == 0:
                 self._retire(group)
         for group in result.failed:

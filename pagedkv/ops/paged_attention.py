@@ -176,26 +176,3 @@ def native_paged_attention(
         out[rows] = target[rows].to(out.dtype)
     return out
 
-
-def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              block_tables: list[list[int]], row_seq: list[int], row_len: list[int],
-                              scale: float | None = None, sliding_window: int | None = None) -> torch.Tensor:
-    """Plain PyTorch, one row at a time (for tests): what ``native_paged_attention`` computes."""
-    rows, heads, d = q.shape
-    kvh = k_cache.shape[2]
-    out = torch.zeros(rows, heads, d, dtype=torch.float32)
-    for r in range(rows):
-        n = row_len[r]
-        if n <= 0:
-            continue
-        table = torch.tensor(block_tables[row_seq[r]], dtype=torch.long)
-        keys = k_cache.index_select(0, table).reshape(-1, kvh, d)[:n].float()
-        values = v_cache.index_select(0, table).reshape(-1, kvh, d)[:n].float()
-        first = max(0, n - sliding_window) if sliding_window else 0
-        keys, values = keys[first:], values[first:]
-        group = heads // kvh
-        k = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, n, d]
-        v = values.repeat_interleave(group, dim=1).transpose(0, 1)
-        s = torch.einsum("hd,hnd->hn", q[r].float(), k) * (scale if scale is not None else d ** -0.5)
-        out[r] = torch.einsum("hn,hnd->hd", torch.softmax(s, dim=-1), v)
-    return out

@@ -30,3 +30,22 @@ def reference_attention(
     scores = scores.masked_fill(hidden, float("-inf"))
     out = torch.einsum("hnc,chd->nhd", scores.softmax(-1), vd)
     return out.to(q.dtype)
+
+
+def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: list[list[int]], row_seq: list[int], row_len: list[int],
+                              scale: float | None = None, sliding_window: int | None = None) -> torch.Tensor:
+    """What ``native_paged_attention`` computes, one row at a time: row r's sequence's first
+    ``row_len[r]`` cached tokens gathered contiguously and attended by ``reference_attention``
+    (rows of length 0 stay zero); returns float32 ``[rows, heads, d]``."""
+    rows, heads, d = q.shape
+    kvh = k_cache.shape[2]
+    out = torch.zeros(rows, heads, d, dtype=torch.float32)
+    for r, n in enumerate(row_len):
+        if n <= 0:
+            continue
+        table = torch.tensor(block_tables[row_seq[r]], dtype=torch.long)
+        keys = k_cache.index_select(0, table).reshape(-1, kvh, d)[:n].float()
+        values = v_cache.index_select(0, table).reshape(-1, kvh, d)[:n].float()
+        out[r] = reference_attention(q[r:r + 1].float(), keys, values, scale, sliding_window)[0]
+    return out

@@ -45,11 +45,11 @@ class PagedPolicy:
     def admit(self, request: Request, seqs: list[SimSeq]) -> bool:
         mgr = self.manager
         done: list[SimSeq] = []
+        root = ("prompt", seqs[0].seq_id)  # the CoW path's shared prompt, freed once forked
         try:
             if self.cow and len(seqs) > 1:
                 # The prompt is computed once, as a sequence of its own that every sample forks.
                 prompt = request.prompt
-                root = ("prompt", seqs[0].seq_id)
                 cached = mgr.allocate_prompt(root, prompt)
                 mgr.mark_computed(root, len(prompt) - cached)
                 for seq in seqs:
@@ -67,7 +67,7 @@ class PagedPolicy:
                     done.append(seq)
                     mgr.mark_computed(seq.seq_id, len(seq.tokens) - cached)
         except OutOfBlocksError:
-            for seq_id in [s.seq_id for s in done] + [("prompt", seqs[0].seq_id)]:
+            for seq_id in [s.seq_id for s in done] + [root]:
                 if seq_id in mgr:
                     mgr.free(seq_id)
             return False
