@@ -103,7 +103,10 @@ def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:
 
     Returns ``logits`` itself (no copy) when every value is finite, the common case.
     """
-    if bool(torch.isfinite(logits).all()):
+    # A finite sum means every value is finite (inf and NaN propagate through a sum); the sum is
+    # one vectorized pass, several times cheaper than isfinite(...).all() at a 50k vocabulary.
+    # Finite values that overflow the sum take the full check below, which returns them unchanged.
+    if bool(torch.isfinite(logits.sum())):
         return logits
     x = logits.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     pos = x == float("inf")
