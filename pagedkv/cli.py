@@ -71,7 +71,10 @@ def run_generate(args: argparse.Namespace) -> int:
         s = llm.stats()
         print(f"KV: {s.kv.used_blocks}/{s.kv.num_blocks} blocks used, "
               f"prefix hits {s.kv.prefix_hit_tokens}/{s.kv.prefix_query_tokens} tokens, "
-              f"preemptions {s.preemptions_recompute + s.preemptions_swap}", file=sys.stderr)
+              f"preemptions {s.preemptions_recompute + s.preemptions_swap}; "
+              f"KV dtype {s.kv_cache_dtype}, {s.kv_bytes_per_block:,} bytes per block"
+              + (f", quantization error (relative RMS, worst layer) {s.kv_quant_error_max:.4f}"
+                 if s.kv_quant_error_max is not None else ""), file=sys.stderr)
     return 0
 
 

@@ -17,13 +17,16 @@ holds exactly this for each block id)::
     layer 0: K [block_size, kv_heads_per_rank, head_dim]  V [same]
     ...                                                           = block_size * kv_bytes_per_token
     layer L-1: K ...                                      V ...
-    + int8 only: one fp32 scale per layer, K/V and KV head        = scale_bytes_per_block
+    + 8-bit kinds only: one fp32 scale per layer, K/V and KV head = scale_bytes_per_block
 
     kv_bytes_per_token = layers * 2 * kv_heads_per_rank * head_dim * dtype_bytes
     MLA:                 layers * (kv_lora_rank + qk_rope_head_dim) * dtype_bytes  (one latent,
-                         every rank holds all of it; one scale per layer for int8)
+                         every rank holds all of it; one scale per layer for 8-bit kinds)
 
-fp8 (e4m3) is modelled with per-tensor scales: no per-block bytes.
+KV kinds (``--kv-cache-dtype`` of the engine, ``--kv-dtype`` of ``pagedkv size``/``simulate``):
+``float32 bfloat16 float16`` (no scales) and ``int8 fp8_e4m3 fp8_e5m2`` (one scale per block,
+layer, K/V and KV head, as the runner stores them); ``fp32 fp16 bf16`` and torch's dtype names are
+aliases, and ``fp8`` means ``fp8_e4m3`` (vLLM's spelling).
 """
 
 from __future__ import annotations
@@ -36,10 +39,14 @@ from typing import Any
 MIN_BLOCK_SIZE = 1
 MAX_BLOCK_SIZE = 256
 
-KV_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
-KV_DTYPE_ALIASES: dict[str, str] = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16",
-                                    "float8_e4m3fn": "fp8"}  # torch's names for the same kinds
-SCALED_KV_DTYPES = frozenset({"int8"})  # kinds that store one fp32 scale per block, layer, K/V, head
+KV_DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8_e4m3": 1,
+                                  "fp8_e5m2": 1}
+KV_DTYPE_ALIASES: dict[str, str] = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
+                                    "fp8": "fp8_e4m3",  # vLLM's alias
+                                    "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}  # torch's names
+SCALED_KV_DTYPES = frozenset({"int8", "fp8_e4m3", "fp8_e5m2"})  # one fp32 scale per block, layer, K/V, head
+# What the engine's kv_cache_dtype / --kv-cache-dtype accepts ("auto": the model dtype).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 SCALE_BYTES = 4
 
 # transformers' defaults for keys a config.json may leave out, by model_type (LlamaConfig's for any
@@ -164,12 +171,19 @@ def check_block_size(block_size: object, name: str = "block_size") -> int:
     return block_size
 
 
-def kv_dtype_bytes(kv_dtype: str) -> int:
-    """Bytes of one KV element: ``fp32 fp16 bf16 fp8 int8`` or torch's names (``float16``, ...)."""
+def kv_dtype_name(kv_dtype: str) -> str:
+    """The canonical name of a KV kind (``fp16`` -> ``float16``, ``fp8`` -> ``fp8_e4m3``); raises
+    ValueError naming the accepted kinds."""
     kind = KV_DTYPE_ALIASES.get(kv_dtype, kv_dtype)
     if kind not in KV_DTYPE_BYTES:
-        raise ValueError(f"kv dtype must be one of {', '.join(KV_DTYPE_BYTES)}, got {kv_dtype!r}")
-    return KV_DTYPE_BYTES[kind]
+        raise ValueError(f"kv dtype must be one of {', '.join(KV_DTYPE_BYTES)} (or "
+                         f"{', '.join(KV_DTYPE_ALIASES)}), got {kv_dtype!r}")
+    return kind
+
+
+def kv_dtype_bytes(kv_dtype: str) -> int:
+    """Bytes of one KV element of a KV kind (any accepted name, see :func:`kv_dtype_name`)."""
+    return KV_DTYPE_BYTES[kv_dtype_name(kv_dtype)]
 
 
 def kv_heads_per_rank(shape: ModelShape, tp: int = 1) -> int:
@@ -197,9 +211,9 @@ def kv_bytes_per_token(shape: ModelShape, kv_dtype: str, tp: int = 1) -> int:
 
 
 def scale_bytes_per_block(shape: ModelShape, kv_dtype: str, tp: int = 1) -> int:
-    """Per-block scale bytes: int8 keeps one fp32 scale per layer, K/V and KV head (MLA: per
-    layer); every other kind none."""
-    if KV_DTYPE_ALIASES.get(kv_dtype, kv_dtype) not in SCALED_KV_DTYPES:
+    """Per-block scale bytes: the 8-bit kinds keep one fp32 scale per layer, K/V and KV head (MLA:
+    per layer); the float kinds none."""
+    if kv_dtype_name(kv_dtype) not in SCALED_KV_DTYPES:
         return 0
     per_layer = 1 if shape.is_mla else 2 * kv_heads_per_rank(shape, tp)
     return shape.num_hidden_layers * per_layer * SCALE_BYTES

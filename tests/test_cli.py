@@ -25,7 +25,22 @@ def test_generate_prints_a_completion(tmp_path):
            "hello world", "--max-tokens", "5", "--ignore-eos", "--num-kv-blocks", "32", "--stats"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "blocks used" in out.stderr and out.stdout.strip()
+    assert "blocks used" in out.stderr and "KV dtype float32" in out.stderr and out.stdout.strip()
+
+
+def test_generate_with_an_int8_kv_cache(tmp_path):
+    from tiny_model import write_tiny_model
+
+    from pagedkv.ops import native
+    if not native.available():
+        pytest.skip("8-bit KV blocks need the native kernels")
+    folder = write_tiny_model(tmp_path / "tiny")
+    cmd = [sys.executable, "-m", "pagedkv.cli", "generate", "--model", str(folder), "--prompt",
+           "hello world", "--max-tokens", "5", "--ignore-eos", "--num-kv-blocks", "32", "--stats",
+           "--kv-cache-dtype", "int8"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "KV dtype int8" in out.stderr and "quantization error" in out.stderr and out.stdout.strip()
 
 
 def test_generate_reports_bad_flags_clearly(tmp_path, capsys):

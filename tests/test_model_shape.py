@@ -22,6 +22,7 @@ from pagedkv.model_shape import (
     ModelShape,
     kv_bytes_per_block,
     kv_bytes_per_token,
+    scale_bytes_per_block,
     shape_from_gguf,
     shape_from_hf_dict,
 )
@@ -36,9 +37,8 @@ CONFIGS = {  # name -> ModelConfig keywords
                                            head_dim=24),
     "mha": dict(num_attention_heads=3, num_key_value_heads=3, hidden_size=96, head_dim=32),
 }
-DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-if hasattr(torch, "float8_e4m3fn"):
-    DTYPES[torch.float8_e4m3fn] = "fp8"
+DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "int8",
+          torch.float8_e4m3fn: "fp8", torch.float8_e5m2: "fp8_e5m2"}
 
 
 def _config(name: str, layers: int = 3) -> ModelConfig:
@@ -65,14 +65,15 @@ def test_kv_bytes_per_block_equal_the_kvcache_tensors(name: str, dtype: torch.dt
     cache = KVCache(config, block_size=block_size, num_blocks=3, num_host_blocks=2, dtype=dtype)
     per_block = kv_bytes_per_block(config, block_size, DTYPES[dtype])
     assert cache.device_bytes == 3 * per_block
-    assert cache.host_kv.numel() * cache.host_kv.element_size() == 2 * per_block
+    assert cache.host_bytes == 2 * per_block
     assert bytes_per_block(config, block_size, dtype) == per_block
-    assert per_block == block_size * kv_bytes_per_token(config, str(dtype).removeprefix("torch."))
-
-
-def test_runner_refuses_kv_kinds_with_scales() -> None:
-    with pytest.raises(ValueError, match="scales"):
-        bytes_per_block(_config("gqa"), 16, torch.int8)
+    scales = scale_bytes_per_block(config, DTYPES[dtype])
+    assert per_block == block_size * kv_bytes_per_token(config, DTYPES[dtype]) + scales
+    # the 8-bit kinds hold one float32 scale per block, layer, K/V and KV head; the float kinds none
+    assert (cache.scales is not None) == (dtype.itemsize == 1)
+    if cache.scales is not None:
+        assert scales == 3 * 2 * config.num_key_value_heads * 4
+        assert cache.host_scales is not None and cache.host_scales.shape[2] == 2
 
 
 def _write_gguf(path: Path, arch: str, metadata: dict[str, Any], tensors: list[str]) -> None:

@@ -59,9 +59,10 @@ def test_seed_sizing_worked_example() -> None:
                                               kv_dtype="fp8", block_size=32, max_len=4096), SHAREGPT)
     seed_block_bytes = 32 * 128 * 32 * 1  # K only, one layer: the seed's 131,072
     assert result.kv_bytes_per_token == 262_144  # 2 * 32 heads * 128 * 32 layers * 1 byte
-    assert result.block_bytes == 8 * 1024 * 1024 == 64 * seed_block_bytes
-    assert result.num_blocks == 71_000_000_000 // 8_388_608 == 8463
-    assert result.token_capacity == 270_816
+    scales = 32 * 2 * 32 * 4  # one fp32 scale per layer, K/V and KV head, as the engine stores fp8
+    assert result.block_bytes == 8 * 1024 * 1024 + scales == 64 * seed_block_bytes + scales
+    assert result.num_blocks == 71_000_000_000 // 8_396_800 == 8455
+    assert result.token_capacity == 270_560
     assert result.blocks_per_max_len_seq == 128
     assert result.max_concurrent_at_max_len == 66
     assert 71_000_000_000 // seed_block_bytes // 128 == 4231  # the seed's 64x overestimate
@@ -79,10 +80,12 @@ def test_tensor_parallel_splits_kv_heads() -> None:
     assert kv_bytes_per_token(dsv2, "fp16", tp=4) == 31_104  # the latent is not split
 
 
-def test_int8_adds_per_block_scales_fp8_does_not() -> None:
+def test_8bit_kinds_add_per_block_scales() -> None:
     llama7 = PRESETS["llama-2-7b"]
-    assert scale_bytes_per_block(llama7, "int8") == 32 * 2 * 32 * 4
-    assert scale_bytes_per_block(llama7, "fp8") == 0
+    for kind in ("int8", "fp8", "fp8_e4m3", "fp8_e5m2"):  # as the engine stores them
+        assert scale_bytes_per_block(llama7, kind) == 32 * 2 * 32 * 4
+    for kind in ("fp16", "bf16", "fp32", "float16"):
+        assert scale_bytes_per_block(llama7, kind) == 0
     r = size_kv_cache(llama7, SizingInputs(kv_memory=1 << 34, kv_dtype="int8"), SHAREGPT)
     assert r.block_bytes == 16 * 262_144 + 8192
 

@@ -11,18 +11,20 @@ def build_runner(config: EngineConfig):
     import torch
 
     from pagedkv.models import load_model
+    from pagedkv.ops.kv_format import kv_format
     from pagedkv.runner import ModelRunner, bytes_per_block
     from pagedkv.runner.kv_cache import num_blocks_for_memory
 
     if config.threads:
         torch.set_num_threads(config.threads)
     dtype = getattr(torch, config.dtype)
+    kv_dtype = kv_format(config.kv_cache_dtype, dtype).name
     loaded = load_model(config.model, dtype=dtype)
-    per_block = bytes_per_block(loaded.config, config.block_size, dtype)
+    per_block = bytes_per_block(loaded.config, config.block_size, kv_dtype)  # scales included
     device_blocks = config.num_kv_blocks or num_blocks_for_memory(
-        loaded.config, config.block_size, config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, dtype)
+        loaded.config, config.block_size, config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, kv_dtype)
     # swap_space is GiB of host memory; more host blocks than 4x the device pool buy nothing.
     host_blocks = min(int(config.swap_space * (1 << 30)) // per_block, 4 * device_blocks)
     runner = ModelRunner(loaded, block_size=config.block_size, num_blocks=device_blocks,
-                         num_host_blocks=host_blocks)
+                         num_host_blocks=host_blocks, kv_cache_dtype=kv_dtype)
     return runner, loaded.tokenizer, loaded.name, loaded.config.max_position_embeddings

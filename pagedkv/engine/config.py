@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pagedkv.engine.faults import FaultSpec
 from pagedkv.memory import EVICTION_POLICIES
 from pagedkv.memory.prefix_index import PREFIX_INDEXES
-from pagedkv.model_shape import check_block_size
+from pagedkv.model_shape import KV_CACHE_DTYPES, check_block_size
 from pagedkv.units import parse_bytes
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -28,7 +28,9 @@ class EngineConfig:
     ``PAGEDKV_FAULT_INJECTION`` environment variable) takes a spec such as "seed=7,rate=0.05".
     ``debug_integrity`` runs ``check_integrity()`` after every step. ``prefix_index`` picks the
     structure that finds cached prefixes: the SHA-256 hash chain ("hash") or a radix tree over
-    token ids ("radix"); both find the same blocks.
+    token ids ("radix"); both find the same blocks. ``kv_cache_dtype`` is the KV block format:
+    "auto" (the model dtype), a float dtype, or 8-bit blocks with one scale per block, layer, K/V
+    and KV head ("int8", "fp8" = "fp8_e4m3", "fp8_e5m2"; see docs/kv_quantization.md).
     """
 
     model: str | None = None
@@ -45,6 +47,7 @@ class EngineConfig:
     prefix_index: str = "hash"
     watermark: float = 0.01
     dtype: str = "float32"
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     debug_integrity: bool = False
     fault_injection: str | None = None
@@ -77,6 +80,7 @@ class EngineConfig:
         _one_of("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         _one_of("prefix_index", self.prefix_index, PREFIX_INDEXES)
         _one_of("dtype", self.dtype, DTYPES)
+        _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.fault_injection:
             FaultSpec.parse(self.fault_injection)
 

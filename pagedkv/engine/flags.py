@@ -12,6 +12,7 @@ from typing import Any
 from pagedkv.engine.config import DTYPES, PREEMPTION_MODES, EngineConfig
 from pagedkv.memory import EVICTION_POLICIES
 from pagedkv.memory.prefix_index import PREFIX_INDEXES
+from pagedkv.model_shape import KV_CACHE_DTYPES
 
 
 def _size(text: str) -> int | str:
@@ -37,6 +38,8 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
                      {"choices": PREFIX_INDEXES}),
     "watermark": ("fraction of the KV pool kept free when admitting requests", {"type": float}),
     "dtype": ("model dtype", {"choices": DTYPES}),
+    "kv_cache_dtype": ("KV block format: auto (the model dtype), a float dtype, or 8-bit blocks with "
+                       "per-block scales: int8, fp8 (= fp8_e4m3), fp8_e5m2", {"choices": KV_CACHE_DTYPES}),
     "seed": ("global random seed", {"type": int}),
     "debug_integrity": ("check KV-cache integrity after every step",
                         {"action": argparse.BooleanOptionalAction}),

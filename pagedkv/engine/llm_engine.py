@@ -20,6 +20,7 @@ from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.errors import RequestRejectedError
 from pagedkv.engine.faults import FaultInjectingScheduler, FaultInjector
 from pagedkv.engine.input_processor import InputProcessor, PromptInput, TokenizedPrompt
+from pagedkv.engine.kv_quality import KVQuantGuard, max_quant_error
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.sampler import (
     NO_CANDIDATE,
@@ -68,6 +69,8 @@ class LLMEngine:
         self.scheduler = (FaultInjectingScheduler(sched, self.kv, self.faults) if self.faults
                           else Scheduler(sched, self.kv))
         self.sampler = Sampler(config.seed)
+        # 8-bit KV blocks: watch the error of what is stored (engine/kv_quality.py)
+        self.kv_guard = KVQuantGuard(runner) if getattr(runner, "write_error", None) is not None else None
         self.outputs = OutputProcessor(tokenizer, model_len)
         self.inputs = InputProcessor(tokenizer, self.config.max_model_len, self.kv,
                                      getattr(getattr(runner, "config", None), "vocab_size", None))
@@ -157,6 +160,8 @@ class LLMEngine:
                 self._sample(out, logits, step)
         self.scheduler.update_from_output(out, step)
         self._steps += 1
+        if self.kv_guard is not None:
+            self.kv_guard.after_step(self._steps)
         if self.config.debug_integrity:
             self.kv.check_integrity()
         return [self._output(g) for g in step.progressed.values() if not only_finished or g.is_finished]
@@ -378,13 +383,29 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
+        quant_error = getattr(self.runner, "kv_quant_error", None)
+        quant = quant_error() if quant_error is not None else None
         return EngineStats(
             kv=self.kv.stats(), num_running=len(s.running), num_waiting=len(s.waiting),
             num_swapped=len(s.swapped), num_running_seqs=s.num_running_seqs,
             preemptions_recompute=s.preemptions["recompute"], preemptions_swap=s.preemptions["swap"],
             prompt_tokens_total=self._prompt_tokens, generation_tokens_total=self._generation_tokens,
             num_steps=self._steps,
-            faults_fired=sum(self.faults.fired.values()) if self.faults else 0)
+            faults_fired=sum(self.faults.fired.values()) if self.faults else 0,
+            kv_cache_dtype=self.kv_cache_dtype, kv_bytes_per_block=self.kv_bytes_per_block,
+            kv_quant_error=quant, kv_quant_error_max=max_quant_error(quant))
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The KV block format's name (float32, int8, fp8_e4m3, ...)."""
+        fmt = getattr(self.runner, "kv_format", None)
+        return fmt.name if fmt is not None else self.config.kv_cache_dtype
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one KV block across layers, K and V, scales included (0 if unknown)."""
+        cache = getattr(self.runner, "cache", None)
+        return int(getattr(cache, "bytes_per_block", 0))
 
 
 def _prompt_logprob_window(s: ScheduledSeq) -> tuple[int, int] | None:

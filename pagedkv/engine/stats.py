@@ -20,6 +20,12 @@ class EngineStats:
     generation_tokens_total: int
     num_steps: int
     faults_fired: int
+    kv_cache_dtype: str = "float32"     # the KV block format
+    kv_bytes_per_block: int = 0         # one block, all layers, K and V, scales included
+    # 8-bit formats: relative RMS error (K, V) of the rows stored per layer, and its maximum;
+    # None for the float formats (see engine/kv_quality.py)
+    kv_quant_error: list[tuple[float, float]] | None = None
+    kv_quant_error_max: float | None = None
 
     def as_dict(self) -> dict:
         d = asdict(self)

@@ -12,15 +12,14 @@ class Block:
     ``block_hash`` is set when the block becomes a cached prefix block (full and computed) and is
     cleared only when the block is evicted for reuse. ``prev``/``next`` link the block into the free
     queue while its ref count is 0 (both ``None`` otherwise). ``pinned`` blocks hold one extra
-    reference so they are never evicted. ``quant`` is reserved for a per-block quantization
-    descriptor (scales) used by quantized KV caches.
+    reference so they are never evicted. A block's data, including the per-block scales of
+    8-bit KV formats, lives in the runner's ``KVCache`` at index ``block_id``.
     """
 
     block_id: int
     ref_count: int = 0
     block_hash: bytes | None = None
     pinned: bool = False
-    quant: object | None = None
     # Logical clock values for eviction policies.
     last_used: int = 0
     cached_at: int = 0

@@ -8,8 +8,9 @@ one go, returning the ``(source block, destination block)`` pairs whose data the
 
 Block tables never say which tier or format a block has: a further tier (disk) is one more named
 pool in ``KVCacheManager.tiers`` with the runner copying its pairs, and a block format (int8, fp8
-with per-block scales) is a property of a tier's storage and of each ``Block.quant``, not of the
-tables that point at blocks.
+with per-block scales) is a property of the runner's storage (``KVCache.kv`` and ``KVCache.scales``,
+both indexed by block id, so a pair copy moves the scales too), not of the tables that point at
+blocks.
 """
 
 from __future__ import annotations

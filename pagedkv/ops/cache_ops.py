@@ -6,7 +6,8 @@ Layout of one layer's cache (K and V each)::
      block b, offset o  <->  slot b * block_size + o
 
 The runner keeps all layers in one tensor ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``
-so a block copy or swap moves every layer's K and V in one indexed copy.
+so a block copy or swap moves every layer's K and V in one indexed copy (and, for the 8-bit
+formats, the block's scales ``[num_layers, 2, num_blocks, kv_heads]`` in a second).
 """
 
 from __future__ import annotations
@@ -25,8 +26,25 @@ def write_kv(
 ) -> None:
     """Store new tokens' K and V at their slots (``slot = block_id * block_size + offset``)."""
     kvh, d = k_cache.shape[-2:]
-    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def write_kv_scaled(
+    cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] int8 / fp8
+    scales: torch.Tensor,  # [num_blocks, kv_heads] float32
+    x: torch.Tensor,  # [T, kv_heads, head_dim] new tokens' K (or V)
+    slot_mapping: torch.Tensor,  # [T] int64
+    error: torch.Tensor,  # [2] float64: += sum((dequantized - x)^2), sum(x^2)
+) -> None:
+    """Quantize new tokens into an 8-bit cache, growing their blocks' scales as needed (native
+    kernel; the rule is in :mod:`pagedkv.ops.kv_format`)."""
+    torch.ops.pagedkv.write_kv_scaled(cache, scales, x.float().contiguous(), slot_mapping, error)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or its bytes for dtypes torch's CPU indexing ops do not cover (fp8)."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
 
 
 def _pairs_to_index(pairs: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,29 +53,39 @@ def _pairs_to_index(pairs: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, tor
     return src, dst
 
 
-def copy_blocks(kv: torch.Tensor, pairs: Sequence[tuple[int, int]]) -> None:
+def copy_blocks(kv: torch.Tensor, pairs: Sequence[tuple[int, int]], scales: torch.Tensor | None = None) -> None:
     """Copy-on-write: block ``src`` -> block ``dst`` for every (src, dst) pair, in every layer.
 
-    ``kv`` is ``[num_layers, 2, num_blocks, ...]``. All sources are read before any destination is
-    written, so a block may be both a source and (of another pair) a destination.
+    ``kv`` is ``[num_layers, 2, num_blocks, ...]``, ``scales`` (8-bit formats) ``[num_layers, 2,
+    num_blocks, kv_heads]``: a block's scales go with it. All sources are read before any
+    destination is written, so a block may be both a source and (of another pair) a destination.
     """
     if not pairs:
         return
     src, dst = _pairs_to_index(pairs)
     if len(set(dst.tolist())) != len(dst):
         raise ValueError("copy_blocks: a destination block appears twice")
-    kv.index_copy_(2, dst, kv.index_select(2, src))
+    for t in (_raw(kv),) if scales is None else (_raw(kv), scales):
+        t.index_copy_(2, dst, t.index_select(2, src))
 
 
-def swap_blocks(src_kv: torch.Tensor, dst_kv: torch.Tensor, pairs: Sequence[tuple[int, int]]) -> None:
-    """Move blocks between two pools (device -> host or back): ``dst_kv[..., d, ...] = src_kv[..., s, ...]``.
+def swap_blocks(src_kv: torch.Tensor, dst_kv: torch.Tensor, pairs: Sequence[tuple[int, int]],
+                src_scales: torch.Tensor | None = None, dst_scales: torch.Tensor | None = None) -> None:
+    """Move blocks between two pools (device -> host or back): ``dst_kv[..., d, ...] = src_kv[..., s, ...]``,
+    and their scales (8-bit formats) likewise.
 
     Both tensors are ``[num_layers, 2, num_blocks_of_that_pool, block_size, kv_heads, head_dim]``.
     """
     if not pairs:
         return
+    if (src_scales is None) != (dst_scales is None):
+        raise ValueError("swap_blocks: both pools or neither hold scales")
     src, dst = _pairs_to_index(pairs)
     if len(set(dst.tolist())) != len(dst):
         raise ValueError("swap_blocks: a destination block appears twice")
-    moved = src_kv.index_select(2, src).to(dst_kv.device, non_blocking=False)
-    dst_kv.index_copy_(2, dst.to(dst_kv.device), moved)
+    pools = [(_raw(src_kv), _raw(dst_kv))]
+    if src_scales is not None:
+        pools.append((src_scales, dst_scales))
+    for a, b in pools:
+        assert a is not None and b is not None
+        b.index_copy_(2, dst.to(b.device), a.index_select(2, src).to(b.device, non_blocking=False))

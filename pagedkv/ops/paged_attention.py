@@ -154,15 +154,19 @@ class NativeMetadata:
 def native_paged_attention(
     out: torch.Tensor,  # [rows, heads, head_dim]: rows with row_len > 0 are written
     q: torch.Tensor,  # [rows, heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] (float32/float16/bfloat16)
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
     v_cache: torch.Tensor,
     meta: NativeMetadata,
     scale: float | None = None,
     sliding_window: int | None = None,
+    k_scales: torch.Tensor | None = None,  # [num_blocks, kv_heads] float32: 8-bit caches only
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each row over its sequence's first ``row_len`` cached tokens (the last
     ``sliding_window`` of them), reading K and V blocks in place (``csrc/paged_attention.cpp``;
-    needs ``pagedkv.ops.native.available()``). Accumulates in float32; returns ``out``."""
+    needs ``pagedkv.ops.native.available()``). Caches: float32, float16, bfloat16, or int8 /
+    fp8 (e4m3, e5m2) with their per-block scales, dequantized inside the kernel. Accumulates in
+    float32; returns ``out``."""
     if not native.available():  # loads (or builds) the kernel on first use; a dict lookup after
         raise RuntimeError(f"the native paged-attention kernel is unavailable: {native.why_unavailable()}")
     d = q.shape[-1]
@@ -170,7 +174,7 @@ def native_paged_attention(
     target = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32)
     torch.ops.pagedkv.paged_attention(target, qf, k_cache, v_cache, meta.block_tables, meta.row_seq,
                                       meta.row_len, scale if scale is not None else d ** -0.5,
-                                      sliding_window or 0)
+                                      sliding_window or 0, k_scales, v_scales)
     if target is not out:
         rows = meta.row_len > 0
         out[rows] = target[rows].to(out.dtype)

@@ -34,18 +34,28 @@ def reference_attention(
 
 def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: list[list[int]], row_seq: list[int], row_len: list[int],
-                              scale: float | None = None, sliding_window: int | None = None) -> torch.Tensor:
+                              scale: float | None = None, sliding_window: int | None = None,
+                              k_scales: torch.Tensor | None = None,
+                              v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """What ``native_paged_attention`` computes, one row at a time: row r's sequence's first
-    ``row_len[r]`` cached tokens gathered contiguously and attended by ``reference_attention``
-    (rows of length 0 stay zero); returns float32 ``[rows, heads, d]``."""
+    ``row_len[r]`` cached tokens gathered contiguously (8-bit blocks dequantized with their
+    ``[num_blocks, kv_heads]`` scales) and attended by ``reference_attention`` (rows of length 0
+    stay zero); returns float32 ``[rows, heads, d]``."""
     rows, heads, d = q.shape
     kvh = k_cache.shape[2]
     out = torch.zeros(rows, heads, d, dtype=torch.float32)
+
+    def gather(cache: torch.Tensor, scales: torch.Tensor | None, table: torch.Tensor, n: int) -> torch.Tensor:
+        blocks = cache.index_select(0, table).double()  # [blocks, block_size, kv_heads, d]
+        if scales is not None:
+            blocks = blocks * scales.index_select(0, table).double()[:, None, :, None]
+        return blocks.reshape(-1, kvh, d)[:n]
+
     for r, n in enumerate(row_len):
         if n <= 0:
             continue
         table = torch.tensor(block_tables[row_seq[r]], dtype=torch.long)
-        keys = k_cache.index_select(0, table).reshape(-1, kvh, d)[:n].float()
-        values = v_cache.index_select(0, table).reshape(-1, kvh, d)[:n].float()
+        keys = gather(k_cache, k_scales, table, n)
+        values = gather(v_cache, v_scales, table, n)
         out[r] = reference_attention(q[r:r + 1].float(), keys, values, scale, sliding_window)[0]
     return out

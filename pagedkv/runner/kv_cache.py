@@ -4,7 +4,10 @@ Both pools hold every layer in one tensor::
 
     [num_layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]
 
-so ``kv[layer, 0]`` is one layer's K cache ``[num_blocks, block_size, kv_heads, head_dim]``. The bytes
+so ``kv[layer, 0]`` is one layer's K cache ``[num_blocks, block_size, kv_heads, head_dim]``. The 8-bit
+formats (int8, fp8) also hold ``scales [num_layers, 2, num_blocks, kv_heads]`` float32, one per block,
+layer, K/V and KV head (see :mod:`pagedkv.ops.kv_format`): the block's quantization descriptor,
+indexed by the same block id, so a copy-on-write copy or a swap moves it with the block. The bytes
 of one block come from :mod:`pagedkv.model_shape` (the one KV-bytes formula); a test checks that they
 equal what these tensors take.
 """
@@ -13,8 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.model_shape import SCALED_KV_DTYPES, check_block_size, kv_bytes_per_block
+from pagedkv.model_shape import check_block_size, kv_bytes_per_block
 from pagedkv.models.config import ModelConfig
+from pagedkv.ops.kv_format import KVFormat, kv_format
 from pagedkv.units import parse_bytes
 
 
@@ -28,38 +32,32 @@ def parse_memory_size(value: str | int) -> int:
     return size
 
 
-def _kv_dtype_name(dtype: torch.dtype) -> str:
-    """torch's name of ``dtype`` (``"float16"``), which :mod:`pagedkv.model_shape` reads."""
-    return str(dtype).removeprefix("torch.")
-
-
-def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes one block of :class:`KVCache` takes across all layers, K and V
-    (:func:`pagedkv.model_shape.kv_bytes_per_block`). Raises ValueError for a bad ``block_size``
-    and for KV kinds with per-block scales (int8), which these pools do not hold."""
-    name = _kv_dtype_name(dtype)
-    if name in SCALED_KV_DTYPES:
-        raise ValueError(f"KVCache holds no per-block scales: {name} KV is not supported")
-    return kv_bytes_per_block(config, block_size, name)
+def bytes_per_block(config: ModelConfig, block_size: int, kv_dtype: str | torch.dtype = torch.float32) -> int:
+    """Bytes one block of :class:`KVCache` takes across all layers, K and V, scales included
+    (:func:`pagedkv.model_shape.kv_bytes_per_block`). ``kv_dtype``: a KV kind or torch dtype
+    (:func:`pagedkv.ops.kv_format.kv_format`). Raises ValueError for a bad ``block_size`` or kind."""
+    return kv_bytes_per_block(config, block_size, kv_format(kv_dtype).name)
 
 
 def num_blocks_for_memory(config: ModelConfig, block_size: int, memory: str | int,
-                          dtype: torch.dtype = torch.float32) -> int:
+                          kv_dtype: str | torch.dtype = torch.float32) -> int:
     """How many blocks fit in ``memory`` (a size string or bytes); at least 1 or ValueError."""
-    n = parse_memory_size(memory) // bytes_per_block(config, block_size, dtype)
+    per_block = bytes_per_block(config, block_size, kv_dtype)
+    n = parse_memory_size(memory) // per_block
     if n < 1:
         raise ValueError(
             f"kv_cache_memory {memory!r} is smaller than one block "
-            f"({bytes_per_block(config, block_size, dtype)} bytes at block_size={block_size})"
+            f"({per_block} bytes at block_size={block_size})"
         )
     return n
 
 
 class KVCache:
-    """The device pool (``kv``) and the host pool (``host_kv``, may have 0 blocks)."""
+    """The device pool (``kv``, ``scales``) and the host pool (``host_kv``, ``host_scales``; may
+    have 0 blocks). ``scales``/``host_scales`` are None for the float formats."""
 
     def __init__(self, config: ModelConfig, *, block_size: int, num_blocks: int, num_host_blocks: int = 0,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: str | torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         check_block_size(block_size)
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -68,21 +66,43 @@ class KVCache:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
-        self.dtype = dtype
-        shape = (config.num_hidden_layers, 2, block_size, config.num_key_value_heads, config.head_dim)
-        self.kv = torch.zeros(shape[:2] + (num_blocks,) + shape[2:], dtype=dtype, device=device)
+        self.format: KVFormat = kv_format(dtype)
+        self.dtype = self.format.storage
+        self.bytes_per_block = bytes_per_block(config, block_size, self.format.name)
+        layers, kvh = config.num_hidden_layers, config.num_key_value_heads
+        shape = (layers, 2, block_size, kvh, config.head_dim)
+        self.kv = torch.zeros(shape[:2] + (num_blocks,) + shape[2:], dtype=self.dtype, device=device)
         pin = False  # CPU-only development machines: pinned memory buys nothing
-        self.host_kv = torch.zeros(shape[:2] + (num_host_blocks,) + shape[2:], dtype=dtype, pin_memory=pin)
+        self.host_kv = torch.zeros(shape[:2] + (num_host_blocks,) + shape[2:], dtype=self.dtype, pin_memory=pin)
+        self.scales: torch.Tensor | None = None
+        self.host_scales: torch.Tensor | None = None
+        if self.format.scaled:
+            self.scales = torch.zeros(layers, 2, num_blocks, kvh, dtype=torch.float32, device=device)
+            self.host_scales = torch.zeros(layers, 2, num_host_blocks, kvh, dtype=torch.float32)
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of one layer, each ``[num_blocks, block_size, kv_heads, head_dim]`` (views)."""
         return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
 
+    def layer_scales(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(K, V) scales of one layer, each ``[num_blocks, kv_heads]`` (views), or (None, None)."""
+        if self.scales is None:
+            return None, None
+        return self.scales[layer_idx, 0], self.scales[layer_idx, 1]
+
     @property
     def device_bytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        return _bytes(self.kv) + _bytes(self.scales)
+
+    @property
+    def host_bytes(self) -> int:
+        return _bytes(self.host_kv) + _bytes(self.host_scales)
 
     def __repr__(self) -> str:
         return (f"KVCache(block_size={self.block_size}, num_blocks={self.num_blocks}, "
-                f"num_host_blocks={self.num_host_blocks}, dtype={self.dtype}, "
+                f"num_host_blocks={self.num_host_blocks}, kv_dtype={self.format.name}, "
                 f"device_bytes={self.device_bytes})")
+
+
+def _bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()

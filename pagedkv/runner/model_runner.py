@@ -18,7 +18,8 @@ from pagedkv.models.loader import LoadedModel
 from pagedkv.models.packed_linear import pack_lm_head as pack_head
 from pagedkv.models.packed_linear import transpose_wide_linears
 from pagedkv.ops import native
-from pagedkv.ops.cache_ops import copy_blocks, swap_blocks, write_kv
+from pagedkv.ops.cache_ops import copy_blocks, swap_blocks, write_kv, write_kv_scaled
+from pagedkv.ops.kv_format import KVFormat, hadamard, kv_format
 from pagedkv.ops.paged_attention import native_paged_attention, paged_decode_attention, paged_prefill_attention
 from pagedkv.runner.batch import SeqChunk
 from pagedkv.runner.kv_cache import KVCache, num_blocks_for_memory
@@ -28,21 +29,39 @@ from pagedkv.runner.step_inputs import BatchError, StepInputs, build_step_inputs
 class _StepAttention:
     """The model's AttentionFn for one step: cache write + paged attention, per layer."""
 
-    def __init__(self, cache: KVCache, inputs: StepInputs, config: ModelConfig) -> None:
+    def __init__(self, cache: KVCache, inputs: StepInputs, config: ModelConfig,
+                 write_error: torch.Tensor | None, rotation: torch.Tensor | None = None) -> None:
         self.cache = cache
         self.inputs = inputs
+        self.write_error = write_error  # [layers, 2 (K, V), 2] float64 (8-bit formats)
+        self.rotation = rotation  # [d, d] orthonormal Hadamard, or None
         self.num_heads = config.num_attention_heads
         self.head_dim = config.head_dim
         self.sliding_window = config.sliding_window
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         inp = self.inputs
-        k_cache, v_cache = self.cache.layer(layer_idx)
-        write_kv(k_cache, v_cache, k, v, inp.slot_mapping)
+        cache = self.cache
+        rotation = self.rotation
+        if rotation is not None:  # q.k and p.v are unchanged by an orthonormal H; outliers are spread
+            q, k, v = q @ rotation, k @ rotation, v @ rotation
+        k_cache, v_cache = cache.layer(layer_idx)
+        k_scales, v_scales = cache.layer_scales(layer_idx)
+        if k_scales is not None:  # 8-bit blocks: quantized on write, scales kept per block and head
+            assert v_scales is not None and self.write_error is not None
+            err = self.write_error[layer_idx]
+            write_kv_scaled(k_cache, k_scales, k, inp.slot_mapping, err[0])
+            write_kv_scaled(v_cache, v_scales, v, inp.slot_mapping, err[1])
+        else:
+            write_kv(k_cache, v_cache, k, v, inp.slot_mapping)
         if inp.native is not None:
             out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype)
             if inp.native.num_rows:
-                native_paged_attention(out, q, k_cache, v_cache, inp.native, sliding_window=self.sliding_window)
+                native_paged_attention(out, q, k_cache, v_cache, inp.native, sliding_window=self.sliding_window,
+                                       k_scales=k_scales, v_scales=v_scales)
+            if rotation is not None:
+                assert not inp.prefills  # 8-bit blocks: every row goes through the kernel
+                return out @ rotation  # H H = I: back from the rotated V basis
         elif inp.identity_decode:
             return paged_decode_attention(q, k_cache, v_cache, inp.decode_groups[0].meta)  # [T, H, d]
         else:
@@ -62,8 +81,11 @@ class ModelRunner:
     """Owns the KV cache of one model and executes steps described by ``SeqChunk`` lists.
 
     Size the device pool with ``num_blocks`` or ``kv_cache_memory`` (bytes or "2GiB"; exactly one);
-    ``num_host_blocks`` sizes the host pool used by swap_out/swap_in. ``pack_lm_head`` replaces
-    the model's LM head with a oneDNN-packed copy (float32 CPU only; the model is for inference).
+    ``num_host_blocks`` sizes the host pool used by swap_out/swap_in. ``kv_cache_dtype`` is the
+    block format (:func:`pagedkv.ops.kv_format.kv_format`: "auto" is the model dtype; "int8",
+    "fp8_e4m3", "fp8_e5m2" store 8-bit blocks with per-block scales and need the native kernels).
+    ``pack_lm_head`` replaces the model's LM head with a oneDNN-packed copy (float32 CPU only; the
+    model is for inference).
     """
 
     def __init__(
@@ -74,7 +96,7 @@ class ModelRunner:
         num_blocks: int | None = None,
         kv_cache_memory: str | int | None = None,
         num_host_blocks: int = 0,
-        kv_cache_dtype: torch.dtype | None = None,
+        kv_cache_dtype: str | torch.dtype | None = None,
         pack_lm_head: bool = True,
         native_attention: bool | None = None,
     ) -> None:
@@ -85,24 +107,46 @@ class ModelRunner:
         self.model: LlamaForCausalLM = net
         self.config: ModelConfig = net.config
         model_dtype = next(net.parameters()).dtype
-        dtype = kv_cache_dtype or model_dtype
-        if dtype != model_dtype:
-            raise ValueError(
-                f"kv_cache_dtype {dtype} must equal the model dtype {model_dtype} (no KV quantization yet)"
-            )
+        fmt = kv_format(kv_cache_dtype, model_dtype)
+        # The native kernels read blocks in place and fuse RMSNorm (None: use them where they build).
+        self.native_attention = native.available() if native_attention is None else native_attention
+        if fmt.storage != model_dtype and not self.native_attention:
+            why = native.why_unavailable() or "turned off (native_attention=False)"
+            raise ValueError(f"kv_cache_dtype {fmt.name} (model dtype {str(model_dtype).removeprefix('torch.')}) "
+                             f"needs the native CPU kernels, which are unavailable here: {why}. Use "
+                             f"kv_cache_dtype='auto', or install a C++ compiler and run "
+                             f"'python -m pagedkv.ops.native'")
         if (num_blocks is None) == (kv_cache_memory is None):
             raise ValueError("give exactly one of num_blocks and kv_cache_memory")
         if num_blocks is None:
             assert kv_cache_memory is not None
-            num_blocks = num_blocks_for_memory(self.config, block_size, kv_cache_memory, dtype)
+            num_blocks = num_blocks_for_memory(self.config, block_size, kv_cache_memory, fmt.name)
         self.cache = KVCache(self.config, block_size=block_size, num_blocks=num_blocks,
-                             num_host_blocks=num_host_blocks, dtype=dtype)
-        # The native kernels read blocks in place and fuse RMSNorm (None: use them where they build).
-        self.native_attention = native.available() if native_attention is None else native_attention
+                             num_host_blocks=num_host_blocks, dtype=fmt.name)
+        # Quantization error of what the 8-bit formats store: sum((dequantized - x)^2), sum(x^2)
+        # per layer and K/V, accumulated by the write kernel (kv_quant_error reads it).
+        self.write_error = (torch.zeros(self.config.num_hidden_layers, 2, 2, dtype=torch.float64)
+                            if fmt.scaled else None)
+        # 8-bit blocks store K and V rotated by a Hadamard matrix (queries rotated alike, outputs
+        # rotated back): it spreads the few outlier channels of K over all channels, so a block's
+        # absmax scale wastes less of the 8 bits (docs/kv_quantization.md has the measurements).
+        self.rotation = hadamard(self.config.head_dim, model_dtype) if fmt.rotated else None
         if self.native_attention:
             for module in net.modules():
                 if isinstance(module, RMSNorm):
                     module.native = True
+
+    @property
+    def kv_format(self) -> KVFormat:
+        return self.cache.format
+
+    def kv_quant_error(self) -> list[tuple[float, float]] | None:
+        """Relative RMS error (K, V) per layer of every row stored so far in an 8-bit format
+        (``sqrt(sum((dequantized - x)^2) / sum(x^2))``; 0 before any write), or None."""
+        if self.write_error is None:
+            return None
+        sums = self.write_error.tolist()
+        return [tuple((e / r) ** 0.5 if r > 0 else 0.0 for e, r in layer) for layer in sums]  # type: ignore[misc]
 
     @property
     def block_size(self) -> int:
@@ -122,7 +166,8 @@ class ModelRunner:
         return build_step_inputs(list(chunks), block_size=self.block_size, num_blocks=self.num_blocks,
                                  num_heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
                                  head_dim=cfg.head_dim, sliding_window=cfg.sliding_window,
-                                 dtype=self.cache.dtype, native=self.native_attention)
+                                 dtype=self.cache.dtype, native=self.native_attention,
+                                 fresh_from_cache=self.cache.format.scaled)
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[SeqChunk], return_all_logits: bool = False) -> torch.Tensor:
@@ -133,7 +178,7 @@ class ModelRunner:
         ``[total_tokens, vocab]`` (chunk order) with ``return_all_logits``. Raises BatchError.
         """
         inputs = self.prepare(chunks)
-        attention = _StepAttention(self.cache, inputs, self.config)
+        attention = _StepAttention(self.cache, inputs, self.config, self.write_error, self.rotation)
         logits = self.model(inputs.input_ids, inputs.positions, attention,
                             logits_indices=None if return_all_logits else inputs.logits_indices,
                             max_position=inputs.max_position)
@@ -143,19 +188,19 @@ class ModelRunner:
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: device block src -> device block dst, all layers."""
         self._check(pairs, self.num_blocks, self.num_blocks, "copy_blocks")
-        copy_blocks(self.cache.kv, pairs)
+        copy_blocks(self.cache.kv, pairs, self.cache.scales)
 
     @torch.inference_mode()
     def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Device block -> host block for each (device_id, host_id) pair."""
         self._check(pairs, self.num_blocks, self.num_host_blocks, "swap_out")
-        swap_blocks(self.cache.kv, self.cache.host_kv, pairs)
+        swap_blocks(self.cache.kv, self.cache.host_kv, pairs, self.cache.scales, self.cache.host_scales)
 
     @torch.inference_mode()
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Host block -> device block for each (host_id, device_id) pair."""
         self._check(pairs, self.num_host_blocks, self.num_blocks, "swap_in")
-        swap_blocks(self.cache.host_kv, self.cache.kv, pairs)
+        swap_blocks(self.cache.host_kv, self.cache.kv, pairs, self.cache.host_scales, self.cache.scales)
 
     @staticmethod
     def _check(pairs: Sequence[tuple[int, int]], n_src: int, n_dst: int, what: str) -> None:

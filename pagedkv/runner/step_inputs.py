@@ -102,8 +102,13 @@ class StepInputs:
 
 def build_step_inputs(chunks: list[SeqChunk], *, block_size: int, num_blocks: int, num_heads: int,
                       kv_heads: int, head_dim: int, dtype: torch.dtype,
-                      sliding_window: int | None = None, native: bool = False) -> StepInputs:
-    """Validate ``chunks`` and build every index the step's 30-odd layers share."""
+                      sliding_window: int | None = None, native: bool = False,
+                      fresh_from_cache: bool = False) -> StepInputs:
+    """Validate ``chunks`` and build every index the step's 30-odd layers share.
+
+    ``fresh_from_cache`` (native only; the runner sets it for 8-bit blocks): prefill chunks
+    without a cached prefix also attend through the kernel, to the K/V as stored, so every token
+    sees the same values whether it was computed in a prefill, a decode or a recompute."""
     if not chunks:
         raise BatchError("execute() needs at least one chunk")
     input_ids: list[int] = []
@@ -140,7 +145,7 @@ def build_step_inputs(chunks: list[SeqChunk], *, block_size: int, num_blocks: in
             slots.append(table[p // block_size] * block_size + p % block_size)
         last_rows.extend(range(row, row + n) if c.all_logits else (row + n - 1,))
         if native:
-            fresh = n > 1 and c.start_pos == 0  # flash SDPA over its own K/V
+            fresh = n > 1 and c.start_pos == 0 and not fresh_from_cache  # flash SDPA over its own K/V
             tables.append(table)
             row_seq.extend([i] * n)
             row_len.extend([0] * n if fresh else range(c.start_pos + 1, ctx + 1))

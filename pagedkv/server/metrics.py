@@ -64,6 +64,22 @@ class EngineStatsCollector(Collector):
         if hasattr(kv, "host_blocks"):
             yield gauge("kv_host_blocks_total", "Blocks in the host (swap) tier.", kv.host_blocks)
             yield gauge("kv_host_blocks_used", "Host-tier blocks holding swapped-out KV.", kv.host_used_blocks)
+        if getattr(s, "kv_bytes_per_block", 0):
+            info = GaugeMetricFamily("pagedkv_kv_cache_dtype_info", "The KV block format (value 1).",
+                                     labels=["model_name", "kv_cache_dtype"])
+            info.add_metric([self._model, s.kv_cache_dtype], 1.0)
+            yield info
+            yield gauge("kv_bytes_per_block", "Bytes of one KV block (all layers, K and V, scales).",
+                        s.kv_bytes_per_block)
+        if getattr(s, "kv_quant_error", None) is not None:
+            err = GaugeMetricFamily(
+                "pagedkv_kv_quant_relative_error",
+                "Relative RMS error of the K/V rows stored in 8-bit blocks, per layer, since start.",
+                labels=["model_name", "layer", "kv"])
+            for layer, (k_err, v_err) in enumerate(s.kv_quant_error):
+                err.add_metric([self._model, str(layer), "k"], k_err)
+                err.add_metric([self._model, str(layer), "v"], v_err)
+            yield err
         yield gauge("kv_filled_slots", "Token slots holding a token.", kv.filled_slots)
         yield gauge("kv_allocated_slots", "Token slots in allocated blocks.", kv.allocated_slots)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv.prefix_query_tokens)

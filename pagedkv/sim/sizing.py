@@ -11,9 +11,9 @@ Rules (per tensor-parallel rank; every rank holds the same number of blocks)::
                 MLA:      layers * (kv_lora_rank + qk_rope_head_dim) * kv_dtype_bytes
                           (one latent, not split across ranks)
     block bytes         = block_size * kv_bytes_per_token + scale bytes
-    scale bytes (int8)  = layers * 2 * kv_heads_per_rank * 4   one fp32 scale per block, layer,
-                          K/V and head (MLA: per block and layer). fp8 (e4m3) uses per-tensor
-                          scales: no per-block bytes. fp16/bf16/fp32: none.
+    scale bytes (8-bit) = layers * 2 * kv_heads_per_rank * 4   one fp32 scale per block, layer,
+                          K/V and head (MLA: per block and layer) for int8, fp8_e4m3 and
+                          fp8_e5m2, as the engine stores them. fp16/bf16/fp32: none.
     kv memory           = device_memory * (1 - reserved_fraction) - weight_memory / tp
                           (or --kv-memory as given)
     num_blocks          = floor(kv_memory / block_bytes)
@@ -32,13 +32,13 @@ import random
 from dataclasses import asdict, dataclass, field
 
 from pagedkv.model_shape import (
-    KV_DTYPE_BYTES,
     MAX_BLOCK_SIZE,
     MIN_BLOCK_SIZE,
     ModelShape,
     check_block_size,
     kv_bytes_per_block,
     kv_bytes_per_token,
+    kv_dtype_name,
     kv_heads_per_rank,
     scale_bytes_per_block,
 )
@@ -68,9 +68,10 @@ class SizingInputs:
     max_waste: float = 0.02
 
     def validate(self) -> None:
-        if self.kv_dtype not in KV_DTYPE_BYTES:
-            raise ValueError(f"--kv-dtype: expected one of {', '.join(KV_DTYPE_BYTES)}, "
-                             f"got {self.kv_dtype!r}")
+        try:
+            kv_dtype_name(self.kv_dtype)
+        except ValueError as e:
+            raise ValueError(f"--kv-dtype: {e}") from None
         if self.weight_dtype not in WEIGHT_DTYPE_BYTES:
             raise ValueError(f"--weight-dtype: expected one of {', '.join(WEIGHT_DTYPE_BYTES)}, "
                              f"got {self.weight_dtype!r}")

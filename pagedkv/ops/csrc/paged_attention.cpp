@@ -9,20 +9,31 @@
 // head's group (GQA), with an online softmax per (row, query head): no gathered or padded copy of
 // K or V is ever made.
 //
-// Block format: K/V of one dtype (float32, float16, bfloat16), accumulated in float32. Formats
-// with per-block scales (int8, fp8) add a scale per (block, KV head) here.
+// Block formats: float32, float16, bfloat16 (values as stored), and the 8-bit formats int8,
+// fp8 e4m3 and fp8 e5m2, which carry one float32 scale per (block, KV head) for K and one for V
+// (value = stored * scale). Scales are constant over a block, so they are folded into the scores
+// (K) and the softmax weights (V): a quantized block is never expanded to full precision.
+// Everything accumulates in float32. write_kv_scaled stores new tokens into 8-bit blocks (see
+// there for how a block's scale follows the tokens appended to it).
 //
-// float32 caches with head_dim 64 or 128 on AVX2+FMA take a vector path: the context is walked
-// in chunks of CHUNK tokens (row pointers through the block table, so the block size does not
-// matter), scores of 8 tokens at a time with independent accumulators, a vector exp, and the
-// V sum in registers. Everything else takes the portable loop (auto-vectorized over head_dim).
+// With AVX2+FMA (and F16C for float16 / fp8), head_dim 64 or 128 takes a vector path: the context
+// is walked in chunks of CHUNK tokens (row pointers through the block table, so the block size
+// does not matter), scores of 8 tokens at a time with independent accumulators, a vector exp,
+// and the V sum in registers; 8 stored values become 8 floats in one or two instructions.
+// Everything else takes the portable loop (auto-vectorized over head_dim).
 
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 #include <torch/types.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -36,19 +47,38 @@ namespace {
 
 constexpr int TILE = 16;
 
-template <typename T>
-inline float to_f(T x) { return static_cast<float>(x); }
+// The 8-bit formats: the largest stored magnitude, and float -> stored (round to nearest, saturating).
+template <typename S>
+struct Quant;
+template <>
+struct Quant<int8_t> {
+  static constexpr float qmax = 127.f;
+  static int8_t q(float x) { return static_cast<int8_t>(std::nearbyint(std::clamp(x, -qmax, qmax))); }
+};
+template <>
+struct Quant<c10::Float8_e4m3fn> {
+  static constexpr float qmax = 448.f;
+  static c10::Float8_e4m3fn q(float x) { return c10::Float8_e4m3fn(std::clamp(x, -qmax, qmax)); }
+};
+template <>
+struct Quant<c10::Float8_e5m2> {
+  static constexpr float qmax = 57344.f;
+  static c10::Float8_e5m2 q(float x) { return c10::Float8_e5m2(std::clamp(x, -qmax, qmax)); }
+};
 
-template <typename T>
-inline float dot(const float* __restrict q, const T* __restrict k, int d) {
+template <typename S>
+inline float to_f(S x) { return static_cast<float>(x); }
+
+template <typename S>
+inline float dot(const float* __restrict q, const S* __restrict k, int d) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
   for (int i = 0; i < d; ++i) s += q[i] * to_f(k[i]);
   return s;
 }
 
-template <typename T>
-inline void axpy(float a, const T* __restrict v, float* __restrict acc, int d) {
+template <typename S>
+inline void axpy(float a, const S* __restrict v, float* __restrict acc, int d) {
 #pragma omp simd
   for (int i = 0; i < d; ++i) acc[i] += a * to_f(v[i]);
 }
@@ -57,8 +87,76 @@ struct Tile {
   int64_t first, count, seq;
 };
 
+// Where one layer's K and V live: the caches [num_blocks, block_size, kv_heads, d] and, for the
+// 8-bit formats, their scales [num_blocks, kv_heads] (null otherwise).
+template <typename S>
+struct Cache {
+  const S* k;
+  const S* v;
+  const float* k_scale;
+  const float* v_scale;
+};
+
 #ifdef PAGEDKV_AVX2
 constexpr int CHUNK = 64;
+
+// Vec<S>::load: 8 stored values -> 8 floats (times 1/unit: fp8 e4m3 goes through float16 with its
+// exponent bias off by 8, so its loads are 2^-8 of the value and its scales carry unit = 256).
+template <typename S>
+struct Vec {
+  static constexpr bool ok = false;
+};
+template <>
+struct Vec<float> {
+  static constexpr bool ok = true;
+  static constexpr float unit = 1.f;
+  static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+};
+template <>
+struct Vec<c10::BFloat16> {
+  static constexpr bool ok = true;
+  static constexpr float unit = 1.f;
+  static __m256 load(const c10::BFloat16* p) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+  }
+};
+template <>
+struct Vec<int8_t> {
+  static constexpr bool ok = true;
+  static constexpr float unit = 1.f;
+  static __m256 load(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+};
+#ifdef __F16C__
+template <>
+struct Vec<c10::Half> {
+  static constexpr bool ok = true;
+  static constexpr float unit = 1.f;
+  static __m256 load(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+};
+template <>
+struct Vec<c10::Float8_e5m2> {  // e5m2 is the top byte of a float16
+  static constexpr bool ok = true;
+  static constexpr float unit = 1.f;
+  static __m256 load(const c10::Float8_e5m2* p) {
+    const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_cvtph_ps(_mm_slli_epi16(x, 8));
+  }
+};
+template <>
+struct Vec<c10::Float8_e4m3fn> {  // s.eeee.mmm -> float16 s.0eeee.mmm0000000 = value * 2^-8
+  static constexpr bool ok = true;  // (subnormals included; the NaN code is never stored)
+  static constexpr float unit = 256.f;
+  static __m256 load(const c10::Float8_e4m3fn* p) {
+    const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i mag = _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7F)), 7);
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8);
+    return _mm256_cvtph_ps(_mm_or_si128(mag, sign));
+  }
+};
+#endif
 
 // e^x for x <= 0 (Cephes' polynomial; relative error ~1e-7); very negative x gives 0.
 inline __m256 exp256(__m256 x) {
@@ -84,22 +182,52 @@ inline __m256 reduce8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
 }
 
+inline float hsum(__m256 v) {
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, v);
+  return ((tmp[0] + tmp[1]) + (tmp[2] + tmp[3])) + ((tmp[4] + tmp[5]) + (tmp[6] + tmp[7]));
+}
+
 // One work item (a tile of rows x one KV head) on the vector path. qs: the tile's scaled queries
-// [nr * group][D]; acc/m/l: the online-softmax state per (row, query head).
-template <int D>
-void attend_avx2(const float* qs, const int64_t* row_start, const int64_t* row_end, int64_t nr,
-                 int64_t group, const float* kc, const float* vc, const int32_t* table, int64_t block_size,
-                 int64_t row_stride, int64_t h, int64_t lo, int64_t hi, float* acc, float* m, float* l) {
+// [nr * group][D]; acc/m/l: the online-softmax state per (row, query head). float32 rows are read
+// where they lie; any other format is converted chunk by chunk into an L1/L2-resident float buffer
+// (its block scale folded in; ``conv`` holds 2 * CHUNK * D floats), so each stored value is
+// converted once per tile, not once per query head of the group, and the inner loops are the
+// float32 ones.
+template <int D, typename S, bool SCALED>
+void attend_vec(const float* qs, const int64_t* row_start, const int64_t* row_end, int64_t nr, int64_t group,
+                const Cache<S>& cache, const int32_t* table, int64_t block_size, int64_t kv_heads, int64_t h,
+                int64_t lo, int64_t hi, float* acc, float* m, float* l, float* conv) {
   constexpr int NV = D / 8;
+  constexpr bool convert = !std::is_same_v<S, float>;
+  float* kbuf = conv;  // [CHUNK * D] each, 32-byte aligned (converted formats only)
+  float* vbuf = conv + CHUNK * D;
+  const int64_t row_stride = kv_heads * D;
   const float* kp[CHUNK];
   const float* vp[CHUNK];
   alignas(32) float p[CHUNK];
   for (int64_t c0 = lo; c0 < hi; c0 += CHUNK) {
     const int64_t c1 = std::min<int64_t>(c0 + CHUNK, hi);
     for (int64_t t = c0; t < c1; ++t) {
-      const int64_t off = (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row_stride + h * D;
-      kp[t - c0] = kc + off;
-      vp[t - c0] = vc + off;
+      const int64_t blk = table[t / block_size];
+      const int64_t off = (blk * block_size + t % block_size) * row_stride + h * D;
+      if constexpr (convert) {
+        float* kd = kbuf + (t - c0) * D;
+        float* vd = vbuf + (t - c0) * D;
+        const S* ksrc = cache.k + off;
+        const S* vsrc = cache.v + off;
+        const __m256 kscale = _mm256_set1_ps(SCALED ? cache.k_scale[blk * kv_heads + h] * Vec<S>::unit : 1.f);
+        const __m256 vscale = _mm256_set1_ps(SCALED ? cache.v_scale[blk * kv_heads + h] * Vec<S>::unit : 1.f);
+        for (int v = 0; v < NV; ++v) {
+          _mm256_store_ps(kd + 8 * v, _mm256_mul_ps(Vec<S>::load(ksrc + 8 * v), kscale));
+          _mm256_store_ps(vd + 8 * v, _mm256_mul_ps(Vec<S>::load(vsrc + 8 * v), vscale));
+        }
+        kp[t - c0] = kd;
+        vp[t - c0] = vd;
+      } else {
+        kp[t - c0] = cache.k + off;
+        vp[t - c0] = cache.v + off;
+      }
     }
     for (int64_t i = 0; i < nr; ++i) {
       const int64_t a = std::max(c0, row_start[i]), e = std::min(c1, row_end[i]);
@@ -123,9 +251,7 @@ void attend_avx2(const float* qs, const int64_t* row_start, const int64_t* row_e
         for (; t < n; ++t) {
           __m256 s = _mm256_setzero_ps();
           for (int v = 0; v < NV; ++v) s = _mm256_fmadd_ps(_mm256_loadu_ps(qj + 8 * v), _mm256_loadu_ps(kr[t] + 8 * v), s);
-          alignas(32) float tmp[8];
-          _mm256_store_ps(tmp, s);
-          p[t] = ((tmp[0] + tmp[1]) + (tmp[2] + tmp[3])) + ((tmp[4] + tmp[5]) + (tmp[6] + tmp[7]));
+          p[t] = hsum(s);
         }
         float mb = m[j];
         for (t = 0; t < n; ++t) mb = std::max(mb, p[t]);
@@ -138,9 +264,7 @@ void attend_avx2(const float* qs, const int64_t* row_start, const int64_t* row_e
           _mm256_store_ps(p + t, ev);
           sumv = _mm256_add_ps(sumv, ev);
         }
-        alignas(32) float tmp[8];
-        _mm256_store_ps(tmp, sumv);
-        float sum = ((tmp[0] + tmp[1]) + (tmp[2] + tmp[3])) + ((tmp[4] + tmp[5]) + (tmp[6] + tmp[7]));
+        float sum = hsum(sumv);
         for (; t < n; ++t) {
           p[t] = std::exp(p[t] - mb);
           sum += p[t];
@@ -163,11 +287,11 @@ void attend_avx2(const float* qs, const int64_t* row_start, const int64_t* row_e
 }
 #endif
 
-template <typename T>
-void paged_attention_impl(const float* q, const T* kc, const T* vc, const int32_t* tables,
-                          int64_t max_blocks, const int32_t* row_seq, const int32_t* row_len,
-                          float* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t d,
-                          int64_t block_size, float scale, int64_t window) {
+template <typename S, bool SCALED>
+void paged_attention_impl(const float* q, const Cache<S>& cache, const int32_t* tables, int64_t max_blocks,
+                          const int32_t* row_seq, const int32_t* row_len, float* out, int64_t rows,
+                          int64_t heads, int64_t kv_heads, int64_t d, int64_t block_size, float scale,
+                          int64_t window) {
   const int64_t group = heads / kv_heads;
   std::vector<Tile> tiles;
   for (int64_t r = 0; r < rows;) {
@@ -182,6 +306,11 @@ void paged_attention_impl(const float* q, const T* kc, const T* vc, const int32_
   at::parallel_for(0, work, 1, [&](int64_t begin, int64_t end) {
     const int64_t nq = TILE * group;
     std::vector<float> qs(nq * d), acc(nq * d), m(nq), l(nq), p(nq * block_size);
+#ifdef PAGEDKV_AVX2
+    // chunk buffers of the converted formats, 32-byte aligned for the vector stores
+    std::vector<float> conv_store(std::is_same_v<S, float> ? 0 : 2 * CHUNK * d + 8);
+    float* conv = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(conv_store.data()) + 31) & ~uintptr_t(31));
+#endif
     for (int64_t w = begin; w < end; ++w) {
       const Tile& tile = tiles[w / kv_heads];
       const int64_t h = w % kv_heads;
@@ -201,26 +330,30 @@ void paged_attention_impl(const float* q, const T* kc, const T* vc, const int32_
       std::fill(m.begin(), m.begin() + nqt, -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.begin() + nqt, 0.f);
       const int32_t* table = tables + tile.seq * max_blocks;
+      bool done = false;
 #ifdef PAGEDKV_AVX2
-      if constexpr (std::is_same_v<T, float>) {
+      if constexpr (Vec<S>::ok) {
         if (d == 64 || d == 128) {
           int64_t starts[TILE], ends[TILE];
           for (int64_t i = 0; i < nr; ++i) {
             ends[i] = row_len[tile.first + i];
             starts[i] = window > 0 ? std::max<int64_t>(0, ends[i] - window) : 0;
           }
-          auto fn = d == 64 ? attend_avx2<64> : attend_avx2<128>;
-          fn(qs.data(), starts, ends, nr, group, kc, vc, table, block_size, row_stride, h, lo, hi, acc.data(),
-             m.data(), l.data());
-          goto finish;
+          auto fn = d == 64 ? attend_vec<64, S, SCALED> : attend_vec<128, S, SCALED>;
+          fn(qs.data(), starts, ends, nr, group, cache, table, block_size, kv_heads, h, lo, hi, acc.data(),
+             m.data(), l.data(), conv);
+          done = true;
         }
       }
 #endif
-      for (int64_t b = lo / block_size; b * block_size < hi; ++b) {
+      for (int64_t b = lo / block_size; !done && b * block_size < hi; ++b) {
         const int64_t base = b * block_size;
-        const int64_t off = static_cast<int64_t>(table[b]) * block_size * row_stride + h * d;
-        const T* kb = kc + off;
-        const T* vb = vc + off;
+        const int64_t blk = table[b];
+        const int64_t off = blk * block_size * row_stride + h * d;
+        const S* kb = cache.k + off;
+        const S* vb = cache.v + off;
+        const float k_scale = SCALED ? cache.k_scale[blk * kv_heads + h] : 1.f;
+        const float v_scale = SCALED ? cache.v_scale[blk * kv_heads + h] : 1.f;
         for (int64_t i = 0; i < nr; ++i) {
           const int64_t len = row_len[tile.first + i];
           const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
@@ -233,7 +366,7 @@ void paged_attention_impl(const float* q, const T* kc, const T* vc, const int32_
             const float* qj = qs.data() + j * d;
             float mb = m[j];
             for (int64_t t = t0; t < t1; ++t) {
-              pj[t] = dot(qj, kb + t * row_stride, static_cast<int>(d));
+              pj[t] = dot(qj, kb + t * row_stride, static_cast<int>(d)) * k_scale;
               mb = std::max(mb, pj[t]);
             }
             const float corr = std::exp(m[j] - mb);  // 0 on the first block (m = -inf)
@@ -248,13 +381,10 @@ void paged_attention_impl(const float* q, const T* kc, const T* vc, const int32_
             }
             l[j] = l[j] * corr + sum;
             m[j] = mb;
-            for (int64_t t = t0; t < t1; ++t) axpy(pj[t], vb + t * row_stride, aj, static_cast<int>(d));
+            for (int64_t t = t0; t < t1; ++t) axpy(pj[t] * v_scale, vb + t * row_stride, aj, static_cast<int>(d));
           }
         }
       }
-#ifdef PAGEDKV_AVX2
-    finish:
-#endif
       for (int64_t i = 0; i < nr; ++i) {
         for (int64_t g = 0; g < group; ++g) {
           const int64_t j = i * group + g;
@@ -268,13 +398,19 @@ void paged_attention_impl(const float* q, const T* kc, const T* vc, const int32_
   });
 }
 
+bool is_scaled(at::ScalarType t) {
+  return t == at::kChar || t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2;
+}
+
 // q [rows, heads, d] float32; k_cache, v_cache [num_blocks, block_size, kv_heads, d];
 // block_tables [seqs, max_blocks] int32; row_seq, row_len [rows] int32; out [rows, heads, d]
-// float32 (rows with row_len 0 are left as they are).
+// float32 (rows with row_len 0 are left as they are); k_scales, v_scales [num_blocks, kv_heads]
+// float32 for the 8-bit formats (None for the float ones).
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& row_seq, const at::Tensor& row_len, double scale,
-                     int64_t sliding_window) {
+                     int64_t sliding_window, const std::optional<at::Tensor>& k_scales,
+                     const std::optional<at::Tensor>& v_scales) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: [rows, heads, d] float32");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kFloat && out.is_contiguous(), "out like q");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(), "k/v cache layout");
@@ -283,16 +419,128 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
               "block_tables: [seqs, max_blocks] int32");
   TORCH_CHECK(row_seq.scalar_type() == at::kInt && row_len.scalar_type() == at::kInt, "row_seq/row_len int32");
   const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2);
-  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == d && heads % kv_heads == 0, "head_dim / GQA mismatch");
   TORCH_CHECK(row_seq.numel() == rows && row_len.numel() == rows, "row_seq/row_len: one per row");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "paged_attention", [&] {
-    paged_attention_impl<scalar_t>(q.data_ptr<float>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                                   block_tables.data_ptr<int32_t>(), block_tables.size(1),
-                                   row_seq.data_ptr<int32_t>(), row_len.data_ptr<int32_t>(),
-                                   out.data_ptr<float>(), rows, heads, kv_heads, d, block_size,
-                                   static_cast<float>(scale), sliding_window);
-  });
+  const at::ScalarType st = k_cache.scalar_type();
+  const bool scaled = is_scaled(st);
+  if (scaled) {
+    for (const auto* s : {&k_scales, &v_scales}) {
+      TORCH_CHECK(s->has_value() && (*s)->scalar_type() == at::kFloat && (*s)->is_contiguous() &&
+                      (*s)->dim() == 2 && (*s)->size(0) == num_blocks && (*s)->size(1) == kv_heads,
+                  "8-bit caches need k_scales and v_scales: [num_blocks, kv_heads] float32");
+    }
+  }
+  auto run = [&](auto tag) {
+    using S = decltype(tag);
+    Cache<S> cache{reinterpret_cast<const S*>(k_cache.data_ptr()), reinterpret_cast<const S*>(v_cache.data_ptr()),
+                   scaled ? k_scales->data_ptr<float>() : nullptr, scaled ? v_scales->data_ptr<float>() : nullptr};
+    auto impl = scaled ? paged_attention_impl<S, true> : paged_attention_impl<S, false>;
+    impl(q.data_ptr<float>(), cache, block_tables.data_ptr<int32_t>(), block_tables.size(1),
+         row_seq.data_ptr<int32_t>(), row_len.data_ptr<int32_t>(), out.data_ptr<float>(), rows, heads, kv_heads,
+         d, block_size, static_cast<float>(scale), sliding_window);
+  };
+  switch (st) {
+    case at::kFloat: run(float{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kChar: run(int8_t{}); break;
+    case at::kFloat8_e4m3fn: run(c10::Float8_e4m3fn{}); break;
+    case at::kFloat8_e5m2: run(c10::Float8_e5m2{}); break;
+    default: TORCH_CHECK(false, "paged_attention: unsupported cache dtype ", st);
+  }
+}
+
+// Store T new tokens x [T, kv_heads, d] (float32) at their slots (block * block_size + offset) of an
+// 8-bit cache [num_blocks, block_size, kv_heads, d] with scales [num_blocks, kv_heads].
+//
+// A block's scale is absmax / qmax of what it holds, per KV head. Tokens fill a block in order, so
+// the tokens of one call that land in one block are a run of consecutive slots: a run that starts
+// at offset 0 opens the block and sets its scale from the run alone; a later run whose absmax
+// exceeds the scale grows it and requantizes the block's filled slots [0, first offset) to the new
+// scale (one extra rounding for those values; the scale never shrinks while the block fills).
+// err (float64 [2]) accumulates sum((dequantized - x)^2) and sum(x^2) over the stored rows.
+template <typename S>
+void write_kv_scaled_impl(S* cache, float* scales, const float* x, const int64_t* slots, int64_t T,
+                          int64_t kv_heads, int64_t d, int64_t block_size, double* err) {
+  using Q = Quant<S>;
+  const int64_t row_stride = kv_heads * d;
+  double e2 = 0.0, r2 = 0.0;
+  for (int64_t i = 0; i < T;) {
+    const int64_t b = slots[i] / block_size;
+    int64_t j = i + 1;
+    while (j < T && slots[j] / block_size == b && slots[j] == slots[j - 1] + 1) ++j;
+    const int64_t first = slots[i] % block_size;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      float amax = 0.f;
+      for (int64_t r = i; r < j; ++r) {
+        const float* src = x + r * row_stride + h * d;
+        for (int64_t c = 0; c < d; ++c) {
+          const float a = std::fabs(src[c]);
+          if (a > amax) amax = a;  // NaN never compares greater
+        }
+      }
+      const float need = std::min(amax, FLT_MAX) / Q::qmax;
+      float& s = scales[b * kv_heads + h];
+      if (first == 0) {
+        s = need;
+      } else if (need > s) {
+        const float ratio = s / need;
+        for (int64_t t = 0; t < first; ++t) {
+          S* row = cache + (b * block_size + t) * row_stride + h * d;
+          for (int64_t c = 0; c < d; ++c) row[c] = Q::q(static_cast<float>(row[c]) * ratio);
+        }
+        s = need;
+      }
+      const float inv = s > 0.f ? 1.f / s : 0.f;
+      for (int64_t r = i; r < j; ++r) {
+        const float* src = x + r * row_stride + h * d;
+        S* dst = cache + slots[r] * row_stride + h * d;
+        for (int64_t c = 0; c < d; ++c) {
+          const S v = Q::q(src[c] * inv);
+          dst[c] = v;
+          const double diff = static_cast<double>(static_cast<float>(v) * s) - src[c];
+          if (std::isfinite(diff)) {
+            e2 += diff * diff;
+            r2 += static_cast<double>(src[c]) * src[c];
+          }
+        }
+      }
+    }
+    i = j;
+  }
+  err[0] += e2;
+  err[1] += r2;
+}
+
+void write_kv_scaled(const at::Tensor& cache, const at::Tensor& scales, const at::Tensor& x,
+                     const at::Tensor& slot_mapping, const at::Tensor& err) {
+  TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous() && is_scaled(cache.scalar_type()),
+              "cache: [num_blocks, block_size, kv_heads, d] int8 / fp8, contiguous");
+  const int64_t num_blocks = cache.size(0), block_size = cache.size(1), kv_heads = cache.size(2), d = cache.size(3);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == num_blocks && scales.size(1) == kv_heads,
+              "scales: [num_blocks, kv_heads] float32");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 3 && x.size(1) == kv_heads &&
+                  x.size(2) == d, "x: [T, kv_heads, d] float32, contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == x.size(0), "slot_mapping: [T] int64");
+  TORCH_CHECK(err.scalar_type() == at::kDouble && err.is_contiguous() && err.numel() == 2, "err: [2] float64");
+  const int64_t T = x.size(0);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t i = 0; i < T; ++i) {
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < num_blocks * block_size, "slot ", slots[i], " out of range");
+  }
+  auto run = [&](auto tag) {
+    using S = decltype(tag);
+    write_kv_scaled_impl<S>(reinterpret_cast<S*>(cache.data_ptr()), scales.data_ptr<float>(), x.data_ptr<float>(),
+                            slots, T, kv_heads, d, block_size, err.data_ptr<double>());
+  };
+  switch (cache.scalar_type()) {
+    case at::kChar: run(int8_t{}); break;
+    case at::kFloat8_e4m3fn: run(c10::Float8_e4m3fn{}); break;
+    default: run(c10::Float8_e5m2{}); break;
+  }
 }
 
 // out = x / sqrt(mean(x^2) + eps) * weight, row by row (float32, [rows, hidden] contiguous): one
@@ -325,10 +573,13 @@ void rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weig
 TORCH_LIBRARY(pagedkv, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor row_seq, Tensor row_len, float scale, int sliding_window) -> ()");
+        "Tensor row_seq, Tensor row_len, float scale, int sliding_window, Tensor? k_scales=None, "
+        "Tensor? v_scales=None) -> ()");
+  m.def("write_kv_scaled(Tensor(a!) cache, Tensor(b!) scales, Tensor x, Tensor slot_mapping, Tensor(c!) err) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("rms_norm", &rms_norm);
+  m.impl("write_kv_scaled", &write_kv_scaled);
 }

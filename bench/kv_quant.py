@@ -1,0 +1,198 @@
+"""What an 8-bit KV cache costs in quality, and what it buys in blocks and decode speed.
+
+On the default model (or ``--model``) and the public-domain English text shipped with the tests
+(``tests/data/declaration_of_independence.txt``, ~2k tokens), for each KV dtype against the
+model-dtype cache:
+
+- teacher forcing: the text is fed in chunks of ``--chunk`` tokens through the runner, every
+  token attending to the K/V as stored (quantized blocks included); reported: top-1 agreement of
+  each position's argmax with the model-dtype cache's, and the perplexity ratio (quantized /
+  model dtype);
+- greedy continuations: 16 prompts (64-token windows of the text) continued greedily by an engine
+  with each KV dtype; reported: the mean length of the prefix equal to the model-dtype engine's
+  output, and how many of the 16 are equal in full;
+- capacity: blocks at equal ``kv_cache_memory`` (scales included);
+- decode speed at long contexts: ``--decode-seqs`` sequences at ``--decode-context`` tokens
+  (random K/V written through each format's write path), decode steps of the whole model timed
+  A B A B ... (float32 vs each 8-bit kind), median step time; plus the attention kernel alone.
+
+    .venv/bin/python bench/kv_quant.py [--threads 1] [--kinds int8,fp8_e4m3,fp8_e5m2,bfloat16,float16]
+
+Last line: one JSON object with ``<kind>_top1``, ``<kind>_ppl_ratio``, ``<kind>_greedy_match_len``,
+``<kind>_greedy_full_matches``, ``<kind>_blocks_ratio`` and ``<kind>_decode_speed_ratio`` (8-bit
+kinds: float32 step time / kind step time) per kind, and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from pagedkv.engine import LLMEngine
+from pagedkv.models.loader import load_model
+from pagedkv.ops.kv_format import kv_format
+from pagedkv.ops.paged_attention import NativeMetadata, native_paged_attention
+from pagedkv.runner import ModelRunner, SeqChunk
+from pagedkv.runner.kv_cache import num_blocks_for_memory
+from pagedkv.sampling_params import SamplingParams
+
+TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "declaration_of_independence.txt"
+
+
+def teacher_forced(loaded, tokens: list[int], kind: str, chunk: int, block_size: int) -> torch.Tensor:
+    """Log-probabilities ``[len(tokens) - 1, vocab]`` of every next token, the text fed in chunks."""
+    blocks = -(-len(tokens) // block_size)
+    runner = ModelRunner(loaded, block_size=block_size, num_blocks=blocks + 1, kv_cache_dtype=kind)
+    table = list(range(blocks))
+    out = []
+    for start in range(0, len(tokens) - 1, chunk):
+        piece = tokens[start:min(start + chunk, len(tokens) - 1)]
+        logits = runner.execute([SeqChunk(piece, start, table, all_logits=True)])
+        out.append(torch.log_softmax(logits.double(), dim=-1))
+    return torch.cat(out)
+
+
+def greedy(model: str | None, prompts: list[list[int]], kind: str, new_tokens: int) -> list[list[int]]:
+    engine = LLMEngine.from_options(model, kv_cache_dtype=kind, kv_cache_memory="512MiB", block_size=16)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step(only_finished=True):
+            done[out.request_id] = out.outputs[0].token_ids
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def decode_runner(loaded, kind: str, seqs: int, context: int, block_size: int) -> tuple[ModelRunner, list]:
+    """A runner whose cache holds ``seqs`` sequences of ``context`` random tokens' K/V (written
+    through the format's own write path), and the decode chunks of one step over them."""
+    per_seq = -(-(context + 1) // block_size)
+    runner = ModelRunner(loaded, block_size=block_size, num_blocks=seqs * per_seq + 1, kv_cache_dtype=kind)
+    cfg = runner.config
+    gen = torch.Generator().manual_seed(0)
+    slots = torch.arange(seqs * per_seq * block_size).view(seqs, -1)[:, :context].reshape(-1)
+    for layer in range(cfg.num_hidden_layers):
+        k_cache, v_cache = runner.cache.layer(layer)
+        ks, vs = runner.cache.layer_scales(layer)
+        for cache, scales in ((k_cache, ks), (v_cache, vs)):
+            x = torch.randn(len(slots), cfg.num_key_value_heads, cfg.head_dim, generator=gen)
+            if scales is None:
+                cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, x.to(cache.dtype))
+            else:
+                torch.ops.pagedkv.write_kv_scaled(cache, scales, x, slots, torch.zeros(2, dtype=torch.float64))
+    chunks = [SeqChunk([100 + i], context, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(seqs)]
+    return runner, chunks
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model folder or .gguf (default: the bundled model)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--kinds", default="int8,fp8_e4m3,fp8_e5m2,bfloat16,float16")
+    ap.add_argument("--chunk", type=int, default=128, help="teacher-forcing chunk (tokens)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--decode-seqs", type=int, default=16)
+    ap.add_argument("--decode-context", type=int, default=1024)
+    ap.add_argument("--repeat", type=int, default=5, help="timed decode steps per kind (alternating)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    kinds = [k for k in args.kinds.split(",") if k]
+    loaded = load_model(args.model)
+    base_kind = kv_format("auto", next(loaded.model.parameters()).dtype).name
+    tokens = loaded.tokenizer.encode(TEXT.read_text())
+    targets = torch.tensor(tokens[1:])
+    print(f"text: {len(tokens)} tokens; model dtype KV: {base_kind}; kinds: {', '.join(kinds)}", flush=True)
+    result: dict[str, float | int | str] = {"text_tokens": len(tokens), "base_kv_dtype": base_kind}
+
+    # -- teacher forcing
+    t0 = time.perf_counter()
+    base = teacher_forced(loaded, tokens, base_kind, args.chunk, args.block_size)
+    base_nll = -base.gather(1, targets.view(-1, 1)).mean().item()
+    base_top = base.argmax(-1)
+    result["base_ppl"] = round(math.exp(base_nll), 4)
+    print(f"teacher forcing {base_kind}: ppl {math.exp(base_nll):.3f} ({time.perf_counter() - t0:.1f}s)", flush=True)
+    for kind in kinds:
+        lp = teacher_forced(loaded, tokens, kind, args.chunk, args.block_size)
+        nll = -lp.gather(1, targets.view(-1, 1)).mean().item()
+        top1 = (lp.argmax(-1) == base_top).double().mean().item()
+        result[f"{kind}_top1"] = round(top1, 5)
+        result[f"{kind}_ppl_ratio"] = round(math.exp(nll - base_nll), 5)
+        print(f"teacher forcing {kind:9s}: top-1 agreement {top1:.4f}  ppl {math.exp(nll):.3f} "
+              f"(ratio {math.exp(nll - base_nll):.4f})", flush=True)
+
+    # -- greedy continuations
+    stride = max(1, (len(tokens) - 64) // args.prompts)
+    prompts = [tokens[i * stride:i * stride + 64] for i in range(args.prompts)]
+    base_out = greedy(args.model, prompts, base_kind, args.new_tokens)
+    for kind in kinds:
+        outs = greedy(args.model, prompts, kind, args.new_tokens)
+        lens = [common_prefix(a, b) for a, b in zip(outs, base_out)]
+        result[f"{kind}_greedy_match_len"] = round(statistics.mean(lens), 2)
+        result[f"{kind}_greedy_full_matches"] = sum(n == args.new_tokens for n in lens)
+        print(f"greedy {kind:9s}: equal prefix {statistics.mean(lens):.1f} / {args.new_tokens} tokens on "
+              f"average; {sum(n == args.new_tokens for n in lens)} of {len(prompts)} equal in full", flush=True)
+
+    # -- capacity at equal memory
+    base_blocks = num_blocks_for_memory(loaded.config, args.block_size, "1GiB", base_kind)
+    for kind in kinds:
+        result[f"{kind}_blocks_ratio"] = round(num_blocks_for_memory(loaded.config, args.block_size, "1GiB",
+                                                                     kind) / base_blocks, 4)
+
+    # -- decode speed at long contexts, A B A B
+    quant = [k for k in kinds if kv_format(k).scaled]
+    runners = {k: decode_runner(loaded, k, args.decode_seqs, args.decode_context, args.block_size)
+               for k in [base_kind, *quant]}
+    steps: dict[str, list[float]] = {k: [] for k in runners}
+    attn: dict[str, list[float]] = {k: [] for k in runners}
+    cfg = loaded.config
+    q = torch.randn(args.decode_seqs, cfg.num_attention_heads, cfg.head_dim)
+    for _ in range(args.repeat):
+        for kind, (runner, chunks) in runners.items():
+            runner.execute(chunks)  # rewrites the same slot each time: the context stays put
+            t = time.perf_counter()
+            runner.execute(chunks)
+            steps[kind].append(time.perf_counter() - t)
+            meta = NativeMetadata.build([c.block_table for c in chunks], list(range(len(chunks))),
+                                        [args.decode_context + 1] * len(chunks))
+            k_cache, v_cache = runner.cache.layer(0)
+            ks, vs = runner.cache.layer_scales(0)
+            out = torch.empty_like(q)
+            t = time.perf_counter()
+            for _ in range(cfg.num_hidden_layers):
+                native_paged_attention(out, q, k_cache, v_cache, meta, k_scales=ks, v_scales=vs)
+            attn[kind].append(time.perf_counter() - t)
+    base_step, base_attn = statistics.median(steps[base_kind]), statistics.median(attn[base_kind])
+    print(f"decode, {args.decode_seqs} seqs x {args.decode_context} tokens: {base_kind} step "
+          f"{base_step * 1000:.1f} ms (attention {base_attn * 1000:.1f} ms)", flush=True)
+    for kind in quant:
+        step, at = statistics.median(steps[kind]), statistics.median(attn[kind])
+        result[f"{kind}_decode_speed_ratio"] = round(base_step / step, 3)
+        result[f"{kind}_attention_speed_ratio"] = round(base_attn / at, 3)
+        print(f"decode {kind:9s}: step {step * 1000:.1f} ms ({base_step / step:.2f}x), attention "
+              f"{at * 1000:.1f} ms ({base_attn / at:.2f}x)", flush=True)
+    result["decode_seqs"], result["decode_context"] = args.decode_seqs, args.decode_context
+    result["threads"] = args.threads
+    result["load_avg_1m"] = round(os.getloadavg()[0], 2)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
