@@ -80,9 +80,9 @@ class RunResult:
 def run_pagedkv(engine, workload: Workload, *, progress: bool = False) -> RunResult:
     """Run the workload to completion on ``engine`` (greedy, ignore_eos) and measure it.
 
-    The prefix cache is emptied first, so a workload run again (``--repeat``) hits only what it
-    shares within itself, as it would on a fresh engine."""
-    engine.kv.evict_cached()
+    The prefix cache (device and host tier) is emptied first, so a workload run again
+    (``--repeat``) hits only what it shares within itself, as it would on a fresh engine."""
+    engine.kv.clear_prefix_cache()
     for i, (prompt, n) in enumerate(zip(workload.prompts, workload.new_tokens)):
         engine.add_request(f"{workload.name}-{i}", prompt,
                            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))

@@ -62,7 +62,7 @@ class LLMEngine:
         self.kv = KVCacheManager(runner.num_blocks, B, num_host_blocks=runner.num_host_blocks,
                                  enable_prefix_caching=config.enable_prefix_caching,
                                  eviction_policy=config.eviction_policy, watermark=config.watermark,
-                                 prefix_index=config.prefix_index)
+                                 prefix_index=config.prefix_index, offload_to_host=True)
         spec = config.faults
         self.faults = FaultInjector(spec) if spec else None
         sched = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode)

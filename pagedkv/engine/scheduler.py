@@ -150,6 +150,9 @@ class Scheduler:
             budget = self._resume_swapped(budget, scheduled, copies, swap_in, resumed)
             if not self.swapped:
                 self._admit_waiting(budget, scheduled)
+        offloads, reloads = self.kv.take_tier_copies()  # the host tier of the prefix cache
+        swap_out += offloads
+        swap_in += reloads
         return SchedulerOutput(tuple(scheduled), tuple(copies), tuple(swap_out), tuple(swap_in),
                                tuple(preempted), tuple(resumed))
 
@@ -174,8 +177,9 @@ class Scheduler:
                 self._retire(group)
         for group in result.failed:
             self.abort(group.request_id, reason="error")
+        kv.finish_step(copied=result.computed)
         if not result.computed:
-            kv.evict_cached()
+            kv.evict_cached(offload=False)
 
     # ------------------------------------------------------------------ helpers
     def _schedule_running(self, group: SequenceGroup, budget: int, swap_out: list[CopyPair],

@@ -43,7 +43,10 @@ def kv_stats(mgr: KVCacheManager) -> KVStats:
         evictions=pool.evictions, cow_copies=mgr.cow_copies,
         swapped_out_blocks=mgr.swapped_out_blocks, swapped_in_blocks=mgr.swapped_in_blocks,
         host_blocks=mgr.host_pool.num_blocks,
-        host_used_blocks=mgr.host_pool.num_blocks - mgr.host_pool.num_free)
+        host_used_blocks=mgr.host_pool.num_blocks - mgr.host_pool.num_free,
+        host_cached_blocks=len(mgr.host_pool.cached), host_hit_tokens=mgr.host_hit_tokens,
+        offloaded_blocks=mgr.offloaded_blocks, offloads_dropped=mgr.offloads_dropped,
+        reloaded_blocks=mgr.reloaded_blocks)
 
 
 def check_integrity(mgr: KVCacheManager) -> None:
@@ -57,6 +60,7 @@ def check_integrity(mgr: KVCacheManager) -> None:
         pool.check_integrity()
     B = mgr.block_size
     refs = {tier: Counter[int]() for tier in mgr.tiers}
+    refs["host"].update(b.block_id for b in mgr._held)  # held for this step's tier copies
     for seq in mgr.seqs.values():
         table = seq.block_table
         if len(set(table)) != len(table):

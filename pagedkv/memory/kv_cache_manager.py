@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
+from pagedkv.memory.block import Block
 from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.errors import OutOfBlocksError
 from pagedkv.memory.eviction import make_eviction_policy
@@ -71,12 +72,20 @@ class KVCacheManager:
         eviction_policy: "lru" (default), "fifo" or "lrc"; see ``pagedkv.memory.eviction``.
         watermark: fraction of device blocks a new prompt must leave free, so running
             sequences can keep growing without immediate preemption (avoids thrash).
+        offload_to_host: a cached block evicted from the device pool is copied down to the host
+            pool (where it stays cached, LRU, until host space is needed), and a prompt whose
+            prefix continues there reloads those blocks instead of recomputing them.
+
+    Offloads and reloads are copies the runner must make before the step's forward pass:
+    ``take_tier_copies()`` hands them over (offloads with the swap-outs, reloads with the
+    swap-ins) and ``finish_step()``, once they are done, releases the host blocks they read or
+    wrote (held so that nothing else in the same step reuses them).
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, num_host_blocks: int = 0,
                  enable_prefix_caching: bool = True, eviction_policy: str = "lru",
                  watermark: float = 0.0, lrc_alpha: float = 0.7, lrc_beta: float = 0.3,
-                 prefix_index: str = "hash") -> None:
+                 prefix_index: str = "hash", offload_to_host: bool = False) -> None:
         check_block_size(block_size)
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
@@ -101,6 +110,26 @@ class KVCacheManager:
         self.cow_copies = 0
         self.swapped_out_blocks = 0
         self.swapped_in_blocks = 0
+        # The host tier of the prefix cache (see the class docstring).
+        self.offload_to_host = offload_to_host and enable_prefix_caching and num_host_blocks > 0
+        self.offloaded_blocks = 0  # cached device blocks copied down on eviction
+        self.offloads_dropped = 0  # evictions not copied: no host block could be taken
+        self.reloaded_blocks = 0  # host blocks copied back up for a prompt's prefix
+        self.host_hit_tokens = 0  # prompt tokens found in the host tier (part of prefix_hit_tokens)
+        self._tier_out: list[CopyPair] = []  # (device, host) offloads of this step
+        self._tier_in: list[CopyPair] = []  # (host, device) reloads of this step
+        self._held: list[Block] = []  # host blocks read or written by this step's copies
+        self._offloaded_now: list[Block] = []  # host blocks this step's offloads write
+        self._offloading = True
+        if self.offload_to_host:
+            index_on_evict = self.pool.on_evict
+
+            def on_evict(block: Block) -> None:
+                if index_on_evict is not None:
+                    index_on_evict(block)
+                if self._offloading:
+                    self._offload(block)
+            self.pool.on_evict = on_evict
 
     # ------------------------------------------------------------------ queries
     @property
@@ -162,13 +191,20 @@ class KVCacheManager:
         B = self.block_size
         seq = SeqState(seq_id, token_ids, root_hash(salt, adapter_id))
         pool = self.pool
-        hits = []
+        hits: list[Block] = []
+        host_hits: list[Block] = []
         if self.enable_prefix_caching:
             self._hash_full_blocks(seq, len(token_ids) // B)
             # The block holding the last prompt token is never a hit: it must be computed.
             max_hits = (len(token_ids) - 1) // B
             hits = self.index.match(seq.root, token_ids, seq.block_hashes, max_hits)
-        num_cached = len(hits) * B
+            if self.offload_to_host:  # the chain may go on in the host tier
+                for block_hash in seq.block_hashes[len(hits):max_hits]:
+                    block = self.host_pool.cached.get(block_hash)
+                    if block is None:
+                        break
+                    host_hits.append(block)
+        num_cached = (len(hits) + len(host_hits)) * B
         remaining = len(token_ids) - num_cached
         num_new = remaining if num_new_tokens is None else max(1, min(num_new_tokens, remaining))
         need = _cdiv(num_cached + num_new, B) - len(hits)
@@ -178,14 +214,75 @@ class KVCacheManager:
             raise OutOfBlocksError(need, max(available, 0))
         for block in hits:
             pool.touch(block)
-        seq.block_table = [b.block_id for b in hits] + [b.block_id for b in pool.allocate(need)]
+        for block in host_hits:  # held until the reload is done, so the step cannot reuse them
+            self.host_pool.touch(block)
+            self._held.append(block)
+        fresh = pool.allocate(need)
+        seq.block_table = [b.block_id for b in hits] + [b.block_id for b in fresh]
+        if host_hits:
+            reloaded = fresh[:len(host_hits)]
+            self._tier_in += [(h.block_id, d.block_id) for h, d in zip(host_hits, reloaded)]
+            self.reloaded_blocks += len(host_hits)
+            self.host_hit_tokens += len(host_hits) * B
         seq.num_computed = num_cached
         seq.num_cached_blocks = len(hits)
         self.seqs[seq_id] = seq
+        if host_hits:  # the reloaded blocks are cached prefix blocks again, on the device
+            self._cache_full_blocks(seq)
         if self.enable_prefix_caching:
             self.prefix_query_tokens += len(token_ids)
             self.prefix_hit_tokens += num_cached
         return num_cached
+
+    def _offload(self, block: Block) -> None:
+        """Copy a cached device block that is being evicted down to the host tier (LRU there)."""
+        host = self.host_pool
+        block_hash = block.block_hash
+        assert block_hash is not None
+        there = host.cached.get(block_hash)
+        if there is not None:  # already down there: it becomes the most recently used
+            host.touch(there)
+            host.free((there,))
+            return
+        if host.num_free == 0:
+            self.offloads_dropped += 1
+            return
+        target = host.allocate(1)[0]  # may forget the host tier's least recently used block
+        host.cache((target,), (block_hash,))
+        self._held.append(target)
+        self._offloaded_now.append(target)
+        self._tier_out.append((block.block_id, target.block_id))
+        self.offloaded_blocks += 1
+
+    def take_tier_copies(self) -> tuple[list[CopyPair], list[CopyPair]]:
+        """This step's ``(device, host)`` offloads and ``(host, device)`` reloads, handed over
+        once: the runner makes the offloads with the swap-outs and the reloads with the
+        swap-ins, before the forward pass."""
+        out, into = self._tier_out, self._tier_in
+        self._tier_out, self._tier_in = [], []
+        return out, into
+
+    def finish_step(self, copied: bool = True) -> None:
+        """The step's copies are over: release the host blocks they held. With ``copied=False``
+        (the step's shared work failed) the blocks offloaded in it are forgotten, not kept: their
+        copy may not have happened."""
+        if self._tier_out or self._tier_in:
+            raise RuntimeError("finish_step: this step's tier copies were never taken (take_tier_copies)")
+        held, self._held = self._held, []
+        offloaded, self._offloaded_now = self._offloaded_now, []
+        if not copied:
+            host = self.host_pool
+            for block in offloaded:
+                if block.block_hash is not None and host.cached.get(block.block_hash) is block:
+                    del host.cached[block.block_hash]
+                    block.block_hash = None
+        self.host_pool.free(held)
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached-free prefix block, on the device and in the host tier, without
+        offloading (a benchmark's fresh start)."""
+        self.evict_cached(offload=False)
+        self.host_pool.evict_cached()
 
     def allocate_slots(self, seq_id: Hashable, num_new_tokens: int) -> list[CopyPair]:
         """Make room for ``num_new_tokens`` more computed tokens; returns copy-on-write pairs.
@@ -288,9 +385,15 @@ class KVCacheManager:
         blocks = pool.blocks
         pool.free(blocks[i] for i in reversed(seq.block_table))
 
-    def evict_cached(self, max_blocks: int | None = None) -> int:
-        """Forget cached-free prefix blocks (all, or up to ``max_blocks``); returns the count."""
-        return self.pool.evict_cached(max_blocks)
+    def evict_cached(self, max_blocks: int | None = None, *, offload: bool = True) -> int:
+        """Forget cached-free device prefix blocks (all, or up to ``max_blocks``); returns the
+        count. With ``offload`` (and a host tier) they are copied down first; pass False when
+        their contents are not to be trusted (after a failed forward pass)."""
+        self._offloading = offload
+        try:
+            return self.pool.evict_cached(max_blocks)
+        finally:
+            self._offloading = True
 
     def pin(self, block_id: int) -> None:
         """Keep a used block (e.g. a system prompt's cached prefix) from ever being evicted."""
@@ -326,6 +429,16 @@ class KVCacheManager:
         Raises OutOfBlocksError, changing nothing, when the device pool lacks the blocks.
         """
         seqs = self._in_tier(seq_ids, HOST)
+        if self.offload_to_host:
+            # The host blocks are read by this step's swap-in copies, after its swap-outs: hold
+            # them so that an offload later in the step cannot take one and write it first.
+            host = self.host_pool
+            sources = [host.blocks[i] for i in dict.fromkeys(i for seq in seqs for i in seq.block_table)]
+            if len(sources) > self.pool.num_free:
+                raise OutOfBlocksError(len(sources), self.pool.num_free, self.pool.name)
+            for block in sources:
+                host.touch(block)
+            self._held += sources
         mapping = move_sequences(seqs, self.host_pool, self.pool)
         self.swapped_in_blocks += len(mapping)
         for seq in seqs:

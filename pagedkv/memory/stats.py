@@ -33,7 +33,12 @@ class KVStats:
     swapped_out_blocks: int
     swapped_in_blocks: int
     host_blocks: int
-    host_used_blocks: int
+    host_used_blocks: int  # swapped-out sequences' blocks (cached host blocks are free, like the device's)
+    host_cached_blocks: int = 0  # host blocks holding an offloaded prefix block
+    host_hit_tokens: int = 0  # prompt tokens found in the host tier (included in prefix_hit_tokens)
+    offloaded_blocks: int = 0  # cached device blocks copied down on eviction
+    offloads_dropped: int = 0  # evicted cached blocks not copied (no host block free)
+    reloaded_blocks: int = 0  # host blocks copied back up for a prompt's prefix
 
     @property
     def usage(self) -> float:

@@ -85,6 +85,17 @@ class EngineStatsCollector(Collector):
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv.prefix_query_tokens)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.prefix_hit_tokens)
         yield counter("kv_evictions", "Cached blocks evicted to make room.", kv.evictions)
+        if hasattr(kv, "host_hit_tokens"):
+            yield counter("prefix_cache_host_hits", "Prompt tokens found in the host tier (reloaded, not "
+                          "recomputed; included in prefix_cache_hits).", kv.host_hit_tokens)
+            yield counter("kv_offloaded_blocks", "Cached blocks copied down to the host tier on eviction.",
+                          kv.offloaded_blocks)
+            yield counter("kv_offloads_dropped", "Evicted cached blocks not offloaded (no host block free).",
+                          kv.offloads_dropped)
+            yield counter("kv_reloaded_blocks", "Host-tier blocks copied back up for a prompt's prefix.",
+                          kv.reloaded_blocks)
+            yield gauge("kv_host_blocks_cached", "Host-tier blocks holding an offloaded prefix block.",
+                        kv.host_cached_blocks)
         yield counter("kv_cow_copies", "Copy-on-write block copies.", kv.cow_copies)
 
         pre = CounterMetricFamily(
