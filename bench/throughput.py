@@ -90,7 +90,7 @@ def main():  # vLLM starts its engine core with spawn: the module must be import
         t0 = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         out[name] = sum(w["new"]) / (time.perf_counter() - t0)
-    print("VLLM_RESULT " + json.dumps(out))
+    print("RESULT " + json.dumps(out))
 
 
 if __name__ == "__main__":
@@ -98,25 +98,32 @@ if __name__ == "__main__":
 """
 
 
-def run_vllm(python: str, folder: Path, workloads: list[Workload], warmup: Workload,
-             threads: int) -> dict[str, float]:
-    spec = {"model": str(folder), "workloads": {w.name: {"prompts": w.prompts, "new": w.new_tokens}
-                                                for w in workloads},
+def _run_peer(name: str, python: str, script_text: str, model: Path, workloads: list[Workload],
+              warmup: Workload, args: list[str], env: dict[str, str]) -> dict[str, float]:
+    """Run a peer's benchmark script in its own Python: it reads the workloads from a JSON spec
+    and prints one ``RESULT {workload: tok/s}`` line."""
+    spec = {"model": str(model), "workloads": {w.name: {"prompts": w.prompts, "new": w.new_tokens}
+                                               for w in workloads},
             "warmup": {"prompts": warmup.prompts, "new": warmup.new_tokens}}
     with tempfile.TemporaryDirectory() as tmp:
         spec_path = Path(tmp) / "spec.json"
-        script = Path(tmp) / "run_vllm.py"
+        script = Path(tmp) / f"run_{name}.py"
         spec_path.write_text(json.dumps(spec))
-        script.write_text(VLLM_SCRIPT)
-        cores = "0" if threads == 1 else f"0-{threads - 1}"  # vLLM pins its OpenMP threads
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": cores}
-        proc = subprocess.run([python, str(script), str(spec_path)], capture_output=True, text=True,
-                              env=env, timeout=3600)
+        script.write_text(script_text)
+        proc = subprocess.run([python, str(script), str(spec_path), *args], capture_output=True, text=True,
+                              env={**os.environ, **env}, timeout=3600)
     for line in proc.stdout.splitlines():
-        if line.startswith("VLLM_RESULT "):
-            return json.loads(line[len("VLLM_RESULT "):])
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
     print(proc.stderr[-3000:], file=sys.stderr)
-    raise RuntimeError("vLLM run failed (see its stderr above)")
+    raise RuntimeError(f"{name} run failed (see its stderr above)")
+
+
+def run_vllm(python: str, folder: Path, workloads: list[Workload], warmup: Workload,
+             threads: int) -> dict[str, float]:
+    cores = "0" if threads == 1 else f"0-{threads - 1}"  # vLLM pins its OpenMP threads
+    return _run_peer("vllm", python, VLLM_SCRIPT, folder, workloads, warmup, [],
+                     {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": cores})
 
 
 LLAMACPP_SCRIPT = r"""
@@ -185,7 +192,7 @@ def main():
     model = L.llama_model_load_from_file(spec["model"].encode(), mp)
     run(model, spec, threads, spec["warmup"])  # untimed, as every engine gets
     out = {name: run(model, spec, threads, w) for name, w in spec["workloads"].items()}
-    print("LLAMACPP_RESULT " + json.dumps(out))
+    print("RESULT " + json.dumps(out))
 
 
 if __name__ == "__main__":
@@ -195,22 +202,8 @@ if __name__ == "__main__":
 
 def run_llamacpp(python: str, gguf: Path, workloads: list[Workload], warmup: Workload,
                  threads: int) -> dict[str, float]:
-    spec = {"model": str(gguf), "workloads": {w.name: {"prompts": w.prompts, "new": w.new_tokens}
-                                              for w in workloads},
-            "warmup": {"prompts": warmup.prompts, "new": warmup.new_tokens}}
-    with tempfile.TemporaryDirectory() as tmp:
-        spec_path = Path(tmp) / "spec.json"
-        script = Path(tmp) / "run_llamacpp.py"
-        spec_path.write_text(json.dumps(spec))
-        script.write_text(LLAMACPP_SCRIPT)
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        proc = subprocess.run([python, str(script), str(spec_path), str(threads)], capture_output=True,
-                              text=True, env=env, timeout=3600)
-    for line in proc.stdout.splitlines():
-        if line.startswith("LLAMACPP_RESULT "):
-            return json.loads(line[len("LLAMACPP_RESULT "):])
-    print(proc.stderr[-3000:], file=sys.stderr)
-    raise RuntimeError("llama.cpp run failed (see its stderr above)")
+    return _run_peer("llamacpp", python, LLAMACPP_SCRIPT, gguf, workloads, warmup, [str(threads)],
+                     {"OMP_NUM_THREADS": str(threads)})
 
 
 def profile_decode(engine: LLMEngine, workload: Workload, steps: int = 12) -> dict[str, float]:
