@@ -46,7 +46,7 @@ def test_evicted_cached_blocks_are_offloaded_and_reloaded():
     assert kv.stats().evictable_blocks == 3
     _compute(kv, "b", list(range(200, 232)))  # 8 blocks: every cached block of "a" is evicted
     offloads, reloads = kv.take_tier_copies()
-    assert len(offloads) == 3 and reloads == [] and kv.offloaded_blocks == 3
+    assert len(offloads) == 3 and reloads == [] and kv.stats().offloaded_blocks == 3
     assert len({h for _, h in offloads}) == 3  # three distinct host blocks
     kv.check_integrity()  # the host blocks written this step are held until finish_step
     kv.finish_step()
@@ -55,15 +55,15 @@ def test_evicted_cached_blocks_are_offloaded_and_reloaded():
     kv.free("b")
     _end_step(kv)
     cached = kv.allocate_prompt("a2", list(a))  # the chain continues in the host tier
-    assert cached == 12 and kv.host_hit_tokens == 12 and kv.reloaded_blocks == 3
+    assert cached == 12 and kv.stats().host_hit_tokens == 12 and kv.stats().reloaded_blocks == 3
     offloads, reloads = kv.take_tier_copies()
     # a2's own allocation evicted some of b's cached blocks: one more fits below (a's are held)
-    assert len(offloads) == 1 and kv.offloads_dropped == 3
+    assert len(offloads) == 1 and kv.stats().offloads_dropped == 3
     assert [h for h, _ in reloads] == [h for _, h in offloads_of(kv, a)]  # in prompt order
     assert [d for _, d in reloads] == kv.block_table("a2")[:3]
     # the reloaded device blocks are cached prefix blocks again: another prompt hits them on the device
     kv.mark_computed("a2", 1)
-    assert kv.allocate_prompt("a3", list(a)) == 12 and kv.host_hit_tokens == 12
+    assert kv.allocate_prompt("a3", list(a)) == 12 and kv.stats().host_hit_tokens == 12
     _end_step(kv)
 
 
@@ -94,7 +94,7 @@ def test_host_tier_is_lru_and_yields_to_swapped_sequences():
         end_step()
     _compute(kv, "big", list(range(300, 320)))  # 5 blocks: evicts most cached blocks
     end_step()
-    assert kv.offloaded_blocks == len(offloaded) >= 6 and kv.stats().host_cached_blocks == 3
+    assert kv.stats().offloaded_blocks == len(offloaded) >= 6 and kv.stats().host_cached_blocks == 3
     # a swap-out takes host blocks from the cached ones (a swapped sequence outranks a cached prefix)
     kv.free("big")
     _compute(kv, "small", list(range(400, 409)))  # 3 blocks

@@ -134,7 +134,7 @@ def test_metrics_agree_with_engine(server: ServerThread) -> None:
     assert m[f"pagedkv_kv_cache_dtype_info,kv_cache_dtype={stats.kv_cache_dtype}"] == 1
     assert m["pagedkv_kv_bytes_per_block"] == stats.kv_bytes_per_block > 0
     assert m["pagedkv_kv_offloaded_blocks_total"] == kv.offloaded_blocks
-    assert m["pagedkv_prefix_cache_host_hits_total"] == kv.host_hit_tokens
+    assert m["pagedkv_prefix_cache_host_hits_total"] == kv.host_hit_tokens  # KVStats fields
     assert m["pagedkv_kv_blocks_used"] == kv.used_blocks == 0
     assert m["pagedkv_kv_blocks_free"] == kv.free_blocks
     assert m["pagedkv_kv_blocks_cached"] == kv.cached_blocks

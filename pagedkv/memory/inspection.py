@@ -33,6 +33,7 @@ def kv_stats(mgr: KVCacheManager) -> KVStats:
             if fill > filled.get(block_id, 0):
                 filled[block_id] = fill
     pool = mgr.pool
+    tier = mgr.host_tier
     used = pool.num_blocks - pool.num_free
     evictable = sum(1 for b in pool.free_queue if b.block_hash is not None)
     return KVStats(
@@ -44,9 +45,10 @@ def kv_stats(mgr: KVCacheManager) -> KVStats:
         swapped_out_blocks=mgr.swapped_out_blocks, swapped_in_blocks=mgr.swapped_in_blocks,
         host_blocks=mgr.host_pool.num_blocks,
         host_used_blocks=mgr.host_pool.num_blocks - mgr.host_pool.num_free,
-        host_cached_blocks=len(mgr.host_pool.cached), host_hit_tokens=mgr.host_hit_tokens,
-        offloaded_blocks=mgr.offloaded_blocks, offloads_dropped=mgr.offloads_dropped,
-        reloaded_blocks=mgr.reloaded_blocks)
+        host_cached_blocks=len(mgr.host_pool.cached),
+        **({} if tier is None else dict(host_hit_tokens=tier.hit_tokens, offloaded_blocks=tier.offloaded_blocks,
+                                        offloads_dropped=tier.offloads_dropped,
+                                        reloaded_blocks=tier.reloaded_blocks)))
 
 
 def check_integrity(mgr: KVCacheManager) -> None:
@@ -60,7 +62,8 @@ def check_integrity(mgr: KVCacheManager) -> None:
         pool.check_integrity()
     B = mgr.block_size
     refs = {tier: Counter[int]() for tier in mgr.tiers}
-    refs["host"].update(b.block_id for b in mgr._held)  # held for this step's tier copies
+    if mgr.host_tier is not None:  # held for this step's tier copies
+        refs["host"].update(b.block_id for b in mgr.host_tier.held)
     for seq in mgr.seqs.values():
         table = seq.block_table
         if len(set(table)) != len(table):

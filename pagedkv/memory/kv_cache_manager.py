@@ -31,6 +31,7 @@ from pagedkv.memory.block import Block
 from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.errors import OutOfBlocksError
 from pagedkv.memory.eviction import make_eviction_policy
+from pagedkv.memory.host_tier import HostPrefixTier
 from pagedkv.memory.inspection import check_integrity, kv_stats, pretty_print
 from pagedkv.memory.prefix_hash import chain_hashes, root_hash
 from pagedkv.memory.prefix_index import make_prefix_index
@@ -72,14 +73,9 @@ class KVCacheManager:
         eviction_policy: "lru" (default), "fifo" or "lrc"; see ``pagedkv.memory.eviction``.
         watermark: fraction of device blocks a new prompt must leave free, so running
             sequences can keep growing without immediate preemption (avoids thrash).
-        offload_to_host: a cached block evicted from the device pool is copied down to the host
-            pool (where it stays cached, LRU, until host space is needed), and a prompt whose
-            prefix continues there reloads those blocks instead of recomputing them.
-
-    Offloads and reloads are copies the runner must make before the step's forward pass:
-    ``take_tier_copies()`` hands them over (offloads with the swap-outs, reloads with the
-    swap-ins) and ``finish_step()``, once they are done, releases the host blocks they read or
-    wrote (held so that nothing else in the same step reuses them).
+        offload_to_host: keep cached blocks evicted from the device in the host pool and reload
+            them on a hit (``memory/host_tier.py``); the scheduler takes the step's copies with
+            ``take_tier_copies()`` and calls ``finish_step()`` once they are done.
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, num_host_blocks: int = 0,
@@ -110,25 +106,18 @@ class KVCacheManager:
         self.cow_copies = 0
         self.swapped_out_blocks = 0
         self.swapped_in_blocks = 0
-        # The host tier of the prefix cache (see the class docstring).
-        self.offload_to_host = offload_to_host and enable_prefix_caching and num_host_blocks > 0
-        self.offloaded_blocks = 0  # cached device blocks copied down on eviction
-        self.offloads_dropped = 0  # evictions not copied: no host block could be taken
-        self.reloaded_blocks = 0  # host blocks copied back up for a prompt's prefix
-        self.host_hit_tokens = 0  # prompt tokens found in the host tier (part of prefix_hit_tokens)
-        self._tier_out: list[CopyPair] = []  # (device, host) offloads of this step
-        self._tier_in: list[CopyPair] = []  # (host, device) reloads of this step
-        self._held: list[Block] = []  # host blocks read or written by this step's copies
-        self._offloaded_now: list[Block] = []  # host blocks this step's offloads write
+        # The host tier of the prefix cache (memory/host_tier.py), below the device pool.
+        self.host_tier: HostPrefixTier | None = None
         self._offloading = True
-        if self.offload_to_host:
+        if offload_to_host and enable_prefix_caching and num_host_blocks > 0:
+            self.host_tier = tier = HostPrefixTier(self.host_pool)
             index_on_evict = self.pool.on_evict
 
             def on_evict(block: Block) -> None:
                 if index_on_evict is not None:
                     index_on_evict(block)
                 if self._offloading:
-                    self._offload(block)
+                    tier.offload(block)
             self.pool.on_evict = on_evict
 
     # ------------------------------------------------------------------ queries
@@ -198,12 +187,8 @@ class KVCacheManager:
             # The block holding the last prompt token is never a hit: it must be computed.
             max_hits = (len(token_ids) - 1) // B
             hits = self.index.match(seq.root, token_ids, seq.block_hashes, max_hits)
-            if self.offload_to_host:  # the chain may go on in the host tier
-                for block_hash in seq.block_hashes[len(hits):max_hits]:
-                    block = self.host_pool.cached.get(block_hash)
-                    if block is None:
-                        break
-                    host_hits.append(block)
+            if self.host_tier is not None:  # the chain may go on in the host tier
+                host_hits = self.host_tier.match(seq.block_hashes[len(hits):max_hits])
         num_cached = (len(hits) + len(host_hits)) * B
         remaining = len(token_ids) - num_cached
         num_new = remaining if num_new_tokens is None else max(1, min(num_new_tokens, remaining))
@@ -214,16 +199,12 @@ class KVCacheManager:
             raise OutOfBlocksError(need, max(available, 0))
         for block in hits:
             pool.touch(block)
-        for block in host_hits:  # held until the reload is done, so the step cannot reuse them
-            self.host_pool.touch(block)
-            self._held.append(block)
+        if host_hits:  # held until the reload is done, before any allocation could evict them
+            self.host_tier.hold(host_hits)  # type: ignore[union-attr]
         fresh = pool.allocate(need)
         seq.block_table = [b.block_id for b in hits] + [b.block_id for b in fresh]
         if host_hits:
-            reloaded = fresh[:len(host_hits)]
-            self._tier_in += [(h.block_id, d.block_id) for h, d in zip(host_hits, reloaded)]
-            self.reloaded_blocks += len(host_hits)
-            self.host_hit_tokens += len(host_hits) * B
+            self.host_tier.reload(host_hits, fresh, B)  # type: ignore[union-attr]
         seq.num_computed = num_cached
         seq.num_cached_blocks = len(hits)
         self.seqs[seq_id] = seq
@@ -234,49 +215,17 @@ class KVCacheManager:
             self.prefix_hit_tokens += num_cached
         return num_cached
 
-    def _offload(self, block: Block) -> None:
-        """Copy a cached device block that is being evicted down to the host tier (LRU there)."""
-        host = self.host_pool
-        block_hash = block.block_hash
-        assert block_hash is not None
-        there = host.cached.get(block_hash)
-        if there is not None:  # already down there: it becomes the most recently used
-            host.touch(there)
-            host.free((there,))
-            return
-        if host.num_free == 0:
-            self.offloads_dropped += 1
-            return
-        target = host.allocate(1)[0]  # may forget the host tier's least recently used block
-        host.cache((target,), (block_hash,))
-        self._held.append(target)
-        self._offloaded_now.append(target)
-        self._tier_out.append((block.block_id, target.block_id))
-        self.offloaded_blocks += 1
-
     def take_tier_copies(self) -> tuple[list[CopyPair], list[CopyPair]]:
         """This step's ``(device, host)`` offloads and ``(host, device)`` reloads, handed over
         once: the runner makes the offloads with the swap-outs and the reloads with the
         swap-ins, before the forward pass."""
-        out, into = self._tier_out, self._tier_in
-        self._tier_out, self._tier_in = [], []
-        return out, into
+        return self.host_tier.take_copies() if self.host_tier is not None else ([], [])
 
     def finish_step(self, copied: bool = True) -> None:
-        """The step's copies are over: release the host blocks they held. With ``copied=False``
-        (the step's shared work failed) the blocks offloaded in it are forgotten, not kept: their
-        copy may not have happened."""
-        if self._tier_out or self._tier_in:
-            raise RuntimeError("finish_step: this step's tier copies were never taken (take_tier_copies)")
-        held, self._held = self._held, []
-        offloaded, self._offloaded_now = self._offloaded_now, []
-        if not copied:
-            host = self.host_pool
-            for block in offloaded:
-                if block.block_hash is not None and host.cached.get(block.block_hash) is block:
-                    del host.cached[block.block_hash]
-                    block.block_hash = None
-        self.host_pool.free(held)
+        """The step's copies are over: release the host blocks they held (``copied=False``: the
+        step's shared work failed, and what it offloaded is forgotten)."""
+        if self.host_tier is not None:
+            self.host_tier.finish_step(copied)
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached-free prefix block, on the device and in the host tier, without
@@ -429,16 +378,14 @@ class KVCacheManager:
         Raises OutOfBlocksError, changing nothing, when the device pool lacks the blocks.
         """
         seqs = self._in_tier(seq_ids, HOST)
-        if self.offload_to_host:
+        if self.host_tier is not None:
             # The host blocks are read by this step's swap-in copies, after its swap-outs: hold
             # them so that an offload later in the step cannot take one and write it first.
             host = self.host_pool
             sources = [host.blocks[i] for i in dict.fromkeys(i for seq in seqs for i in seq.block_table)]
             if len(sources) > self.pool.num_free:
                 raise OutOfBlocksError(len(sources), self.pool.num_free, self.pool.name)
-            for block in sources:
-                host.touch(block)
-            self._held += sources
+            self.host_tier.hold(sources)
         mapping = move_sequences(seqs, self.host_pool, self.pool)
         self.swapped_in_blocks += len(mapping)
         for seq in seqs:
