@@ -23,7 +23,7 @@ class LLM:
 
     ``model``: a Hugging Face folder, a ``.gguf`` file, or None for the bundled default model.
     Engine options keep vLLM's names (``block_size``, ``enable_prefix_caching``,
-    ``kv_cache_memory`` / ``num_kv_blocks``, ``swap_space``, ``max_num_seqs``,
+    ``kv_cache_memory`` / ``num_kv_blocks``, ``kv_offloading_size`` (``swap_space``), ``max_num_seqs``,
     ``max_num_batched_tokens``, ``max_model_len``, ``preemption_mode``, ``eviction_policy``,
     ``dtype``, ``seed``, ``fault_injection``, ``debug_integrity``, ``threads``); see
     ``pagedkv.engine.EngineConfig``.

@@ -10,6 +10,7 @@ from pagedkv.sampling_params import SamplingParams
 @pytest.mark.parametrize("field,value", [
     ("block_size", 0), ("block_size", 300), ("max_num_seqs", 0), ("max_num_batched_tokens", -1),
     ("kv_cache_memory", "lots"), ("kv_cache_memory", 0), ("num_kv_blocks", 0), ("swap_space", -1),
+    ("kv_offloading_size", -0.5), ("kv_offloading_size", float("nan")), ("kv_cache_dtype", "int4"),
     ("watermark", 1.0), ("preemption_mode", "kill"), ("eviction_policy", "random"),
     ("prefix_index", "trie"), ("dtype", "int4"), ("fault_injection", "rate=2"), ("max_model_len", 0),
 ])
@@ -23,6 +24,15 @@ def test_engine_config_rejects_unknown_and_conflicting_options():
         EngineConfig.from_options(None, blocksize=16)
     with pytest.raises(ValueError, match="not both"):
         EngineConfig(kv_cache_memory="1GiB", num_kv_blocks=10)
+    with pytest.raises(ValueError, match="not both"):
+        EngineConfig(kv_offloading_size=1.0, swap_space=1.0)
+
+
+def test_host_tier_size_is_kv_offloading_size_or_its_alias_swap_space():
+    assert EngineConfig().host_tier_gib == 0.5
+    assert EngineConfig(kv_offloading_size=2).host_tier_gib == 2.0
+    assert EngineConfig(swap_space=0.25).host_tier_gib == 0.25
+    assert EngineConfig(kv_offloading_size=0).host_tier_gib == 0.0
 
 
 @pytest.mark.parametrize("field,value", [

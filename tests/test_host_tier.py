@@ -169,3 +169,14 @@ def test_engine_reload_gives_bit_identical_kv_and_outputs(tmp_path):
     for h in hashes:
         assert torch.equal(cache.kv[:, :, kv.pool.cached[h].block_id], snapshot[h])
     assert stats.used_blocks == 0
+
+
+def test_kv_offloading_size_sizes_the_host_tier(tmp_path):
+    from pagedkv.engine import LLMEngine
+
+    folder = make_hf_checkpoint(tmp_path, "llama", seed=3)
+    off = LLMEngine.from_options(str(folder), block_size=B, num_kv_blocks=24, kv_offloading_size=0)
+    assert off.runner.num_host_blocks == 0 and off.kv.host_tier is None
+    on = LLMEngine.from_options(str(folder), block_size=B, num_kv_blocks=24, kv_offloading_size=0.001)
+    alias = LLMEngine.from_options(str(folder), block_size=B, num_kv_blocks=24, swap_space=0.001)
+    assert on.runner.num_host_blocks == alias.runner.num_host_blocks > 0 and on.kv.host_tier is not None

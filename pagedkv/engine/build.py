@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 from pagedkv.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+
+logger = logging.getLogger(__name__)
 
 
 def build_runner(config: EngineConfig):
@@ -23,8 +27,11 @@ def build_runner(config: EngineConfig):
     per_block = bytes_per_block(loaded.config, config.block_size, kv_dtype)  # scales included
     device_blocks = config.num_kv_blocks or num_blocks_for_memory(
         loaded.config, config.block_size, config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, kv_dtype)
-    # swap_space is GiB of host memory; more host blocks than 4x the device pool buy nothing.
-    host_blocks = min(int(config.swap_space * (1 << 30)) // per_block, 4 * device_blocks)
+    if config.swap_space is not None:
+        logger.warning("swap_space is deprecated: it is an alias of kv_offloading_size (--kv-offloading-size), "
+                       "the size of the host tier in GiB")
+    # More host blocks than 4x the device pool buy nothing.
+    host_blocks = min(int(config.host_tier_gib * (1 << 30)) // per_block, 4 * device_blocks)
     runner = ModelRunner(loaded, block_size=config.block_size, num_blocks=device_blocks,
                          num_host_blocks=host_blocks, kv_cache_dtype=kv_dtype)
     return runner, loaded.tokenizer, loaded.name, loaded.config.max_position_embeddings

@@ -15,6 +15,7 @@ from pagedkv.units import parse_bytes
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_KV_CACHE_MEMORY = "1GiB"
+DEFAULT_HOST_TIER_GIB = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +24,9 @@ class EngineConfig:
     the field and the allowed range.
 
     ``kv_cache_memory`` (bytes or a size string like "2GiB") or ``num_kv_blocks`` sizes the
-    device KV pool (default 1 GiB). ``swap_space`` is host memory in GiB for swapped-out blocks.
+    device KV pool (default 1 GiB). ``kv_offloading_size`` (vLLM's name) is the host tier in GiB
+    (default 0.5): the one host pool, holding swapped-out sequences and the cached prefix blocks
+    evicted from the device; ``swap_space`` is its deprecated alias (give one of the two).
     ``max_model_len`` defaults to the model's context length. ``fault_injection`` (or the
     ``PAGEDKV_FAULT_INJECTION`` environment variable) takes a spec such as "seed=7,rate=0.05".
     ``debug_integrity`` runs ``check_integrity()`` after every step. ``prefix_index`` picks the
@@ -38,7 +41,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_cache_memory: str | int | None = None
     num_kv_blocks: int | None = None
-    swap_space: float = 0.5
+    kv_offloading_size: float | None = None
+    swap_space: float | None = None  # deprecated alias of kv_offloading_size
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -71,9 +75,14 @@ class EngineConfig:
             _int_in("max_model_len", self.max_model_len, 1, 1 << 24)
         if self.threads is not None:
             _int_in("threads", self.threads, 1, 1024)
-        if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, (int, float)) \
-                or self.swap_space < 0:
-            raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
+        for name in ("kv_offloading_size", "swap_space"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not value >= 0):
+                raise ValueError(f"{name} must be a number of GiB >= 0, got {value!r}")
+        if self.kv_offloading_size is not None and self.swap_space is not None:
+            raise ValueError("give kv_offloading_size (the host tier, GiB) or its deprecated alias "
+                             "swap_space, not both")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         _one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
@@ -101,6 +110,15 @@ class EngineConfig:
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:
         """The config with ``max_model_len`` resolved (done once, when the model is known)."""
         return dataclasses.replace(self, max_model_len=max_model_len)
+
+    @property
+    def host_tier_gib(self) -> float:
+        """GiB of host memory for the host tier (``kv_offloading_size``, or ``swap_space``)."""
+        if self.kv_offloading_size is not None:
+            return float(self.kv_offloading_size)
+        if self.swap_space is not None:
+            return float(self.swap_space)
+        return DEFAULT_HOST_TIER_GIB
 
     @property
     def faults(self) -> FaultSpec | None:

@@ -28,7 +28,9 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "kv_cache_memory": ("memory for the KV cache: bytes or a size such as 512MiB, 2GiB (default 1GiB)",
                         {"type": _size}),
     "num_kv_blocks": ("number of KV blocks (instead of --kv-cache-memory)", {"type": int}),
-    "swap_space": ("host memory for swapped-out blocks, in GiB", {"type": float}),
+    "kv_offloading_size": ("the host tier in GiB: swapped-out sequences and cached prefix blocks evicted "
+                           "from the device (default 0.5)", {"type": float}),
+    "swap_space": ("deprecated alias of --kv-offloading-size", {"type": float}),
     "max_num_seqs": ("most sequences in one batch", {"type": int}),
     "max_num_batched_tokens": ("most tokens in one step (chunked prefill)", {"type": int}),
     "max_model_len": ("longest prompt plus output, in tokens (default: the model's)", {"type": int}),
