@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.model_shape import KV_CACHE_DTYPES, KV_DTYPE_BYTES, SCALED_KV_DTYPES, kv_dtype_name
+from pagedkv.model_shape import KV_CACHE_DTYPES, SCALED_KV_DTYPES, kv_dtype_name
 
 _STORAGE: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8,
@@ -43,10 +43,6 @@ class KVFormat:
     scaled: bool  # one float32 scale per (block, layer, K/V, KV head)
     qmax: float | None  # largest stored magnitude (8-bit kinds)
     rotated: bool = False  # K and V stored in a Hadamard basis (8-bit kinds; see the runner)
-
-    @property
-    def element_bytes(self) -> int:
-        return KV_DTYPE_BYTES[self.name]
 
     @property
     def warn_threshold(self) -> float | None:
@@ -93,9 +89,3 @@ def quantize(x: torch.Tensor, fmt: KVFormat, scale: torch.Tensor) -> torch.Tenso
 def dequantize(q: torch.Tensor, fmt: KVFormat, scale: torch.Tensor | None) -> torch.Tensor:
     """Stored values -> float32 (``q * scale`` for the 8-bit kinds)."""
     return q.float() * scale if fmt.scaled else q.float()
-
-
-def absmax_scale(x: torch.Tensor, fmt: KVFormat, dim: int | tuple[int, ...]) -> torch.Tensor:
-    """``absmax(x) / qmax`` over ``dim`` (kept), the scale a block opened with ``x`` gets."""
-    assert fmt.qmax is not None
-    return x.float().abs().amax(dim=dim, keepdim=True) / fmt.qmax
