@@ -382,9 +382,9 @@ class LLMEngine:
         return self.inputs.tokenize(prompt)
 
     def stats(self) -> EngineStats:
-        s = self.scheduler
-        quant_error = getattr(self.runner, "kv_quant_error", None)
-        quant = quant_error() if quant_error is not None else None
+        s, runner = self.scheduler, self.runner
+        fmt = getattr(runner, "kv_format", None)  # test doubles of the runner may lack these
+        quant = runner.kv_quant_error() if hasattr(runner, "kv_quant_error") else None
         return EngineStats(
             kv=self.kv.stats(), num_running=len(s.running), num_waiting=len(s.waiting),
             num_swapped=len(s.swapped), num_running_seqs=s.num_running_seqs,
@@ -392,21 +392,9 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens, generation_tokens_total=self._generation_tokens,
             num_steps=self._steps,
             faults_fired=sum(self.faults.fired.values()) if self.faults else 0,
-            kv_cache_dtype=self.kv_cache_dtype, kv_bytes_per_block=self.kv_bytes_per_block,
+            kv_cache_dtype=fmt.name if fmt is not None else self.config.kv_cache_dtype,
+            kv_bytes_per_block=int(getattr(getattr(runner, "cache", None), "bytes_per_block", 0)),
             kv_quant_error=quant, kv_quant_error_max=max_quant_error(quant))
-
-    @property
-    def kv_cache_dtype(self) -> str:
-        """The KV block format's name (float32, int8, fp8_e4m3, ...)."""
-        fmt = getattr(self.runner, "kv_format", None)
-        return fmt.name if fmt is not None else self.config.kv_cache_dtype
-
-    @property
-    def kv_bytes_per_block(self) -> int:
-        """Bytes of one KV block across layers, K and V, scales included (0 if unknown)."""
-        cache = getattr(self.runner, "cache", None)
-        return int(getattr(cache, "bytes_per_block", 0))
-
 
 def _prompt_logprob_window(s: ScheduledSeq) -> tuple[int, int] | None:
     """Positions ``first .. last - 1`` of this chunk whose logits give prompt logprobs not yet
