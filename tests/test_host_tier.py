@@ -30,11 +30,16 @@ def _compute(kv: KVCacheManager, seq_id: str, tokens: list[int]) -> int:
     return cached
 
 
+def _take(kv: KVCacheManager) -> tuple[list, list]:
+    copies = kv.take_tier_copies()
+    return list(copies.offloads), list(copies.reloads)
+
+
 def _end_step(kv: KVCacheManager) -> tuple[list, list]:
     copies = kv.take_tier_copies()
     kv.finish_step()
     kv.check_integrity()
-    return copies
+    return list(copies.offloads), list(copies.reloads)
 
 
 def test_evicted_cached_blocks_are_offloaded_and_reloaded():
@@ -45,7 +50,7 @@ def test_evicted_cached_blocks_are_offloaded_and_reloaded():
     _end_step(kv)
     assert kv.stats().evictable_blocks == 3
     _compute(kv, "b", list(range(200, 232)))  # 8 blocks: every cached block of "a" is evicted
-    offloads, reloads = kv.take_tier_copies()
+    offloads, reloads = _take(kv)
     assert len(offloads) == 3 and reloads == [] and kv.stats().offloaded_blocks == 3
     assert len({h for _, h in offloads}) == 3  # three distinct host blocks
     kv.check_integrity()  # the host blocks written this step are held until finish_step
@@ -56,7 +61,7 @@ def test_evicted_cached_blocks_are_offloaded_and_reloaded():
     _end_step(kv)
     cached = kv.allocate_prompt("a2", list(a))  # the chain continues in the host tier
     assert cached == 12 and kv.stats().host_hit_tokens == 12 and kv.stats().reloaded_blocks == 3
-    offloads, reloads = kv.take_tier_copies()
+    offloads, reloads = _take(kv)
     # a2's own allocation evicted some of b's cached blocks: one more fits below (a's are held)
     assert len(offloads) == 1 and kv.stats().offloads_dropped == 3
     assert [h for h, _ in reloads] == [h for _, h in offloads_of(kv, a)]  # in prompt order
@@ -81,7 +86,7 @@ def test_host_tier_is_lru_and_yields_to_swapped_sequences():
     offloaded: list[bytes] = []  # hashes in offload order
 
     def end_step() -> None:
-        offloads, _ = kv.take_tier_copies()
+        offloads, _ = _take(kv)
         offloaded.extend(kv.host_pool.blocks[h].block_hash for _, h in offloads)
         kv.finish_step()
         kv.check_integrity()

@@ -11,7 +11,8 @@ logger = logging.getLogger(__name__)
 
 def build_runner(config: EngineConfig):
     """Load the model and size its KV pools: returns (runner, tokenizer, model name,
-    max_position_embeddings)."""
+    max_position_embeddings, model identity). The identity (``models/identity.py``) is computed only
+    for the disk tier's fingerprint, else None."""
     import torch
 
     from pagedkv.models import load_model
@@ -34,4 +35,8 @@ def build_runner(config: EngineConfig):
     host_blocks = min(int(config.host_tier_gib * (1 << 30)) // per_block, 4 * device_blocks)
     runner = ModelRunner(loaded, block_size=config.block_size, num_blocks=device_blocks,
                          num_host_blocks=host_blocks, kv_cache_dtype=kv_dtype)
-    return runner, loaded.tokenizer, loaded.name, loaded.config.max_position_embeddings
+    identity = None
+    if config.kv_offload_dir is not None:
+        from pagedkv.models.identity import model_identity
+        identity = model_identity(loaded.path)
+    return runner, loaded.tokenizer, loaded.name, loaded.config.max_position_embeddings, identity

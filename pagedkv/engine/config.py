@@ -12,10 +12,11 @@ from pagedkv.memory.prefix_index import PREFIX_INDEXES
 from pagedkv.model_shape import KV_CACHE_DTYPES, check_block_size
 from pagedkv.units import parse_bytes
 
-PREEMPTION_MODES = ("recompute", "swap")
+PREEMPTION_MODES = ("auto", "recompute", "swap")
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_KV_CACHE_MEMORY = "1GiB"
 DEFAULT_HOST_TIER_GIB = 0.5
+DEFAULT_DISK_TIER_SIZE = "20GiB"
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,10 @@ class EngineConfig:
     device KV pool (default 1 GiB). ``kv_offloading_size`` (vLLM's name) is the host tier in GiB
     (default 0.5): the one host pool, holding swapped-out sequences and the cached prefix blocks
     evicted from the device; ``swap_space`` is its deprecated alias (give one of the two).
+    ``kv_offload_dir`` adds the disk tier below it (a directory of checksummed block files that
+    survives restarts; see docs/kv_tiers.md) of ``kv_offload_disk_size`` (default 20GiB).
+    ``preemption_mode`` "auto" (default) swaps or recomputes a preempted request, whichever the
+    engine's measured costs say is cheaper.
     ``max_model_len`` defaults to the model's context length. ``fault_injection`` (or the
     ``PAGEDKV_FAULT_INJECTION`` environment variable) takes a spec such as "seed=7,rate=0.05".
     ``debug_integrity`` runs ``check_integrity()`` after every step. ``prefix_index`` picks the
@@ -43,10 +48,12 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_offloading_size: float | None = None
     swap_space: float | None = None  # deprecated alias of kv_offloading_size
+    kv_offload_dir: str | None = None
+    kv_offload_disk_size: str | int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
-    preemption_mode: str = "recompute"
+    preemption_mode: str = "auto"
     eviction_policy: str = "lru"
     prefix_index: str = "hash"
     watermark: float = 0.01
@@ -83,6 +90,20 @@ class EngineConfig:
         if self.kv_offloading_size is not None and self.swap_space is not None:
             raise ValueError("give kv_offloading_size (the host tier, GiB) or its deprecated alias "
                              "swap_space, not both")
+        if self.kv_offload_disk_size is not None:
+            if self.kv_offload_dir is None:
+                raise ValueError("kv_offload_disk_size sizes the disk tier: give kv_offload_dir (the directory) too")
+            if self.disk_tier_bytes <= 0:
+                raise ValueError(f"kv_offload_disk_size must be > 0 bytes, got {self.kv_offload_disk_size!r}")
+        if self.kv_offload_dir is not None:
+            if not isinstance(self.kv_offload_dir, str) or not self.kv_offload_dir.strip():
+                raise ValueError(f"kv_offload_dir must be a directory path, got {self.kv_offload_dir!r}")
+            if self.host_tier_gib <= 0:
+                raise ValueError("the disk tier (kv_offload_dir) reads blocks back through the host tier: "
+                                 "give kv_offloading_size > 0 (GiB)")
+            if not self.enable_prefix_caching:
+                raise ValueError("the disk tier (kv_offload_dir) holds prefix-cache blocks: it needs "
+                                 "enable_prefix_caching")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         _one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
@@ -119,6 +140,16 @@ class EngineConfig:
         if self.swap_space is not None:
             return float(self.swap_space)
         return DEFAULT_HOST_TIER_GIB
+
+    @property
+    def disk_tier_bytes(self) -> int:
+        """Bytes of the disk tier (``kv_offload_disk_size``, default 20GiB); used with ``kv_offload_dir``."""
+        size = self.kv_offload_disk_size
+        if size is None:
+            size = DEFAULT_DISK_TIER_SIZE
+        if isinstance(size, int) and not isinstance(size, bool):
+            return size
+        return parse_bytes(str(size), "kv_offload_disk_size")
 
     @property
     def faults(self) -> FaultSpec | None:

@@ -31,10 +31,16 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "kv_offloading_size": ("the host tier in GiB: swapped-out sequences and cached prefix blocks evicted "
                            "from the device (default 0.5)", {"type": float}),
     "swap_space": ("deprecated alias of --kv-offloading-size", {"type": float}),
+    "kv_offload_dir": ("directory of the disk tier below the host tier: evicted prefix blocks persist "
+                       "there across restarts (owner-only; wipe with `pagedkv kv-cache clear DIR`)",
+                       {"type": str}),
+    "kv_offload_disk_size": ("size of the disk tier, e.g. 20GiB (default 20GiB; needs --kv-offload-dir)",
+                             {"type": _size}),
     "max_num_seqs": ("most sequences in one batch", {"type": int}),
     "max_num_batched_tokens": ("most tokens in one step (chunked prefill)", {"type": int}),
     "max_model_len": ("longest prompt plus output, in tokens (default: the model's)", {"type": int}),
-    "preemption_mode": ("how to preempt under memory pressure", {"choices": PREEMPTION_MODES}),
+    "preemption_mode": ("how to preempt under memory pressure: auto picks swap or recompute by the "
+                        "engine's measured costs", {"choices": PREEMPTION_MODES}),
     "eviction_policy": ("which cached blocks to evict first", {"choices": EVICTION_POLICIES}),
     "prefix_index": ("how cached prefixes are found: SHA-256 hash chain or radix tree",
                      {"choices": PREFIX_INDEXES}),

@@ -21,6 +21,7 @@ from pagedkv.engine.errors import RequestRejectedError
 from pagedkv.engine.faults import FaultInjectingScheduler, FaultInjector
 from pagedkv.engine.input_processor import InputProcessor, PromptInput, TokenizedPrompt
 from pagedkv.engine.kv_quality import KVQuantGuard, max_quant_error
+from pagedkv.engine.kv_tiers import TierMover, open_disk_tier
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.sampler import (
     NO_CANDIDATE,
@@ -50,19 +51,25 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, *, runner=None, tokenizer=None, model_name: str | None = None,
-                 max_position_embeddings: int | None = None) -> None:
+                 max_position_embeddings: int | None = None, model_identity: dict[str, str] | None = None) -> None:
         if runner is None:
-            runner, tokenizer, model_name, max_position_embeddings = build_runner(config)
+            runner, tokenizer, model_name, max_position_embeddings, model_identity = build_runner(config)
         self.runner = runner
         self.tokenizer = tokenizer
         self.model_name = model_name or "pagedkv-model"
         B = runner.block_size
         model_len = config.max_model_len or max_position_embeddings or runner.num_blocks * B
         self.config = config.with_max_model_len(model_len)
+        if config.kv_offload_dir is not None and runner.num_host_blocks == 0:
+            raise ValueError("the disk tier (kv_offload_dir) reads blocks back through the host tier, "
+                             "which has no blocks: give a larger kv_offloading_size")
+        disk = open_disk_tier(config, runner, self.model_name, model_identity)
         self.kv = KVCacheManager(runner.num_blocks, B, num_host_blocks=runner.num_host_blocks,
                                  enable_prefix_caching=config.enable_prefix_caching,
                                  eviction_policy=config.eviction_policy, watermark=config.watermark,
-                                 prefix_index=config.prefix_index, offload_to_host=True)
+                                 prefix_index=config.prefix_index, offload_to_host=True, disk=disk)
+        self.tiers = TierMover(runner, self.kv)
+        self._closed = False
         spec = config.faults
         self.faults = FaultInjector(spec) if spec else None
         sched = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode)
@@ -173,18 +180,18 @@ class LLMEngine:
 
     def _execute(self, out: SchedulerOutput, chunks: list[SeqChunk]):
         """The plan's shared work on the runner; the logits of its chunks, or None."""
-        runner = self.runner
-        # Order matters: blocks swapped out may be reused by this step's copies; blocks swapped
-        # in may be the source of a copy-on-write.
-        if out.swap_out:
-            runner.swap_out(out.swap_out)
-        if out.swap_in:
-            runner.swap_in(out.swap_in)
-        if out.copies:
-            runner.copy_blocks(out.copies)
+        # Order matters (engine/kv_tiers.py): evicted blocks are serialized before anything
+        # reuses them, blocks swapped out may be reused by this step's copies, blocks swapped in
+        # may be the source of a copy-on-write.
+        self.tiers.run(out)
         if not chunks:
             return None
-        return runner.execute(chunks)
+        start = time.perf_counter()
+        logits = self.runner.execute(chunks)
+        tokens = sum(len(c.token_ids) for c in chunks)
+        if tokens >= 4 * len(chunks):  # mostly prefill: measures the cost of recomputing
+            self.kv.costs.observe_prefill(tokens, time.perf_counter() - start)
+        return logits
 
     def _record_prompt_logprobs(self, out: SchedulerOutput, chunks: list[SeqChunk], ends: list[int],
                                 logits, step: StepResult) -> None:
@@ -377,6 +384,25 @@ class LLMEngine:
         step.forks.append((parent, child))
         return child
 
+    def close(self) -> None:
+        """Shut down cleanly: with a disk tier, write the cached blocks it lacks (host tier, then
+        device) and release its directory, so a restart finds them. Idempotent; requests still
+        unfinished are aborted."""
+        if self._closed:
+            return
+        self._closed = True
+        for request_id in list(self.scheduler.groups):
+            self.scheduler.abort(request_id)
+        written = self.tiers.persist()
+        if written:
+            logger.info("KV disk tier: %d blocks written at shutdown", written)
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def tokenize(self, prompt: PromptInput) -> TokenizedPrompt:
         """Tokenize and check a prompt; any thread may call it (see InputProcessor.tokenize)."""
         return self.inputs.tokenize(prompt)
@@ -394,7 +420,8 @@ class LLMEngine:
             faults_fired=sum(self.faults.fired.values()) if self.faults else 0,
             kv_cache_dtype=fmt.name if fmt is not None else self.config.kv_cache_dtype,
             kv_bytes_per_block=int(getattr(getattr(runner, "cache", None), "bytes_per_block", 0)),
-            kv_quant_error=quant, kv_quant_error_max=max_quant_error(quant))
+            kv_quant_error=quant, kv_quant_error_max=max_quant_error(quant),
+            tier_costs=self.kv.costs.as_dict(), thrash_guarded=s.thrash_guarded)
 
 def _prompt_logprob_window(s: ScheduledSeq) -> tuple[int, int] | None:
     """Positions ``first .. last - 1`` of this chunk whose logits give prompt logprobs not yet

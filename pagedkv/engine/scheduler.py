@@ -6,11 +6,17 @@ Every step the scheduler builds a plan (``SchedulerOutput``) under a token budge
    sequence computes its next tokens (1 for a decode, a chunk for a prefill). When blocks run out,
    the running request that sorts last (highest priority value, then latest arrival) is preempted:
    by swap to the host tier (``preemption_mode="swap"``, when the host has room) or by recompute
-   (blocks dropped, the request re-prefills its prompt and its output so far later). A request
-   that cannot grow even when it is the last one left preempts itself, always by recompute.
+   (blocks dropped, the request re-prefills its prompt and its output so far later);
+   ``"auto"`` swaps when the memory core's measured costs (``memory/tier_costs.py``) say copying
+   the blocks down and back is cheaper than recomputing their tokens. A thrash guard skips, as a
+   victim, a request preempted before that has not sampled a token since, while another victim
+   exists. A request that cannot grow even when no victim is left preempts itself, always by
+   recompute.
 2. If nothing was preempted: swapped requests come back (FCFS), then waiting requests are admitted
    (prefix-cache hits skip their cached tokens) while the budget, ``max_num_seqs`` and the KV
    pool allow. A waiting request that does not fit blocks the ones behind it (no starvation).
+   With a disk tier, a waiting request whose cached prefix continues on disk waits until those
+   blocks are read (``KVCacheManager.prefetch``) while running requests keep decoding.
 
 Pure Python: the scheduler drives the memory core and never touches tensors.
 """
@@ -24,6 +30,8 @@ from dataclasses import dataclass, field
 from pagedkv.engine.sequence import GroupStatus, Sequence, SequenceGroup
 from pagedkv.memory import CopyPair, KVCacheManager, OutOfBlocksError
 
+PREFETCH_LOOKAHEAD = 4  # waiting requests whose disk reads are issued ahead of their admission
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
@@ -31,7 +39,7 @@ class SchedulerConfig:
 
     max_num_seqs: int
     max_num_batched_tokens: int
-    preemption_mode: str  # "recompute" | "swap"
+    preemption_mode: str  # "auto" | "recompute" | "swap"
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +59,9 @@ class ScheduledSeq:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
-    """The plan of one step. The runner performs ``swap_out``, then ``swap_in``, then
-    ``copies`` (copy-on-write), then computes ``scheduled``.
+    """The plan of one step. The runner serializes ``to_disk`` blocks, writes ``from_disk``
+    payloads into host blocks, performs ``swap_out``, then ``swap_in``, then ``copies``
+    (copy-on-write), then computes ``scheduled``.
 
     That order is safe because a copy's source is held by a sequence scheduled in this step
     (never freed or reused within it), a copy's destination may be a block just swapped out
@@ -65,6 +74,8 @@ class SchedulerOutput:
     swap_in: tuple[CopyPair, ...] = ()
     preempted: tuple[str, ...] = ()
     resumed: tuple[str, ...] = ()  # request ids whose blocks come back by swap_in
+    to_disk: tuple[tuple[int, bytes], ...] = ()  # (device block, key): serialize first, for the disk tier
+    from_disk: tuple[tuple[int, bytes], ...] = ()  # (host block, payload) read from disk: before swap_in
 
     @property
     def request_ids(self) -> set[str]:
@@ -97,6 +108,7 @@ class Scheduler:
         self.swapped: list[SequenceGroup] = []
         self.groups: dict[str, SequenceGroup] = {}
         self.preemptions = {"recompute": 0, "swap": 0}
+        self.thrash_guarded = 0  # times a victim was skipped by the thrash guard
 
     # ------------------------------------------------------------------ requests
     def add(self, group: SequenceGroup) -> None:
@@ -150,11 +162,11 @@ class Scheduler:
             budget = self._resume_swapped(budget, scheduled, copies, swap_in, resumed)
             if not self.swapped:
                 self._admit_waiting(budget, scheduled)
-        offloads, reloads = self.kv.take_tier_copies()  # the host tier of the prefix cache
-        swap_out += offloads
-        swap_in += reloads
+        tiers = self.kv.take_tier_copies()  # the host and disk tiers of the prefix cache
+        swap_out += tiers.offloads
+        swap_in += tiers.reloads
         return SchedulerOutput(tuple(scheduled), tuple(copies), tuple(swap_out), tuple(swap_in),
-                               tuple(preempted), tuple(resumed))
+                               tuple(preempted), tuple(resumed), tiers.to_disk, tiers.from_disk)
 
     def update_from_output(self, output: SchedulerOutput, result: StepResult) -> None:
         """The one update after a step: record the plan's KV as computed (full blocks enter the
@@ -206,11 +218,11 @@ class Scheduler:
                         pairs += self.kv.allocate_slots(seq.seq_id, n)
                         break
                     except OutOfBlocksError:
-                        victim = self.running[-1]
-                        if victim is group:
+                        victim = self._victim(group)
+                        if victim is None:
                             self._preempt(group, "recompute", swap_out, preempted)
                             return None
-                        self._preempt(victim, self.config.preemption_mode, swap_out, preempted)
+                        self._preempt(victim, self._preemption_mode(victim), swap_out, preempted)
             entries.append(ScheduledSeq(group, seq, computed, n))
             budget -= n
         return entries, pairs
@@ -241,7 +253,36 @@ class Scheduler:
                 budget -= n
         return budget
 
+    def _victim(self, group: SequenceGroup) -> SequenceGroup | None:
+        """The running request to preempt so that ``group`` can grow: the one that sorts last,
+        skipping those the thrash guard protects; None when none sorts after ``group`` (those
+        before it are already planned in this step)."""
+        for victim in reversed(self.running):
+            if victim is group:
+                return None
+            if victim.preemption_guarded:
+                self.thrash_guarded += 1
+                continue
+            return victim
+        return None
+
+    def _preemption_mode(self, group: SequenceGroup) -> str:
+        mode = self.config.preemption_mode
+        if mode != "auto":
+            return mode
+        kv = self.kv
+        resident = [s.seq_id for s in group.live_seqs if s.seq_id in kv]
+        blocks = len({b for sid in resident for b in kv.block_table(sid)})
+        tokens = sum(kv.num_computed(sid) for sid in resident)
+        if blocks > kv.host_pool.num_free:
+            return "recompute"
+        return "swap" if kv.costs.swap_cheaper(blocks, tokens) else "recompute"
+
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> None:
+        if self.kv.disk is not None:  # issue disk reads for the requests about to be admitted
+            for group in self.waiting[1:PREFETCH_LOOKAHEAD]:
+                seq = group.live_seqs[0]
+                self.kv.prefetch(seq.seq_id, seq.token_ids, salt=group.salt, count=False)
         while self.waiting and budget > 0:
             group = self.waiting[0]
             width = group.num_live if group.forked else group.width
@@ -250,6 +291,8 @@ class Scheduler:
             # Only the first live sequence is allocated here; its siblings (after a recompute)
             # follow in later steps, when they can hit the prefix it recomputes.
             seq = group.live_seqs[0]
+            if self.kv.prefetch(seq.seq_id, seq.token_ids, salt=group.salt):
+                break  # its prefix is being read from disk; running requests go on meanwhile
             try:
                 cached = self.kv.allocate_prompt(seq.seq_id, seq.token_ids, budget, salt=group.salt)
             except OutOfBlocksError:
@@ -266,6 +309,8 @@ class Scheduler:
                  preempted: list[str]) -> None:
         self.running.remove(group)
         preempted.append(group.request_id)
+        group.num_preemptions += 1
+        group.preempted_at = group.total_tokens
         live = group.live_seqs
         resident = [s for s in live if s.seq_id in self.kv]
         # Swap only whole groups: siblings still waiting to re-prefill make it a recompute.
@@ -290,6 +335,7 @@ class Scheduler:
         for seq in group.seqs:
             if seq.seq_id in self.kv:
                 self.kv.free(seq.seq_id)
+            self.kv.forget(seq.seq_id)
         group.status = GroupStatus.FINISHED
         group.metrics.setdefault("finished_time", time.time())
         self.groups.pop(group.request_id, None)

@@ -78,6 +78,8 @@ class SequenceGroup:
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # why the engine failed this request (it then finishes at once)
     prompt_logprobs: list | None = None  # [None, {token: Logprob}, ...] as far as computed
+    num_preemptions: int = 0
+    preempted_at: int = -1    # total_tokens at the last preemption (the thrash guard's mark)
 
     @property
     def sort_key(self) -> tuple[int, int]:
@@ -90,6 +92,17 @@ class SequenceGroup:
     @property
     def num_live(self) -> int:
         return sum(1 for s in self.seqs if s.finish_reason is None)
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens over every sequence, finished ones included: grows whenever the request progresses."""
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def preemption_guarded(self) -> bool:
+        """Preempted and no token sampled since: the scheduler does not pick it as a victim again
+        (a thrash guard) while another choice exists."""
+        return self.preempted_at >= 0 and self.total_tokens == self.preempted_at
 
     @property
     def width(self) -> int:

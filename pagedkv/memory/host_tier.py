@@ -29,7 +29,9 @@ class HostPrefixTier:
         self._out: list[CopyPair] = []  # (device, host) offloads of this step
         self._in: list[CopyPair] = []  # (host, device) reloads of this step
         self.held: list[Block] = []  # host blocks read or written by this step's copies
-        self._offloaded_now: list[Block] = []  # host blocks this step's offloads write
+        self._offloaded_now: list[Block] = []  # host blocks this step's offloads or disk loads write
+        self._loads: list[tuple[int, bytes]] = []  # (host block, payload) read from disk, this step
+        self.disk_loaded_blocks = 0  # blocks read from the disk tier into this tier
 
     def offload(self, block: Block) -> None:
         """Copy a cached device block that is being evicted down here (most recently used)."""
@@ -50,6 +52,20 @@ class HostPrefixTier:
         self._offloaded_now.append(target)
         self._out.append((block.block_id, target.block_id))
         self.offloaded_blocks += 1
+
+    def load(self, block_hash: bytes, payload: bytes) -> bool:
+        """Take a block read from the disk tier into this tier (most recently used); the runner
+        writes ``payload`` into it before this step's reloads. False when no host block is free."""
+        host = self.pool
+        if block_hash in host.cached or host.num_free == 0:
+            return False
+        target = host.allocate(1)[0]
+        host.cache((target,), (block_hash,))
+        self.held.append(target)
+        self._offloaded_now.append(target)
+        self._loads.append((target.block_id, payload))
+        self.disk_loaded_blocks += 1
+        return True
 
     def match(self, block_hashes: Iterable[bytes]) -> list[Block]:
         """The blocks holding the longest run of ``block_hashes`` from its start."""
@@ -73,17 +89,18 @@ class HostPrefixTier:
         self.reloaded_blocks += len(hits)
         self.hit_tokens += len(hits) * block_size
 
-    def take_copies(self) -> tuple[list[CopyPair], list[CopyPair]]:
-        """This step's ``(device, host)`` offloads and ``(host, device)`` reloads, handed over once."""
-        out, into = self._out, self._in
-        self._out, self._in = [], []
-        return out, into
+    def take_copies(self) -> tuple[list[CopyPair], list[CopyPair], list[tuple[int, bytes]]]:
+        """This step's ``(device, host)`` offloads, ``(host, device)`` reloads and ``(host block,
+        payload)`` disk loads, handed over once."""
+        out, into, loads = self._out, self._in, self._loads
+        self._out, self._in, self._loads = [], [], []
+        return out, into, loads
 
     def finish_step(self, copied: bool = True) -> None:
         """The step's copies are over: release the blocks they held. With ``copied=False`` (the
-        step's shared work failed) the blocks offloaded in it are forgotten: their copy may not
-        have happened."""
-        if self._out or self._in:
+        step's shared work failed) the blocks offloaded or loaded from disk in it are forgotten:
+        their copy may not have happened."""
+        if self._out or self._in or self._loads:
             raise RuntimeError("finish_step: this step's tier copies were never taken (take_tier_copies)")
         held, self.held = self.held, []
         offloaded, self._offloaded_now = self._offloaded_now, []

@@ -48,7 +48,21 @@ def kv_stats(mgr: KVCacheManager) -> KVStats:
         host_cached_blocks=len(mgr.host_pool.cached),
         **({} if tier is None else dict(host_hit_tokens=tier.hit_tokens, offloaded_blocks=tier.offloaded_blocks,
                                         offloads_dropped=tier.offloads_dropped,
-                                        reloaded_blocks=tier.reloaded_blocks)))
+                                        reloaded_blocks=tier.reloaded_blocks)),
+        **_disk_stats(mgr))
+
+
+def _disk_stats(mgr: KVCacheManager) -> dict[str, int | bool]:
+    if mgr.disk is None:
+        return {}
+    d, io = mgr.disk.disk.stats(), mgr.disk.io_stats()
+    return dict(disk_enabled=d.enabled, disk_blocks=d.blocks, disk_bytes_used=d.bytes_used,
+                disk_capacity_bytes=d.capacity_bytes, disk_query_tokens=mgr.disk_query_tokens,
+                disk_hit_tokens=mgr.disk_hit_tokens, disk_bytes_written=d.bytes_written,
+                disk_bytes_read=d.bytes_read, disk_evictions=d.evictions,
+                disk_corrupt_discarded=d.corrupt_discarded, disk_read_errors=io.read_errors,
+                disk_write_errors=d.write_errors, disk_queue_depth=io.queued_writes,
+                disk_writes_dropped=io.writes_dropped)
 
 
 def check_integrity(mgr: KVCacheManager) -> None:
@@ -60,6 +74,8 @@ def check_integrity(mgr: KVCacheManager) -> None:
     """
     for pool in mgr.tiers.values():
         pool.check_integrity()
+    if mgr.disk is not None:
+        mgr.disk.disk.check_integrity()
     B = mgr.block_size
     refs = {tier: Counter[int]() for tier in mgr.tiers}
     if mgr.host_tier is not None:  # held for this step's tier copies

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from pagedkv.memory.block import Block
 from pagedkv.memory.block_pool import BlockPool
+from pagedkv.memory.disk_prefix import DiskPrefixTier
 from pagedkv.memory.errors import OutOfBlocksError
 from pagedkv.memory.eviction import make_eviction_policy
 from pagedkv.memory.host_tier import HostPrefixTier
@@ -36,7 +37,8 @@ from pagedkv.memory.inspection import check_integrity, kv_stats, pretty_print
 from pagedkv.memory.prefix_hash import chain_hashes, root_hash
 from pagedkv.memory.prefix_index import make_prefix_index
 from pagedkv.memory.stats import KVStats
-from pagedkv.memory.tiers import DEVICE, HOST, move_sequences
+from pagedkv.memory.tier_costs import TierCosts
+from pagedkv.memory.tiers import DEVICE, HOST, TierCopies, move_sequences
 from pagedkv.model_shape import check_block_size
 
 CopyPair = tuple[int, int]  # (source block id, destination block id)
@@ -76,12 +78,17 @@ class KVCacheManager:
         offload_to_host: keep cached blocks evicted from the device in the host pool and reload
             them on a hit (``memory/host_tier.py``); the scheduler takes the step's copies with
             ``take_tier_copies()`` and calls ``finish_step()`` once they are done.
+        disk: the disk tier below the host tier (``memory/disk_prefix.py``; needs
+            ``offload_to_host``): evicted device blocks are written through to it, and
+            ``prefetch()`` reads a waiting prompt's blocks from it into the host tier.
+        costs: the measured costs that decide reload against recompute (``memory/tier_costs.py``).
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, num_host_blocks: int = 0,
                  enable_prefix_caching: bool = True, eviction_policy: str = "lru",
                  watermark: float = 0.0, lrc_alpha: float = 0.7, lrc_beta: float = 0.3,
-                 prefix_index: str = "hash", offload_to_host: bool = False) -> None:
+                 prefix_index: str = "hash", offload_to_host: bool = False,
+                 disk: DiskPrefixTier | None = None, costs: TierCosts | None = None) -> None:
         check_block_size(block_size)
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
@@ -108,9 +115,16 @@ class KVCacheManager:
         self.swapped_in_blocks = 0
         # The host tier of the prefix cache (memory/host_tier.py), below the device pool.
         self.host_tier: HostPrefixTier | None = None
+        self.costs = costs or TierCosts(block_size)
+        self.disk: DiskPrefixTier | None = None
         self._offloading = True
+        self._to_disk: list[tuple[int, bytes]] = []  # (device block, key) evicted this step
+        self.disk_query_tokens = 0  # prompt tokens looked up on disk (past the device and host)
+        self.disk_hit_tokens = 0
+        self._disk_looked_up: set[Hashable] = set()  # waiting sequences already counted
         if offload_to_host and enable_prefix_caching and num_host_blocks > 0:
             self.host_tier = tier = HostPrefixTier(self.host_pool)
+            self.disk = disk
             index_on_evict = self.pool.on_evict
 
             def on_evict(block: Block) -> None:
@@ -118,7 +132,11 @@ class KVCacheManager:
                     index_on_evict(block)
                 if self._offloading:
                     tier.offload(block)
+                    if disk is not None and not disk.has(block.block_hash) and not disk.queue_full():
+                        self._to_disk.append((block.block_id, block.block_hash))
             self.pool.on_evict = on_evict
+        elif disk is not None:
+            raise ValueError("the disk tier needs the host tier: offload_to_host, prefix caching and host blocks")
 
     # ------------------------------------------------------------------ queries
     @property
@@ -182,13 +200,16 @@ class KVCacheManager:
         pool = self.pool
         hits: list[Block] = []
         host_hits: list[Block] = []
+        found: list[Block] = []
         if self.enable_prefix_caching:
             self._hash_full_blocks(seq, len(token_ids) // B)
             # The block holding the last prompt token is never a hit: it must be computed.
             max_hits = (len(token_ids) - 1) // B
             hits = self.index.match(seq.root, token_ids, seq.block_hashes, max_hits)
             if self.host_tier is not None:  # the chain may go on in the host tier
-                host_hits = self.host_tier.match(seq.block_hashes[len(hits):max_hits])
+                found = self.host_tier.match(seq.block_hashes[len(hits):max_hits])
+                if found and self.costs.reload_cheaper("host", len(found), record=False):
+                    host_hits = found  # else recomputing them is cheaper here
         num_cached = (len(hits) + len(host_hits)) * B
         remaining = len(token_ids) - num_cached
         num_new = remaining if num_new_tokens is None else max(1, min(num_new_tokens, remaining))
@@ -210,22 +231,74 @@ class KVCacheManager:
         self.seqs[seq_id] = seq
         if host_hits:  # the reloaded blocks are cached prefix blocks again, on the device
             self._cache_full_blocks(seq)
+        if found:
+            self.costs.record("host", reload=bool(host_hits))
+        self._disk_looked_up.discard(seq_id)
         if self.enable_prefix_caching:
             self.prefix_query_tokens += len(token_ids)
             self.prefix_hit_tokens += num_cached
         return num_cached
 
-    def take_tier_copies(self) -> tuple[list[CopyPair], list[CopyPair]]:
-        """This step's ``(device, host)`` offloads and ``(host, device)`` reloads, handed over
-        once: the runner makes the offloads with the swap-outs and the reloads with the
-        swap-ins, before the forward pass."""
-        return self.host_tier.take_copies() if self.host_tier is not None else ([], [])
+    def prefetch(self, seq_id: Hashable, token_ids: list[int], *, salt: str | None = None,
+                 adapter_id: str | None = None, count: bool = True) -> bool:
+        """Read ahead the blocks of a waiting prompt whose cached prefix goes on past the device
+        and host tiers onto disk; True while some of them are still being read (admit the
+        request later, when they are in the host tier). Blocks read since the last call are
+        taken into the host tier here, so call it while planning a step. Cheap when there is no
+        disk tier (returns False). ``count``: the sequence is next in line, and its first lookup
+        counts in ``disk_query_tokens`` (a lookahead for a later one passes False)."""
+        disk, tier = self.disk, self.host_tier
+        if disk is None or tier is None:
+            return False
+        for key, payload in disk.poll():
+            if key not in self.pool.cached and tier.load(key, payload):
+                self.disk_hit_tokens += self.block_size
+        max_hits = (len(token_ids) - 1) // self.block_size
+        if max_hits <= 0:
+            return False
+        hashes = chain_hashes(root_hash(salt, adapter_id), token_ids, self.block_size, 0, max_hits)
+        cached = self.pool.cached
+        first = next((i for i, h in enumerate(hashes) if h not in cached), max_hits)
+        first += len(tier.match(hashes[first:]))
+        keys = []
+        for key in hashes[first:]:
+            if key not in disk.disk:
+                break
+            keys.append(key)
+        if count and seq_id not in self._disk_looked_up:
+            self._disk_looked_up.add(seq_id)
+            self.disk_query_tokens += (max_hits - first) * self.block_size
+            if keys:
+                self.costs.record("disk", reload=self.costs.reload_cheaper("disk", len(keys), record=False))
+        if not keys or not self.costs.reload_cheaper("disk", len(keys), record=False):
+            return False
+        return disk.request_reads(keys) > 0
+
+    def take_tier_copies(self) -> TierCopies:
+        """This step's copies between the tiers, handed over once (see ``TierCopies``): the
+        runner makes them before the forward pass."""
+        to_disk, self._to_disk = self._to_disk, []
+        if self.host_tier is None:
+            return TierCopies(to_disk=tuple(to_disk))
+        out, into, loads = self.host_tier.take_copies()
+        return TierCopies(tuple(out), tuple(into), tuple(to_disk), tuple(loads))
+
+    def persistable_blocks(self) -> list[tuple[str, int, bytes]]:
+        """``(tier, block id, key)`` of every cached block, host then device, not yet on disk
+        (what a clean shutdown writes down); empty without a disk tier."""
+        disk = self.disk
+        if disk is None:
+            return []
+        return [(pool.name, block.block_id, key) for pool in (self.host_pool, self.pool)
+                for key, block in pool.cached.items() if not disk.has(key)]
 
     def finish_step(self, copied: bool = True) -> None:
         """The step's copies are over: release the host blocks they held (``copied=False``: the
         step's shared work failed, and what it offloaded is forgotten)."""
         if self.host_tier is not None:
             self.host_tier.finish_step(copied)
+        if not copied:
+            self._to_disk.clear()
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached-free prefix block, on the device and in the host tier, without
@@ -325,6 +398,10 @@ class KVCacheManager:
         for block_id in child.block_table:
             self.pool.touch(blocks[block_id])
         self.seqs[child_id] = child
+
+    def forget(self, seq_id: Hashable) -> None:
+        """Drop what ``prefetch`` remembers of a sequence that left the queue without blocks."""
+        self._disk_looked_up.discard(seq_id)
 
     def free(self, seq_id: Hashable) -> None:
         """Release a sequence's blocks. Its last block is freed first, so under LRU a cached

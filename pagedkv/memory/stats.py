@@ -39,6 +39,21 @@ class KVStats:
     offloaded_blocks: int = 0  # cached device blocks copied down on eviction
     offloads_dropped: int = 0  # evicted cached blocks not copied (no host block free)
     reloaded_blocks: int = 0  # host blocks copied back up for a prompt's prefix
+    # The disk tier (0 / False without one); sizes are whole files
+    disk_enabled: bool = False  # writing (False once a write failed, or without a disk tier)
+    disk_blocks: int = 0
+    disk_bytes_used: int = 0
+    disk_capacity_bytes: int = 0
+    disk_query_tokens: int = 0  # prompt tokens looked up on disk (past the device and host tiers)
+    disk_hit_tokens: int = 0  # tokens read from disk into the host tier (then reloaded from there)
+    disk_bytes_written: int = 0
+    disk_bytes_read: int = 0
+    disk_evictions: int = 0
+    disk_corrupt_discarded: int = 0  # block files that failed a check: deleted, tokens recomputed
+    disk_read_errors: int = 0
+    disk_write_errors: int = 0
+    disk_queue_depth: int = 0  # blocks waiting for the disk writer
+    disk_writes_dropped: int = 0  # evicted blocks not written: the queue was full
 
     @property
     def usage(self) -> float:
@@ -55,6 +70,20 @@ class KVStats:
         return 1.0 - self.used_blocks / self.table_blocks if self.table_blocks else 0.0
 
     @property
+    def tier_hit_tokens(self) -> dict[str, int]:
+        """Prompt tokens found in each tier (disk hits are reloaded through the host tier and
+        counted there too)."""
+        return {"device": self.prefix_hit_tokens - self.host_hit_tokens, "host": self.host_hit_tokens,
+                "disk": self.disk_hit_tokens}
+
+    @property
+    def tier_miss_tokens(self) -> dict[str, int]:
+        """Prompt tokens each tier was asked for and did not have (nor did a tier above it)."""
+        device = self.prefix_query_tokens - (self.prefix_hit_tokens - self.host_hit_tokens)
+        return {"device": device, "host": max(device - self.host_hit_tokens, 0),
+                "disk": max(self.disk_query_tokens - self.disk_hit_tokens, 0)}
+
+    @property
     def prefix_hit_rate(self) -> float:
         q = self.prefix_query_tokens
         return self.prefix_hit_tokens / q if q else 0.0
@@ -62,5 +91,6 @@ class KVStats:
     def as_dict(self) -> dict[str, float | int]:
         d: dict[str, float | int] = asdict(self)
         d.update(usage=self.usage, fragmentation=self.fragmentation,
-                 prefix_hit_rate=self.prefix_hit_rate, sharing_saving=self.sharing_saving)
+                 prefix_hit_rate=self.prefix_hit_rate, sharing_saving=self.sharing_saving,
+                 tier_hit_tokens=self.tier_hit_tokens, tier_miss_tokens=self.tier_miss_tokens)
         return d

@@ -16,6 +16,7 @@ blocks.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedkv.memory.block_pool import BlockPool
@@ -26,6 +27,20 @@ if TYPE_CHECKING:
 
 DEVICE = "device"
 HOST = "host"
+DISK = "disk"
+
+
+@dataclass(frozen=True, slots=True)
+class TierCopies:
+    """One step's copies between the tiers of the prefix cache, made by the runner before the
+    forward pass, in this order: ``to_disk`` (serialize evicted device blocks, before anything in
+    the step can overwrite them), ``from_disk`` (payloads read from disk into host blocks),
+    ``offloads`` (with the swap-outs), ``reloads`` (with the swap-ins)."""
+
+    offloads: tuple[tuple[int, int], ...] = ()  # (device block, host block)
+    reloads: tuple[tuple[int, int], ...] = ()  # (host block, device block)
+    to_disk: tuple[tuple[int, bytes], ...] = ()  # (device block, key)
+    from_disk: tuple[tuple[int, bytes], ...] = ()  # (host block, payload)
 
 
 def move_sequences(seqs: list[SeqState], src: BlockPool, dst: BlockPool) -> dict[int, int]:

@@ -89,3 +89,39 @@ def swap_blocks(src_kv: torch.Tensor, dst_kv: torch.Tensor, pairs: Sequence[tupl
     for a, b in pools:
         assert a is not None and b is not None
         b.index_copy_(2, dst.to(b.device), a.index_select(2, src).to(b.device, non_blocking=False))
+
+
+def block_payloads(kv: torch.Tensor, block_ids: Sequence[int], scales: torch.Tensor | None = None) -> list[bytes]:
+    """Each block's bytes, for the disk tier: its K/V ``[num_layers, 2, block_size, kv_heads,
+    head_dim]`` in the pool's storage format, then (8-bit formats) its scales ``[num_layers, 2,
+    kv_heads]`` float32, both C-contiguous. :func:`load_block_payloads` is the inverse."""
+    if not block_ids:
+        return []
+    index = torch.tensor(list(block_ids), dtype=torch.long)
+    parts = [_raw(kv).index_select(2, index).movedim(2, 0).contiguous()]
+    if scales is not None:
+        parts.append(scales.index_select(2, index).movedim(2, 0).contiguous())
+    out = []
+    for i in range(len(block_ids)):
+        out.append(b"".join(p[i].view(torch.uint8).numpy().tobytes() for p in parts))
+    return out
+
+
+def load_block_payloads(kv: torch.Tensor, pairs: Sequence[tuple[int, bytes]],
+                        scales: torch.Tensor | None = None) -> None:
+    """Write ``(block id, payload)`` pairs made by :func:`block_payloads` into a pool; raises
+    ValueError, writing nothing, when a payload's size does not match the pool's block."""
+    if not pairs:
+        return
+    raw = _raw(kv)
+    kv_bytes = raw[:, :, 0].numel() * raw.element_size()
+    scale_bytes = 0 if scales is None else scales[:, :, 0].numel() * scales.element_size()
+    for block_id, payload in pairs:
+        if len(payload) != kv_bytes + scale_bytes:
+            raise ValueError(f"a KV block payload has {len(payload)} bytes; this pool's blocks take "
+                             f"{kv_bytes + scale_bytes}")
+    for block_id, payload in pairs:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        raw[:, :, block_id] = data[:kv_bytes].view(raw.dtype).view(raw[:, :, block_id].shape)
+        if scales is not None:
+            scales[:, :, block_id] = data[kv_bytes:].view(scales.dtype).view(scales[:, :, block_id].shape)

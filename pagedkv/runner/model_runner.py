@@ -18,7 +18,14 @@ from pagedkv.models.loader import LoadedModel
 from pagedkv.models.packed_linear import pack_lm_head as pack_head
 from pagedkv.models.packed_linear import transpose_wide_linears
 from pagedkv.ops import native
-from pagedkv.ops.cache_ops import copy_blocks, swap_blocks, write_kv, write_kv_scaled
+from pagedkv.ops.cache_ops import (
+    block_payloads,
+    copy_blocks,
+    load_block_payloads,
+    swap_blocks,
+    write_kv,
+    write_kv_scaled,
+)
 from pagedkv.ops.kv_format import KVFormat, hadamard, kv_format
 from pagedkv.ops.paged_attention import native_paged_attention, paged_decode_attention, paged_prefill_attention
 from pagedkv.runner.batch import SeqChunk
@@ -201,6 +208,24 @@ class ModelRunner:
         """Host block -> device block for each (host_id, device_id) pair."""
         self._check(pairs, self.num_host_blocks, self.num_blocks, "swap_in")
         swap_blocks(self.cache.host_kv, self.cache.kv, pairs, self.cache.host_scales, self.cache.scales)
+
+    @torch.inference_mode()
+    def block_payloads(self, block_ids: Sequence[int]) -> list[bytes]:
+        """Device blocks' K/V (and scales) as bytes, one ``bytes`` per block (the disk tier's payload)."""
+        self._check([(b, 0) for b in block_ids], self.num_blocks, 1, "block_payloads")
+        return block_payloads(self.cache.kv, block_ids, self.cache.scales)
+
+    @torch.inference_mode()
+    def host_block_payloads(self, block_ids: Sequence[int]) -> list[bytes]:
+        """Host blocks' K/V (and scales) as bytes (see :meth:`block_payloads`)."""
+        self._check([(b, 0) for b in block_ids], self.num_host_blocks, 1, "host_block_payloads")
+        return block_payloads(self.cache.host_kv, block_ids, self.cache.host_scales)
+
+    @torch.inference_mode()
+    def load_host_blocks(self, pairs: Sequence[tuple[int, bytes]]) -> None:
+        """Write ``(host block, payload)`` pairs read from the disk tier into the host pool."""
+        self._check([(0, b) for b, _ in pairs], 1, self.num_host_blocks, "load_host_blocks")
+        load_block_payloads(self.cache.host_kv, pairs, self.cache.host_scales)
 
     @staticmethod
     def _check(pairs: Sequence[tuple[int, int]], n_src: int, n_dst: int, what: str) -> None:
