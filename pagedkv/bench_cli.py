@@ -37,8 +37,11 @@ def run_bench(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"pagedkv bench: {exc}", file=sys.stderr)
         return 2
-    workload = build_workload(args.case, engine.runner.config.vocab_size, args.workload_seed)
-    r = run_pagedkv(engine, workload, progress=sys.stderr.isatty())
+    try:
+        workload = build_workload(args.case, engine.runner.config.vocab_size, args.workload_seed)
+        r = run_pagedkv(engine, workload, progress=sys.stderr.isatty())
+    finally:
+        engine.close()
     print(f"{workload.name}: {len(workload.prompts)} requests, {r.output_tokens} output tokens in "
           f"{r.seconds:.1f}s = {r.tok_s:.1f} tok/s; {r.steps} steps, peak {r.peak_used_blocks} "
           f"blocks, KV waste {r.kv_waste:.2%}, prefix hits {r.prefix_hit_rate:.1%}, "

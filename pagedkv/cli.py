@@ -1,8 +1,9 @@
-"""The ``pagedkv`` command: serve | generate | bench | simulate | size."""
+"""The ``pagedkv`` command: serve | generate | bench | simulate | size | kv-cache."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -78,6 +79,50 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_kv_cache_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "kv-cache", help="manage a KV disk tier directory (--kv-offload-dir)",
+        description="The disk tier holds KV blocks computed from users' prompts (see docs/kv_tiers.md).")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    clear = actions.add_parser("clear", help="delete every block file and the fingerprint in DIR",
+                               description="Delete every KV block file, the fingerprint and the lock pagedkv "
+                                           "wrote in DIR (files it did not write stay). Refused while an "
+                                           "engine uses DIR.")
+    clear.add_argument("directory", metavar="DIR")
+    clear.set_defaults(func=run_kv_cache_clear)
+    info = actions.add_parser("info", help="what DIR holds: blocks, bytes, fingerprint")
+    info.add_argument("directory", metavar="DIR")
+    info.set_defaults(func=run_kv_cache_info)
+
+
+def run_kv_cache_clear(args: argparse.Namespace) -> int:
+    from pagedkv.memory.disk_tier import clear_directory
+
+    if not os.path.isdir(args.directory):
+        raise FileNotFoundError(f"{args.directory} is not a directory")
+    removed = clear_directory(args.directory)
+    print(f"removed {removed} KV block file(s) from {args.directory}")
+    return 0
+
+
+def run_kv_cache_info(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pagedkv.memory.disk_files import BLOCK_SUFFIX, BLOCKS_DIR, FINGERPRINT_FILE
+    from pagedkv.units import format_bytes
+
+    root = Path(args.directory)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root} is not a directory")
+    files = list((root / BLOCKS_DIR).glob(f"*/*{BLOCK_SUFFIX}"))
+    size = sum(f.stat().st_size for f in files)
+    print(f"{root}: {len(files)} KV block file(s), {format_bytes(size)}")
+    fingerprint = root / FINGERPRINT_FILE
+    if fingerprint.is_file():
+        print(fingerprint.read_text().strip())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pagedkv.server.cli import add_serve_parser
     from pagedkv.sim.cli import add_simulate_parser, add_size_parser
@@ -96,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_bench_parser(sub)
     add_simulate_parser(sub)
     add_size_parser(sub)
+    add_kv_cache_parser(sub)
     return parser
 
 

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 
 from pagedkv.engine import EngineStats, LLMEngine
@@ -23,7 +24,8 @@ class LLM:
 
     ``model``: a Hugging Face folder, a ``.gguf`` file, or None for the bundled default model.
     Engine options keep vLLM's names (``block_size``, ``enable_prefix_caching``,
-    ``kv_cache_memory`` / ``num_kv_blocks``, ``kv_offloading_size`` (``swap_space``), ``max_num_seqs``,
+    ``kv_cache_memory`` / ``num_kv_blocks``, ``kv_offloading_size`` (``swap_space``), ``kv_offload_dir``,
+    ``kv_offload_disk_size``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``max_model_len``, ``preemption_mode``, ``eviction_policy``,
     ``dtype``, ``seed``, ``fault_injection``, ``debug_integrity``, ``threads``); see
     ``pagedkv.engine.EngineConfig``.
@@ -32,6 +34,19 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_options) -> None:
         self.engine = LLMEngine.from_options(model, **engine_options)
         self._ids = itertools.count()
+        # A clean shutdown (the disk tier written down) when this object goes away, at the
+        # latest when the interpreter exits.
+        self._finalizer = weakref.finalize(self, self.engine.close)
+
+    def close(self) -> None:
+        """Shut the engine down cleanly now (see ``LLMEngine.close``); also done at exit."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -11,6 +11,15 @@ At each step, with probability ``rate``, one fault of a kind drawn uniformly fir
 - ``evict``: evict every cached-free block from the prefix cache;
 - ``alloc``: the step's first block allocation fails as if the pool were full.
 
+Tier faults (only when named in ``kinds``; they need a disk tier) fire in the disk tier's worker,
+each block read or write drawing with probability ``rate`` from its own seeded stream:
+
+- ``disk_read``: the read fails with an I/O error (a miss: the tokens are recomputed);
+- ``disk_corrupt``: a byte of the block file is flipped before it is read (its checksum fails:
+  the file is discarded and the tokens recomputed);
+- ``disk_slow``: the read or write takes 50 ms longer;
+- ``disk_full``: the write fails with ENOSPC (the tier stops writing and goes on serving reads).
+
 Every request must still finish with the output it would have had undisturbed. The faults
 depend only on the seed and the step count, so a failing run can be replayed exactly.
 
@@ -22,21 +31,28 @@ scheduler and the memory core themselves hold no fault-injection code.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
 import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
 from pagedkv.memory import CopyPair, KVCacheManager, OutOfBlocksError
 
-FAULT_KINDS = ("recompute", "swap", "evict", "alloc")
+ENGINE_FAULT_KINDS = ("recompute", "swap", "evict", "alloc")
+TIER_FAULT_KINDS = ("disk_read", "disk_corrupt", "disk_slow", "disk_full")
+FAULT_KINDS = ENGINE_FAULT_KINDS + TIER_FAULT_KINDS
+SLOW_DISK_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
 class FaultSpec:
     seed: int = 0
     rate: float = 0.05
-    kinds: tuple[str, ...] = FAULT_KINDS
+    kinds: tuple[str, ...] = ENGINE_FAULT_KINDS
 
     @classmethod
     def parse(cls, spec: str) -> FaultSpec:
@@ -76,10 +92,11 @@ class FaultInjector:
         self.fired: dict[str, int] = {k: 0 for k in FAULT_KINDS}
 
     def draw(self) -> str | None:
-        """The fault for this step, or None."""
-        if self.rng.random() >= self.spec.rate:
+        """The fault for this step, or None (tier faults are drawn by :func:`install_disk_faults`)."""
+        kinds = [k for k in self.spec.kinds if k in ENGINE_FAULT_KINDS]
+        if not kinds or self.rng.random() >= self.spec.rate:
             return None
-        kind = self.rng.choice(self.spec.kinds)
+        kind = self.rng.choice(kinds)
         self.fired[kind] += 1
         return kind
 
@@ -138,3 +155,51 @@ class FaultInjectingScheduler(Scheduler):
         elif kind in ("recompute", "swap") and self.running:
             victim = self.running[self.faults.pick(len(self.running))]
             self._preempt(victim, kind, swap_out, preempted)
+
+
+def install_disk_faults(disk: Any, injector: FaultInjector) -> None:
+    """Make a :class:`~pagedkv.memory.disk_tier.DiskTier`'s reads and writes fail as the spec's
+    tier kinds say (see the module docstring), by wrapping the instance's ``get`` and its file
+    write; the tier's own error handling then runs as it would for a real fault."""
+    spec = injector.spec
+    kinds = [k for k in spec.kinds if k in TIER_FAULT_KINDS]
+    if not kinds:
+        return
+    rng = random.Random(spec.seed * 7919 + 1)  # the worker thread's own stream
+    fired = injector.fired
+
+    def draw(allowed: tuple[str, ...]) -> str | None:
+        options = [k for k in kinds if k in allowed]
+        if not options or rng.random() >= spec.rate:
+            return None
+        kind = rng.choice(options)
+        fired[kind] += 1
+        return kind
+
+    real_get, real_write = disk.get, disk._write_block
+
+    def get(key: bytes) -> bytes | None:
+        kind = draw(("disk_read", "disk_corrupt", "disk_slow"))
+        if kind == "disk_read":
+            raise OSError(errno.EIO, "injected read error")
+        if kind == "disk_corrupt":
+            path = disk._block_path(key)
+            with contextlib.suppress(OSError), open(path, "r+b") as f:
+                f.seek(-1, os.SEEK_END)
+                last = f.read(1)
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([last[0] ^ 0x5A]))
+        elif kind == "disk_slow":
+            time.sleep(SLOW_DISK_S)
+        return real_get(key)
+
+    def write_block(key: bytes, payload: bytes) -> None:
+        kind = draw(("disk_full", "disk_slow"))
+        if kind == "disk_full":
+            raise OSError(errno.ENOSPC, "injected: no space left on device")
+        if kind == "disk_slow":
+            time.sleep(SLOW_DISK_S)
+        real_write(key, payload)
+
+    disk.get = get
+    disk._write_block = write_block

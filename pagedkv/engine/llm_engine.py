@@ -18,7 +18,7 @@ from pagedkv.engine.beam_search import select_beams
 from pagedkv.engine.build import build_runner
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.errors import RequestRejectedError
-from pagedkv.engine.faults import FaultInjectingScheduler, FaultInjector
+from pagedkv.engine.faults import FaultInjectingScheduler, FaultInjector, install_disk_faults
 from pagedkv.engine.input_processor import InputProcessor, PromptInput, TokenizedPrompt
 from pagedkv.engine.kv_quality import KVQuantGuard, max_quant_error
 from pagedkv.engine.kv_tiers import TierMover, open_disk_tier
@@ -72,6 +72,8 @@ class LLMEngine:
         self._closed = False
         spec = config.faults
         self.faults = FaultInjector(spec) if spec else None
+        if self.faults is not None and disk is not None:
+            install_disk_faults(disk.disk, self.faults)
         sched = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode)
         self.scheduler = (FaultInjectingScheduler(sched, self.kv, self.faults) if self.faults
                           else Scheduler(sched, self.kv))

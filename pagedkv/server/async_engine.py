@@ -207,7 +207,7 @@ class AsyncEngine:
                     if self._stopping and not commands and not self._has_work():
                         # Under the lock: a command posted from now on fails at once, never hangs.
                         self._die(EngineDeadError("the engine was shut down"))
-                        return
+                        break
                 for command in commands:
                     self._execute(command)
                 if self._has_work():
@@ -215,6 +215,18 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 - the thread must report, not vanish
             logger.exception("engine thread failed")
             self._die(exc)
+        self._close_engine()
+
+    def _close_engine(self) -> None:
+        """A clean shutdown: the engine writes what its disk tier lacks (on this thread, which
+        owns the engine)."""
+        close = getattr(self.engine, "close", None)
+        if close is None:
+            return
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - shutting down: say it, do not hide the exit
+            logger.exception("closing the engine failed")
 
     def _has_work(self) -> bool:
         return self.engine.has_unfinished_requests()

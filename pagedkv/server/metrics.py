@@ -96,6 +96,8 @@ class EngineStatsCollector(Collector):
                           kv.reloaded_blocks)
             yield gauge("kv_host_blocks_cached", "Host-tier blocks holding an offloaded prefix block.",
                         kv.host_cached_blocks)
+        if hasattr(kv, "tier_hit_tokens"):
+            yield from self._tier_metrics(s, kv, gauge, counter)
         yield counter("kv_cow_copies", "Copy-on-write block copies.", kv.cow_copies)
 
         pre = CounterMetricFamily(
@@ -119,6 +121,56 @@ class EngineStatsCollector(Collector):
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens_total)
         if hasattr(s, "num_steps"):
             yield counter("engine_steps", "Engine scheduling steps run.", s.num_steps)
+
+
+    def _tier_metrics(self, s: Any, kv: Any, gauge, counter) -> Iterator[Metric]:
+        """Per-tier hits and misses, the disk tier's I/O and the reload-or-recompute decisions."""
+        def per_tier(name: str, doc: str, values: dict[str, int]) -> CounterMetricFamily:
+            c = CounterMetricFamily(f"pagedkv_{name}", doc, labels=["model_name", "tier"])
+            for tier, v in values.items():
+                c.add_metric([self._model, tier], float(v))
+            return c
+
+        yield per_tier("kv_tier_hit_tokens", "Prompt tokens found in each KV tier (disk hits are reloaded "
+                       "through the host tier and counted there too).", kv.tier_hit_tokens)
+        yield per_tier("kv_tier_miss_tokens", "Prompt tokens a KV tier was asked for and did not hold.",
+                       kv.tier_miss_tokens)
+        if kv.disk_capacity_bytes:
+            yield gauge("kv_disk_enabled", "1 while the disk tier writes blocks (0 after a write error).",
+                        kv.disk_enabled)
+            yield gauge("kv_disk_blocks", "Blocks stored in the disk tier.", kv.disk_blocks)
+            yield gauge("kv_disk_bytes_used", "Bytes of block files in the disk tier.", kv.disk_bytes_used)
+            yield gauge("kv_disk_capacity_bytes", "Size of the disk tier.", kv.disk_capacity_bytes)
+            yield per_tier("kv_tier_bytes_written", "Bytes written to a KV tier below the device.",
+                           {"disk": kv.disk_bytes_written})
+            yield per_tier("kv_tier_bytes_read", "Bytes read from a KV tier below the device.",
+                           {"disk": kv.disk_bytes_read})
+            yield gauge("kv_offload_queue_depth", "Blocks waiting for the disk writer.", kv.disk_queue_depth)
+            yield counter("kv_disk_writes_dropped", "Evicted blocks not written to disk: the queue was full.",
+                          kv.disk_writes_dropped)
+            yield counter("kv_disk_corrupt_discarded", "Disk block files that failed a check and were "
+                          "deleted (their tokens recomputed).", kv.disk_corrupt_discarded)
+            yield counter("kv_disk_read_errors", "Disk tier reads that failed (tokens recomputed).",
+                          kv.disk_read_errors)
+            yield counter("kv_disk_write_errors", "Disk tier writes that failed (writing stops).",
+                          kv.disk_write_errors)
+        costs = getattr(s, "tier_costs", None)
+        if costs:
+            decisions = CounterMetricFamily(
+                "pagedkv_kv_tier_decisions", "Reload-or-recompute decisions (prefix found in a lower tier) "
+                "and swap-or-recompute decisions (preemption), by the engine's measured costs.",
+                labels=["model_name", "decision"])
+            for key, v in costs.items():
+                if key.startswith("decisions_"):
+                    decisions.add_metric([self._model, key[len("decisions_"):]], float(v or 0))
+            yield decisions
+            cost = GaugeMetricFamily("pagedkv_kv_tier_cost_seconds", "Measured seconds per block: recomputing "
+                                     "it (prefill), host copies down and up, disk reads.",
+                                     labels=["model_name", "what"])
+            for key, v in costs.items():
+                if key.endswith("_s_per_block") and v is not None:
+                    cost.add_metric([self._model, key[:-len("_s_per_block")]], float(v))
+            yield cost
 
 
 class ServerMetrics:
