@@ -278,3 +278,28 @@ def test_prompt_logprobs_match_transformers(tiny, faults):
     assert out.num_cached_tokens == 0  # prompt logprobs take no prefix-cache hit
     assert out.outputs[0].token_ids == hf_greedy(ref, prompt, 3)
     assert llm.stats().kv.used_blocks == 0
+
+
+def test_a_shared_prefix_being_computed_is_waited_for_not_computed_twice(tiny):
+    """Requests sharing a prefix, submitted together: the first computes it, the others are
+    admitted once it is written and hit it (no second computation of the shared blocks)."""
+    folder, _ = tiny
+    engine = LLMEngine.from_options(str(folder), block_size=4, num_kv_blocks=200, debug_integrity=True)
+    plans = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+    prefix = [(5 * i) % 200 + 3 for i in range(40)]
+    prompts = [prefix + [7 + i, 9, 11 + i] for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id] = out
+    assert [s.group.request_id for s in plans[0].scheduled] == ["r0"]  # the others waited for its prefix
+    assert [(s.group.request_id, s.start, s.num_tokens) for s in plans[1].scheduled][1:] == [
+        ("r1", 40, 3), ("r2", 40, 3), ("r3", 40, 3)]
+    assert all(outs[f"r{i}"].num_cached_tokens == 40 for i in (1, 2, 3))
+    want = LLM(str(folder), block_size=4, num_kv_blocks=200, enable_prefix_caching=False).generate(prompts, params)
+    assert [outs[f"r{i}"].outputs[0].token_ids for i in range(4)] == [o.outputs[0].token_ids for o in want]

@@ -99,3 +99,30 @@ def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_sigterm_writes_the_prefix_cache_to_the_disk_tier_and_a_restart_hits_it(tmp_path: Path) -> None:
+    model_dir = write_tiny_model(tmp_path / "tiny")
+    kv_dir = tmp_path / "kv"
+    headers = {"Authorization": "Bearer env-key"}
+    body = {"prompt": "the same long system prompt " * 12, "max_tokens": 4, "temperature": 0}
+    texts, hits = [], []
+    for _ in range(2):
+        port = free_port()
+        proc = _start(model_dir, port, "--kv-offload-dir", str(kv_dir), "--block-size", "4")
+        try:
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, headers=headers, timeout=60)
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+            metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", headers=headers, timeout=10).text
+            hits.append(next(float(line.split()[-1]) for line in metrics.splitlines()
+                             if line.startswith("pagedkv_kv_tier_hit_tokens_total") and 'tier="disk"' in line))
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert list((kv_dir / "blocks").glob("*/*.kvb")), "nothing reached the disk tier at shutdown"
+    assert texts[0] == texts[1]
+    assert hits[0] == 0 and hits[1] > 0

@@ -39,7 +39,7 @@ def open_disk_tier(config: EngineConfig, runner, model_name: str,
     fingerprint = {
         "model": model_name,
         **(identity or {}),
-        "dtype": config.dtype,
+        "dtype": _model_dtype(runner, config),
         "block_size": str(runner.block_size),
         "kv_cache_dtype": fmt.name if fmt is not None else config.kv_cache_dtype,
         "shape": "" if cfg is None else (f"layers={cfg.num_hidden_layers} kv_heads={cfg.num_key_value_heads} "
@@ -53,6 +53,15 @@ def open_disk_tier(config: EngineConfig, runner, model_name: str,
     logger.info("KV disk tier %s: %d blocks (%.1f MiB) of %.1f MiB", config.kv_offload_dir, s.blocks,
                 s.bytes_used / 2**20, s.capacity_bytes / 2**20)
     return tier
+
+
+def _model_dtype(runner, config: EngineConfig) -> str:
+    """The dtype the model computes in (``config.dtype`` may be "auto")."""
+    model = getattr(runner, "model", None)
+    params = getattr(model, "parameters", None)
+    if params is None:
+        return config.dtype
+    return str(next(params()).dtype).removeprefix("torch.")
 
 
 class TierMover:

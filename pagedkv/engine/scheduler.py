@@ -14,7 +14,9 @@ Every step the scheduler builds a plan (``SchedulerOutput``) under a token budge
    recompute.
 2. If nothing was preempted: swapped requests come back (FCFS), then waiting requests are admitted
    (prefix-cache hits skip their cached tokens) while the budget, ``max_num_seqs`` and the KV
-   pool allow. A waiting request that does not fit blocks the ones behind it (no starvation).
+   pool allow. A waiting request that does not fit blocks the ones behind it (no starvation);
+   so does one whose next uncached prefix block another request is computing now: it waits and
+   then hits that block instead of computing the shared prefix a second time.
    With a disk tier, a waiting request whose cached prefix continues on disk waits until those
    blocks are read (``KVCacheManager.prefetch``) while running requests keep decoding.
 
@@ -293,6 +295,8 @@ class Scheduler:
             seq = group.live_seqs[0]
             if self.kv.prefetch(seq.seq_id, seq.token_ids, salt=group.salt):
                 break  # its prefix is being read from disk; running requests go on meanwhile
+            if self.kv.prefix_in_flight(seq.token_ids, salt=group.salt):
+                break  # its prefix is being computed for another request: admitted next, it hits
             try:
                 cached = self.kv.allocate_prompt(seq.seq_id, seq.token_ids, budget, salt=group.salt)
             except OutOfBlocksError:

@@ -53,12 +53,12 @@ def kv_stats(mgr: KVCacheManager) -> KVStats:
 
 
 def _disk_stats(mgr: KVCacheManager) -> dict[str, int | bool]:
-    if mgr.disk is None:
+    if mgr.disk is None or mgr.disk_lookup is None:
         return {}
     d, io = mgr.disk.disk.stats(), mgr.disk.io_stats()
     return dict(disk_enabled=d.enabled, disk_blocks=d.blocks, disk_bytes_used=d.bytes_used,
-                disk_capacity_bytes=d.capacity_bytes, disk_query_tokens=mgr.disk_query_tokens,
-                disk_hit_tokens=mgr.disk_hit_tokens, disk_bytes_written=d.bytes_written,
+                disk_capacity_bytes=d.capacity_bytes, disk_query_tokens=mgr.disk_lookup.query_tokens,
+                disk_hit_tokens=mgr.disk_lookup.hit_tokens, disk_bytes_written=d.bytes_written,
                 disk_bytes_read=d.bytes_read, disk_evictions=d.evictions,
                 disk_corrupt_discarded=d.corrupt_discarded, disk_read_errors=io.read_errors,
                 disk_write_errors=d.write_errors, disk_queue_depth=io.queued_writes,

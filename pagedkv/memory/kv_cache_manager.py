@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from pagedkv.memory.block import Block
 from pagedkv.memory.block_pool import BlockPool
+from pagedkv.memory.disk_lookup import DiskLookup
 from pagedkv.memory.disk_prefix import DiskPrefixTier
 from pagedkv.memory.errors import OutOfBlocksError
 from pagedkv.memory.eviction import make_eviction_policy
@@ -117,14 +118,14 @@ class KVCacheManager:
         self.host_tier: HostPrefixTier | None = None
         self.costs = costs or TierCosts(block_size)
         self.disk: DiskPrefixTier | None = None
+        self.disk_lookup: DiskLookup | None = None  # memory/disk_lookup.py
         self._offloading = True
-        self._to_disk: list[tuple[int, bytes]] = []  # (device block, key) evicted this step
-        self.disk_query_tokens = 0  # prompt tokens looked up on disk (past the device and host)
-        self.disk_hit_tokens = 0
-        self._disk_looked_up: set[Hashable] = set()  # waiting sequences already counted
         if offload_to_host and enable_prefix_caching and num_host_blocks > 0:
             self.host_tier = tier = HostPrefixTier(self.host_pool)
             self.disk = disk
+            lookup = None
+            if disk is not None:
+                self.disk_lookup = lookup = DiskLookup(disk, self.pool, tier, self.costs, block_size)
             index_on_evict = self.pool.on_evict
 
             def on_evict(block: Block) -> None:
@@ -132,8 +133,8 @@ class KVCacheManager:
                     index_on_evict(block)
                 if self._offloading:
                     tier.offload(block)
-                    if disk is not None and not disk.has(block.block_hash) and not disk.queue_full():
-                        self._to_disk.append((block.block_id, block.block_hash))
+                    if lookup is not None:
+                        lookup.on_evict(block)
             self.pool.on_evict = on_evict
         elif disk is not None:
             raise ValueError("the disk tier needs the host tier: offload_to_host, prefix caching and host blocks")
@@ -233,7 +234,7 @@ class KVCacheManager:
             self._cache_full_blocks(seq)
         if found:
             self.costs.record("host", reload=bool(host_hits))
-        self._disk_looked_up.discard(seq_id)
+        self.forget(seq_id)
         if self.enable_prefix_caching:
             self.prefix_query_tokens += len(token_ids)
             self.prefix_hit_tokens += num_cached
@@ -247,37 +248,37 @@ class KVCacheManager:
         taken into the host tier here, so call it while planning a step. Cheap when there is no
         disk tier (returns False). ``count``: the sequence is next in line, and its first lookup
         counts in ``disk_query_tokens`` (a lookahead for a later one passes False)."""
-        disk, tier = self.disk, self.host_tier
-        if disk is None or tier is None:
+        lookup = self.disk_lookup
+        if lookup is None:
             return False
-        for key, payload in disk.poll():
-            if key not in self.pool.cached and tier.load(key, payload):
-                self.disk_hit_tokens += self.block_size
         max_hits = (len(token_ids) - 1) // self.block_size
-        if max_hits <= 0:
+        hashes = chain_hashes(root_hash(salt, adapter_id), token_ids, self.block_size, 0, max(max_hits, 0))
+        return lookup.prefetch(seq_id, hashes, count)
+
+    def prefix_in_flight(self, token_ids: list[int], *, salt: str | None = None,
+                         adapter_id: str | None = None) -> bool:
+        """Whether the first block of this prompt that no tier holds is being computed now by a
+        sequence on the device (its prompt blocks not yet all computed): admitting the prompt
+        after that would hit it instead of computing it a second time."""
+        if not self.enable_prefix_caching:
             return False
-        hashes = chain_hashes(root_hash(salt, adapter_id), token_ids, self.block_size, 0, max_hits)
-        cached = self.pool.cached
-        first = next((i for i, h in enumerate(hashes) if h not in cached), max_hits)
-        first += len(tier.match(hashes[first:]))
-        keys = []
-        for key in hashes[first:]:
-            if key not in disk.disk:
-                break
-            keys.append(key)
-        if count and seq_id not in self._disk_looked_up:
-            self._disk_looked_up.add(seq_id)
-            self.disk_query_tokens += (max_hits - first) * self.block_size
-            if keys:
-                self.costs.record("disk", reload=self.costs.reload_cheaper("disk", len(keys), record=False))
-        if not keys or not self.costs.reload_cheaper("disk", len(keys), record=False):
-            return False
-        return disk.request_reads(keys) > 0
+        B = self.block_size
+        max_hits = (len(token_ids) - 1) // B
+        device, host = self.pool.cached, self.host_pool.cached
+        parent = root_hash(salt, adapter_id)
+        for i in range(max_hits):
+            block_hash = chain_hashes(parent, token_ids, B, i, i + 1)[0]
+            if block_hash in device or block_hash in host:
+                parent = block_hash
+                continue
+            return any(block_hash in seq.block_hashes[seq.num_computed // B:]
+                       for seq in self.seqs.values() if seq.on_device)
+        return False
 
     def take_tier_copies(self) -> TierCopies:
         """This step's copies between the tiers, handed over once (see ``TierCopies``): the
         runner makes them before the forward pass."""
-        to_disk, self._to_disk = self._to_disk, []
+        to_disk = self.disk_lookup.take_to_disk() if self.disk_lookup is not None else []
         if self.host_tier is None:
             return TierCopies(to_disk=tuple(to_disk))
         out, into, loads = self.host_tier.take_copies()
@@ -297,8 +298,8 @@ class KVCacheManager:
         step's shared work failed, and what it offloaded is forgotten)."""
         if self.host_tier is not None:
             self.host_tier.finish_step(copied)
-        if not copied:
-            self._to_disk.clear()
+        if not copied and self.disk_lookup is not None:
+            self.disk_lookup.step_failed()
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached-free prefix block, on the device and in the host tier, without
@@ -401,7 +402,8 @@ class KVCacheManager:
 
     def forget(self, seq_id: Hashable) -> None:
         """Drop what ``prefetch`` remembers of a sequence that left the queue without blocks."""
-        self._disk_looked_up.discard(seq_id)
+        if self.disk_lookup is not None:
+            self.disk_lookup.forget(seq_id)
 
     def free(self, seq_id: Hashable) -> None:
         """Release a sequence's blocks. Its last block is freed first, so under LRU a cached

@@ -1,0 +1,83 @@
+"""The memory core's side of the disk tier: which evicted blocks to write, and the read-ahead of
+waiting prompts' blocks into the host tier (the bytes move in the engine, ``engine/kv_tiers.py``).
+
+Owned by ``KVCacheManager`` (as ``disk_lookup``) when it has a disk tier:
+
+- ``on_evict(block)``: a cached device block is being evicted; unless the disk has it (or its
+  write is queued) or the write queue is full, it is listed for this step's ``to_disk``.
+- ``prefetch(...)``: a waiting prompt's hash chain, past its device and host hits, continues on
+  disk: ask the worker to read those blocks and say whether the prompt should wait for them.
+  Blocks read since the last call are taken into the host tier first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from pagedkv.memory.block import Block
+from pagedkv.memory.block_pool import BlockPool
+from pagedkv.memory.disk_prefix import DiskPrefixTier
+from pagedkv.memory.host_tier import HostPrefixTier
+from pagedkv.memory.tier_costs import TierCosts
+
+
+class DiskLookup:
+    def __init__(self, disk: DiskPrefixTier, device: BlockPool, host_tier: HostPrefixTier,
+                 costs: TierCosts, block_size: int) -> None:
+        self.disk = disk
+        self.device = device
+        self.host_tier = host_tier
+        self.costs = costs
+        self.block_size = block_size
+        self.query_tokens = 0  # prompt tokens looked up on disk (past the device and host tiers)
+        self.hit_tokens = 0  # tokens read from disk into the host tier
+        self.to_disk: list[tuple[int, bytes]] = []  # (device block, key) evicted this step
+        self._looked_up: set[Hashable] = set()  # waiting sequences whose lookup was counted
+        self._load_failed: set[bytes] = set()  # reads of this step the host tier had no room for
+
+    def on_evict(self, block: Block) -> None:
+        key = block.block_hash
+        assert key is not None
+        if not self.disk.has(key) and not self.disk.queue_full():
+            self.to_disk.append((block.block_id, key))
+
+    def take_to_disk(self) -> list[tuple[int, bytes]]:
+        """This step's evicted blocks to write, handed over once; a new step begins."""
+        to_disk, self.to_disk = self.to_disk, []
+        self._load_failed.clear()
+        return to_disk
+
+    def prefetch(self, seq_id: Hashable, hashes: list[bytes], count: bool) -> bool:
+        """``hashes``: the prompt's block hashes that could be hits. True while some of the
+        blocks its chain continues with on disk are being read (see KVCacheManager.prefetch)."""
+        tier, B = self.host_tier, self.block_size
+        for key, payload in self.disk.poll():
+            if key in self.device.cached:
+                continue
+            if tier.load(key, payload):
+                self.hit_tokens += B
+            else:  # no host block free this step: whoever waits for it recomputes instead
+                self._load_failed.add(key)
+        cached = self.device.cached
+        first = next((i for i, h in enumerate(hashes) if h not in cached), len(hashes))
+        first += len(tier.match(hashes[first:]))
+        keys = []
+        for key in hashes[first:]:
+            if key not in self.disk.disk:
+                break
+            keys.append(key)
+        cheaper = bool(keys) and self.costs.reload_cheaper("disk", len(keys), record=False)
+        if count and seq_id not in self._looked_up:
+            self._looked_up.add(seq_id)
+            self.query_tokens += (len(hashes) - first) * B
+            if keys:
+                self.costs.record("disk", reload=cheaper)
+        if not cheaper or not self._load_failed.isdisjoint(keys):
+            return False  # nothing to read, recomputing is cheaper, or no room in the host tier
+        return self.disk.request_reads(keys) > 0
+
+    def forget(self, seq_id: Hashable) -> None:
+        self._looked_up.discard(seq_id)
+
+    def step_failed(self) -> None:
+        self.to_disk.clear()
