@@ -58,11 +58,15 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {"vocab_size": 32000, "intermediate_size": 14336, "max_position_embeddings": 131072,
                 "sliding_window": 4096},
     "qwen2": {"vocab_size": 151936, "intermediate_size": 22016, "max_position_embeddings": 32768},
+    "qwen3": {"vocab_size": 151936, "intermediate_size": 22016, "max_position_embeddings": 32768,
+              "head_dim": 128},
+    "phi3": {"vocab_size": 32064, "intermediate_size": 8192, "max_position_embeddings": 4096},
     "mixtral": {"vocab_size": 32000, "intermediate_size": 14336, "max_position_embeddings": 131072},
     "deepseek_v2": {"vocab_size": 102400, "intermediate_size": 11008, "max_position_embeddings": 2048},
 }
 _HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                     "Qwen2ForCausalLM": "qwen2", "MixtralForCausalLM": "mixtral",
+                     "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3",
+                     "MixtralForCausalLM": "mixtral",
                      "DeepseekV2ForCausalLM": "deepseek_v2"}
 _GGUF_MODEL_TYPES = {"deepseek2": "deepseek_v2"}  # llama.cpp architecture -> HF model_type
 _REQUIRED = ("hidden_size", "num_attention_heads", "num_hidden_layers")
@@ -93,6 +97,7 @@ class ModelShape:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (qwen3)
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int | None = None
     qk_nope_head_dim: int | None = None
@@ -149,6 +154,8 @@ class ModelShape:
                 attn += self.q_size + 2 * self.kv_size
             if self.o_proj_bias:
                 attn += h
+            if self.qk_norm:
+                attn += 2 * self.head_dim
         dense_mlp = 3 * h * self.intermediate_size  # gate, up, down
         if self.mlp_bias:
             dense_mlp += 2 * self.intermediate_size + h
@@ -255,6 +262,12 @@ def shape_from_hf_dict(d: dict[str, Any], name: str = "") -> ModelShape:
     if model_type == "qwen2":  # q/k/v bias always; a window only with use_sliding_window
         qkv_bias, o_bias = True, False
         window = d.get("sliding_window") if d.get("use_sliding_window") else None
+    elif model_type == "qwen3":  # attention_bias covers q/k/v and o_proj; a window only with use_sliding_window
+        qkv_bias = o_bias = bool(d.get("attention_bias", False))
+        window = d.get("sliding_window") if d.get("use_sliding_window") else None
+    elif model_type == "phi3":  # no biases; Phi-3 mini 4k has a 2047-token window
+        qkv_bias = o_bias = False
+        window = d.get("sliding_window")
     else:  # llama's attention_bias covers o_proj too; mistral has none
         qkv_bias = o_bias = model_type != "mistral" and bool(d.get("attention_bias", False))
         window = d.get("sliding_window", defaults.get("sliding_window"))
@@ -267,13 +280,14 @@ def shape_from_hf_dict(d: dict[str, Any], name: str = "") -> ModelShape:
         num_hidden_layers=int(d["num_hidden_layers"]),
         num_attention_heads=heads,
         num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-        head_dim=int(d.get("head_dim") or hidden // heads),
+        head_dim=int(d.get("head_dim") or defaults.get("head_dim") or hidden // heads),
         max_position_embeddings=int(get("max_position_embeddings")),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         attention_bias=qkv_bias,
         o_proj_bias=o_bias,
         mlp_bias=bool(d.get("mlp_bias", False)),
         sliding_window=int(window) if window else None,
+        qk_norm=model_type == "qwen3",
         kv_lora_rank=_opt_int(d.get("kv_lora_rank")),
         qk_rope_head_dim=_opt_int(d.get("qk_rope_head_dim")),
         qk_nope_head_dim=_opt_int(d.get("qk_nope_head_dim")),
@@ -330,6 +344,9 @@ def shape_from_gguf(reader: Any, name: str = "") -> ModelShape:
         max_position_embeddings=int(key("context_length", defaults["max_position_embeddings"])),
         tie_word_embeddings="output.weight" not in names,
         attention_bias=model_type == "qwen2" or "blk.0.attn_q.bias" in names,
+        o_proj_bias="blk.0.attn_output.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        sliding_window=_opt_int(key("attention.sliding_window")) if model_type == "phi3" else None,
         kv_lora_rank=kv_lora,
         qk_rope_head_dim=rope_dim if kv_lora is not None else None,
         qk_nope_head_dim=head_dim - (rope_dim or 0) if kv_lora is not None else None,

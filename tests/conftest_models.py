@@ -48,8 +48,11 @@ def make_hf_checkpoint(tmp_path: Path, model_type: str = "llama", seed: int = 0,
 
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[model_type]
-    config = cls[0](**{**BASE, **overrides})
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+           "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM)}[model_type]
+    base = {**BASE, "pad_token_id": 0} if model_type == "phi3" else BASE
+    config = cls[0](**{**base, **overrides})
     torch.manual_seed(seed)
     model = cls[1](config).eval()
     randomize_(model, seed)

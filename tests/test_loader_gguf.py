@@ -32,7 +32,11 @@ HF_TO_GGUF = {
     "mlp.down_proj.weight": "ffn_down.weight",
     "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",
 }
+PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 20000.0, "short_factor": [1.0, 1.2, 1.5, 2.0],
+             "long_factor": [1.0, 2.0, 3.0, 5.0], "partial_rotary_factor": 0.5}
 
 
 def _vocab() -> list[str]:
@@ -59,16 +63,30 @@ def _write_gguf(path: Path, tied: bool, qtype: gguf.GGMLQuantizationType, arch: 
     import transformers
 
     tokens = _vocab()
-    config_cls, model_cls = ((transformers.LlamaConfig, transformers.LlamaForCausalLM) if arch == "llama"
-                             else (transformers.Qwen2Config, transformers.Qwen2ForCausalLM))
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM)}[arch]
+    extra = {"qwen3": {"head_dim": 24},
+             "phi3": {"pad_token_id": 0, "original_max_position_embeddings": 64, "rope_parameters": PHI3_ROPE},
+             }.get(arch, {"rope_theta": 20000.0})
     cfg = config_cls(
         vocab_size=len(tokens), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
-        rope_theta=20000.0, tie_word_embeddings=tied,
+        tie_word_embeddings=tied, **({"rope_theta": 20000.0} if arch == "qwen3" else {}), **extra,
     )
     ref = model_cls(cfg).eval()
     randomize_(ref, seed=3)
     w = gguf.GGUFWriter(str(path), arch)
+    if arch == "qwen3":
+        w.add_key_length(24)
+        w.add_value_length(24)
+    if arch == "phi3":
+        w.add_rope_dimension_count(8)
+        w.add_uint32("phi3.rope.scaling.original_context_length", 64)
+        w.add_tensor("rope_factors_long.weight", np.array(PHI3_ROPE["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(PHI3_ROPE["short_factor"], dtype=np.float32))
     w.add_context_length(128)
     w.add_embedding_length(64)
     w.add_block_count(2)
@@ -121,7 +139,9 @@ def test_unpermute_inverts_llama_cpp_permute() -> None:
 @pytest.mark.parametrize("arch,tied,qtype", [("llama", False, gguf.GGMLQuantizationType.F32),
                                              ("llama", True, gguf.GGMLQuantizationType.Q8_0),
                                              ("llama", False, gguf.GGMLQuantizationType.Q4_0),
-                                             ("qwen2", True, gguf.GGMLQuantizationType.Q8_0)])
+                                             ("qwen2", True, gguf.GGMLQuantizationType.Q8_0),
+                                             ("qwen3", False, gguf.GGMLQuantizationType.Q8_0),
+                                             ("phi3", False, gguf.GGMLQuantizationType.F32)])
 def test_gguf_matches_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, tied: bool,
                                    qtype: gguf.GGMLQuantizationType) -> None:
     monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
@@ -131,6 +151,9 @@ def test_gguf_matches_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert loaded.config.model_type == arch and loaded.config.attention_bias == (arch == "qwen2")
     assert loaded.config.tie_word_embeddings == tied
     assert (loaded.config.num_key_value_heads, loaded.config.rope.theta) == (2, 20000.0)
+    assert loaded.config.qk_norm == (arch == "qwen3") and loaded.config.head_dim == (24 if arch == "qwen3" else 16)
+    if arch == "phi3":
+        assert loaded.config.rope.rope_type == "longrope" and loaded.config.rotary_dim == 8
     ids = [5, 40, 77, 120, 9, 200, 33, 64, 100, 3, 250]
     runner = ModelRunner(loaded, block_size=4, num_blocks=32)
     got = runner.execute([SeqChunk(ids, 0, [9, 1, 30, 4, 2, 8, 7, 6, 5, 3, 0])], return_all_logits=True)

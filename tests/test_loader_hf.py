@@ -107,8 +107,10 @@ def test_missing_tensor_is_named(tmp_path: Path) -> None:
 
 
 def test_bad_paths_give_clear_errors(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match="Hugging Face model folder"):
+    with pytest.raises(ModelLoadError, match="local cache .* never downloads"):
         load_model("some-org/some-model")
+    with pytest.raises(ModelLoadError, match="Hugging Face model folder"):
+        load_model("not/a/model/path")
     with pytest.raises(ModelLoadError, match="does not exist"):
         load_model(str(tmp_path / "nope.gguf"))
     with pytest.raises(ModelLoadError, match="no config.json"):
@@ -208,3 +210,50 @@ def test_dtype_option(tmp_path: Path) -> None:
     assert b.dtype == torch.float32
     torch.testing.assert_close(b, a, atol=0.15, rtol=0.05)
     torch.testing.assert_close(b2[1], b[0], atol=0.1, rtol=0.05)
+
+
+def test_repo_id_resolves_in_the_local_hugging_face_cache_only(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    from pagedkv.models import load_model
+    from pagedkv.models.loader import resolve_model_path
+
+    folder = make_hf_checkpoint(tmp_path, "llama", seed=2)
+    hub = tmp_path / "hub"
+    repo = hub / "models--tiny-org--tiny-llama"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(folder, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.chdir(tmp_path)  # no local folder of that name
+    path, name = resolve_model_path("tiny-org/tiny-llama")
+    assert path == repo / "snapshots" / commit and name == "tiny-org/tiny-llama"
+    loaded = load_model("tiny-org/tiny-llama")
+    assert loaded.name == "tiny-org/tiny-llama" and loaded.config.num_hidden_layers == 2
+    with pytest.raises(ModelLoadError, match="never downloads"):
+        resolve_model_path("tiny-org/not-there")
+
+
+def test_dtype_auto_runs_natively_or_float32_with_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from pagedkv.models import dtype as dtypes
+
+    folder = make_hf_checkpoint(tmp_path, "llama", seed=2)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["torch_dtype"] = "bfloat16"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    monkeypatch.setattr(dtypes, "native_dtypes", lambda: frozenset({"float32"}))
+    with caplog.at_level(logging.WARNING):
+        assert dtypes.resolve_dtype("auto", folder) == "float32"
+    assert "does not compute in natively" in caplog.text and "AVX512_BF16" in caplog.text
+    monkeypatch.setattr(dtypes, "native_dtypes", lambda: frozenset({"float32", "bfloat16"}))
+    assert dtypes.resolve_dtype("auto", folder) == "bfloat16"
+    assert dtypes.resolve_dtype("float16", folder) == "float16"  # asked for: no second guessing
+    cfg["torch_dtype"] = "float32"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert dtypes.resolve_dtype("auto", folder) == "float32"
+    assert dtypes.resolve_dtype("auto", tmp_path / "x.gguf") == "float32"

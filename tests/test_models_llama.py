@@ -1,4 +1,5 @@
-"""Whole-model tests: tiny random llama/mistral/qwen2 checkpoints, pagedkv vs transformers (float32)."""
+"""Whole-model tests: tiny random llama/mistral/qwen2/qwen3/phi3 checkpoints, pagedkv vs transformers
+(float32)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,15 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any] | None, tuple[str, ..
     "linear_rope_old_layout_type_key": (
         "llama", {}, {"rope_theta": 10000.0, "rope_scaling": {"type": "linear", "factor": 4.0}},
         ("rope_parameters",)),
+    # qwen3: per-head q/k RMSNorm; head_dim decoupled from hidden_size / heads
+    "qwen3_head_dim_24": ("qwen3", {"head_dim": 24, "tie_word_embeddings": True}, None, ()),
+    "qwen3_bias_mqa": ("qwen3", {"head_dim": 40, "attention_bias": True, "num_key_value_heads": 1}, None, ()),
+    # phi3: fused qkv_proj / gate_up_proj in the checkpoint; LongRoPE; partial rotary (Phi-4-mini)
+    "phi3": ("phi3", {}, None, ()),
+    "phi3_longrope": ("phi3", {"original_max_position_embeddings": 64, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+        "long_factor": [1.0, 1.5, 2.2, 3.0, 4.1, 5.5, 7.2, 9.0]}}, None, ()),
+    "phi3_partial_rotary_window": ("phi3", {"partial_rotary_factor": 0.5, "sliding_window": 9}, None, ()),
 }
 
 
@@ -223,3 +233,21 @@ def test_input_major_linears_match_plain(bias: bool) -> None:
     layer.self_attn.qkv_proj, layer.mlp.gate_up_proj = nn.Linear(8, 12), nn.Linear(8, 16, bias=False)
     folder_model.layers = nn.ModuleList([layer])
     assert transpose_wide_linears(folder_model) == 2 and transpose_wide_linears(folder_model) == 0
+
+
+def test_longrope_engine_picks_long_factors_beyond_the_original_context(tmp_path: Any) -> None:
+    """Phi-3 LongRoPE: an engine serving more than the original context (64 here) uses the long
+    factors for every position, as transformers does for a sequence past it; one serving at most
+    64 uses the short ones."""
+    from pagedkv import LLM, SamplingParams
+
+    overrides = CASES["phi3_longrope"][1]
+    folder = make_hf_checkpoint(tmp_path, "phi3", seed=4, **overrides)
+    ref = load_hf_reference(folder)
+    vocab = 256
+    long_prompt, short_prompt = _prompt(90, vocab, 7), _prompt(30, vocab, 8)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = LLM(str(folder), block_size=4, num_kv_blocks=64)  # max_model_len 256 > 64: long factors
+    assert llm.generate([long_prompt], params)[0].outputs[0].token_ids == hf_greedy(ref, long_prompt, 8)
+    short = LLM(str(folder), block_size=4, num_kv_blocks=64, max_model_len=64)
+    assert short.generate([short_prompt], params)[0].outputs[0].token_ids == hf_greedy(ref, short_prompt, 8)

@@ -16,13 +16,16 @@ def build_runner(config: EngineConfig):
     import torch
 
     from pagedkv.models import load_model
+    from pagedkv.models.dtype import resolve_dtype
+    from pagedkv.models.loader import resolve_model_path
     from pagedkv.ops.kv_format import kv_format
     from pagedkv.runner import ModelRunner, bytes_per_block
     from pagedkv.runner.kv_cache import num_blocks_for_memory
 
     if config.threads:
         torch.set_num_threads(config.threads)
-    dtype = getattr(torch, config.dtype)
+    path, _ = resolve_model_path(config.model)
+    dtype = getattr(torch, resolve_dtype(config.dtype, path))
     kv_dtype = kv_format(config.kv_cache_dtype, dtype).name
     loaded = load_model(config.model, dtype=dtype)
     per_block = bytes_per_block(loaded.config, config.block_size, kv_dtype)  # scales included

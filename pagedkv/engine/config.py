@@ -13,7 +13,7 @@ from pagedkv.model_shape import KV_CACHE_DTYPES, check_block_size
 from pagedkv.units import parse_bytes
 
 PREEMPTION_MODES = ("auto", "recompute", "swap")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_KV_CACHE_MEMORY = "1GiB"
 DEFAULT_HOST_TIER_GIB = 0.5
 DEFAULT_DISK_TIER_SIZE = "20GiB"
@@ -34,7 +34,9 @@ class EngineConfig:
     engine's measured costs say is cheaper.
     ``max_model_len`` defaults to the model's context length. ``fault_injection`` (or the
     ``PAGEDKV_FAULT_INJECTION`` environment variable) takes a spec such as "seed=7,rate=0.05".
-    ``debug_integrity`` runs ``check_integrity()`` after every step. ``prefix_index`` picks the
+    ``debug_integrity`` runs ``check_integrity()`` after every step. ``dtype`` "auto" (default)
+    is the checkpoint's dtype where the hardware computes in it natively, else float32 (see
+    ``pagedkv/models/dtype.py``). ``prefix_index`` picks the
     structure that finds cached prefixes: the SHA-256 hash chain ("hash") or a radix tree over
     token ids ("radix"); both find the same blocks. ``kv_cache_dtype`` is the KV block format:
     "auto" (the model dtype), a float dtype, or 8-bit blocks with one scale per block, layer, K/V
@@ -57,7 +59,7 @@ class EngineConfig:
     eviction_policy: str = "lru"
     prefix_index: str = "hash"
     watermark: float = 0.01
-    dtype: str = "float32"
+    dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     seed: int = 0
     debug_integrity: bool = False

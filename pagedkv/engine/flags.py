@@ -45,7 +45,8 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "prefix_index": ("how cached prefixes are found: SHA-256 hash chain or radix tree",
                      {"choices": PREFIX_INDEXES}),
     "watermark": ("fraction of the KV pool kept free when admitting requests", {"type": float}),
-    "dtype": ("model dtype", {"choices": DTYPES}),
+    "dtype": ("model dtype; auto: the checkpoint's where the hardware computes in it natively, else float32",
+              {"choices": DTYPES}),
     "kv_cache_dtype": ("KV block format: auto (the model dtype), a float dtype, or 8-bit blocks with "
                        "per-block scales: int8, fp8 (= fp8_e4m3), fp8_e5m2", {"choices": KV_CACHE_DTYPES}),
     "seed": ("global random seed", {"type": int}),

@@ -60,6 +60,9 @@ class LLMEngine:
         B = runner.block_size
         model_len = config.max_model_len or max_position_embeddings or runner.num_blocks * B
         self.config = config.with_max_model_len(model_len)
+        rotary = getattr(getattr(runner, "model", None), "rotary", None)
+        if rotary is not None:  # longrope picks its factors by the context served
+            rotary.set_context_length(model_len)
         if config.kv_offload_dir is not None and runner.num_host_blocks == 0:
             raise ValueError("the disk tier (kv_offload_dir) reads blocks back through the host tier, "
                              "which has no blocks: give a larger kv_offloading_size")

@@ -19,9 +19,11 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
 SUPPORTED_MODEL_TYPES = frozenset(SUPPORTED_ARCHITECTURES.values())
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +37,12 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
     freq_factors: tuple[float, ...] | None = None
+    # longrope (Phi-3): per-pair divisors of the frequencies up to / beyond the original context,
+    # and the factor cos and sin are scaled by (None: sqrt(1 + ln(factor) / ln(original)))
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+    attention_factor: float | None = None
+    partial_rotary_factor: float = 1.0  # the fraction of each head's dims that RoPE rotates
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
@@ -45,6 +53,11 @@ class RopeConfig:
             raise ValueError(f"rope theta must be > 0, got {self.theta}")
         if self.factor <= 0:
             raise ValueError(f"rope factor must be > 0, got {self.factor}")
+        if self.rope_type == "longrope" and (self.short_factor is None or self.long_factor is None
+                                             or not self.original_max_position_embeddings):
+            raise ValueError("longrope needs short_factor, long_factor and original_max_position_embeddings")
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,15 +78,21 @@ class ModelConfig(ModelShape):
             )
         if self.is_mla or self.num_experts:
             raise UnsupportedModelError("MLA attention and mixture-of-experts layers are not supported")
-        if self.model_type == "qwen2" and self.sliding_window is not None:
-            raise UnsupportedModelError("qwen2 with use_sliding_window=true (per-layer windows) is not supported")
+        if self.model_type in ("qwen2", "qwen3") and self.sliding_window is not None:
+            raise UnsupportedModelError(f"{self.model_type} with use_sliding_window=true (per-layer windows) "
+                                        "is not supported")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rotary_dim % 2:
+            raise ValueError(f"the rotated dims of a head must be even for RoPE, got {self.rotary_dim}")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates (the first ones; ``head_dim`` unless partial)."""
+        return int(self.head_dim * self.rope.partial_rotary_factor)
 
     @classmethod
     def from_shape(cls, shape: ModelShape, *, rms_norm_eps: float = 1e-6,
@@ -87,8 +106,12 @@ class ModelConfig(ModelShape):
         arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[self.model_type]
         rope = asdict(self.rope)
         rope_parameters: dict[str, Any] = {"rope_type": rope.pop("rope_type"), "rope_theta": rope.pop("theta")}
+        partial = rope.pop("partial_rotary_factor")
+        if partial != 1.0:
+            rope_parameters["partial_rotary_factor"] = partial
         if rope_parameters["rope_type"] != "default":
-            rope_parameters.update({k: v for k, v in rope.items() if k != "freq_factors" and v is not None})
+            rope_parameters.update({k: list(v) if isinstance(v, tuple) else v for k, v in rope.items()
+                                    if k != "freq_factors" and v is not None})
         out: dict[str, Any] = {
             "architectures": [arch], "model_type": self.model_type, "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
@@ -96,7 +119,7 @@ class ModelConfig(ModelShape):
             "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
             "rms_norm_eps": self.rms_norm_eps, "max_position_embeddings": self.max_position_embeddings,
             "rope_parameters": rope_parameters, "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias and self.model_type == "llama",
+            "attention_bias": self.attention_bias and self.model_type in ("llama", "qwen3"),
             "mlp_bias": self.mlp_bias, "sliding_window": self.sliding_window,
         }
         if self.rope.freq_factors is not None:
@@ -137,14 +160,30 @@ def _rope_from_hf(d: dict[str, Any]) -> RopeConfig:
     scaling = dict(params) if isinstance(params, dict) else dict(d.get("rope_scaling") or {})
     theta = float(scaling.get("rope_theta", d.get("rope_theta", 10000.0)))
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type == "su":  # Phi-3's older name
+        rope_type = "longrope"
     freq = d.get("pagedkv_rope_freq_factors")
-    orig = scaling.get("original_max_position_embeddings")
+    orig = scaling.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
+    partial = scaling.get("partial_rotary_factor", d.get("partial_rotary_factor"))
+    factor = scaling.get("factor")
+    if rope_type == "longrope" and factor is None and orig:
+        factor = float(d.get("max_position_embeddings") or orig) / float(orig)
+
+    def floats(key: str) -> tuple[float, ...] | None:
+        values = scaling.get(key)
+        return tuple(float(x) for x in values) if values else None
+
+    attention_factor = scaling.get("attention_factor")
     return RopeConfig(
         theta=theta,
         rope_type=str(rope_type),
-        factor=float(scaling.get("factor", 1.0)) if rope_type != "default" else 1.0,
+        factor=float(factor if factor is not None else 1.0) if rope_type != "default" else 1.0,
         low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
         high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(orig) if orig else None,
         freq_factors=tuple(float(x) for x in freq) if freq else None,
+        short_factor=floats("short_factor"),
+        long_factor=floats("long_factor"),
+        attention_factor=float(attention_factor) if attention_factor is not None else None,
+        partial_rotary_factor=float(partial) if partial is not None else 1.0,
     )

@@ -32,8 +32,8 @@ from pagedkv.models.config import ModelConfig, RopeConfig
 from pagedkv.models.errors import ModelLoadError, UnsupportedModelError
 from pagedkv.models.gguf_tokenizer import build_gguf_tokenizer
 
-CONVERTER_VERSION = "1"
-GGUF_ARCHITECTURES = ("llama", "qwen2")  # mistral GGUFs use the llama architecture
+CONVERTER_VERSION = "2"
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")  # mistral GGUFs use the llama architecture
 _DONE = ".complete"
 
 _GGUF_TO_HF_LAYER = {
@@ -46,6 +46,10 @@ _GGUF_TO_HF_LAYER = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -58,13 +62,16 @@ _GGUF_TO_HF_TOP = {
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The Hugging Face checkpoint name of a llama.cpp tensor name (None if it has none)."""
     if gguf_name in _GGUF_TO_HF_TOP:
         return _GGUF_TO_HF_TOP[gguf_name]
     m = _BLK.match(gguf_name)
     if m and m.group(2) in _GGUF_TO_HF_LAYER:
-        return f"model.layers.{m.group(1)}.{_GGUF_TO_HF_LAYER[m.group(2)]}"
+        suffix = _GGUF_TO_HF_LAYER[m.group(2)]
+        if arch == "phi3" and m.group(2) == "ffn_up.weight":  # phi3's ffn_up holds gate and up, fused
+            suffix = "mlp.gate_up_proj.weight"
+        return f"model.layers.{m.group(1)}.{suffix}"
     return None
 
 
@@ -96,13 +103,26 @@ def gguf_config(reader: Any) -> tuple[ModelConfig, dict[str, Any]]:
     if rope_type is None:
         raise UnsupportedModelError(f"GGUF rope scaling type {scaling!r} is not supported")
     orig = key("rope.scaling.original_context_length")
+    shape = shape_from_gguf(reader)
+    rope_dim = key("rope.dimension_count")
+    long_factor, short_factor = _tensor_values(reader, "rope_factors_long.weight"), \
+        _tensor_values(reader, "rope_factors_short.weight")
+    attn_factor = key("rope.scaling.attn_factor")
+    if long_factor is not None and short_factor is not None:  # phi3's LongRoPE
+        rope_type = "longrope"
+        orig = orig or shape.max_position_embeddings
     rope = RopeConfig(
         theta=float(key("rope.freq_base", 10000.0)),
         rope_type=rope_type,
-        factor=float(key("rope.scaling.factor", 1.0) or 1.0) if rope_type != "default" else 1.0,
+        factor=(shape.max_position_embeddings / int(orig) if rope_type == "longrope"
+                else float(key("rope.scaling.factor", 1.0) or 1.0) if rope_type != "default" else 1.0),
         original_max_position_embeddings=int(orig) if orig else None,
+        short_factor=short_factor if rope_type == "longrope" else None,
+        long_factor=long_factor if rope_type == "longrope" else None,
+        attention_factor=float(attn_factor) if attn_factor is not None and rope_type == "longrope" else None,
+        partial_rotary_factor=int(rope_dim) / shape.head_dim if rope_dim and arch == "phi3" else 1.0,
     )
-    config = ModelConfig.from_shape(shape_from_gguf(reader), rope=rope,
+    config = ModelConfig.from_shape(shape, rope=rope,
                                     rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)))
     extra: dict[str, Any] = {}
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
@@ -115,11 +135,18 @@ def gguf_config(reader: Any) -> tuple[ModelConfig, dict[str, Any]]:
     return config, extra
 
 
+def _tensor_values(reader: Any, name: str) -> tuple[float, ...] | None:
+    t = next((t for t in reader.tensors if t.name == name), None)
+    if t is None:
+        return None
+    return tuple(float(x) for x in np.asarray(t.data, dtype=np.float32).reshape(-1))
+
+
 def _iter_tensors(reader: Any, config: ModelConfig, arch: str) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
     for t in tqdm(reader.tensors, desc="pagedkv: dequantizing GGUF", unit="tensor", leave=False):
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if name is None:
             continue
         try:
@@ -162,16 +189,28 @@ def _with_freq_factors(config: ModelConfig, factors: tuple[float, ...]) -> Model
 
 
 def _write_tokenizer(reader: Any, out_dir: Path, tokens: list[str], extra: dict[str, Any]) -> None:
+    """tokenizer.json and tokenizer_config.json of the GGUF vocabulary.
+
+    A SentencePiece ('llama') vocabulary whose file does not say otherwise gets BOS, as llama.cpp and
+    transformers both add it there; the saved tokenizer.json adds it (and EOS when asked) itself.
+    """
+    model = str(_field(reader, "tokenizer.ggml.model", "gpt2"))
     bos = extra.get("bos_token_id")
-    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", model == "llama"))
     tok = build_gguf_tokenizer(
-        model=str(_field(reader, "tokenizer.ggml.model", "gpt2")),
+        model=model,
         pre=str(_field(reader, "tokenizer.ggml.pre", "default")),
         tokens=tokens,
         token_types=_field(reader, "tokenizer.ggml.token_type"),
-        merges=_field(reader, "tokenizer.ggml.merges") or [],
+        merges=_field(reader, "tokenizer.ggml.merges"),
         bos_token_id=bos,
         add_bos_token=add_bos,
+        architecture=str(_field(reader, "general.architecture")),
+        scores=_field(reader, "tokenizer.ggml.scores"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        unk_token_id=_field(reader, "tokenizer.ggml.unknown_token_id"),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+        add_eos_token=bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
     )
     tok.save(str(out_dir / "tokenizer.json"))
     eos = extra.get("eos_token_id", [])

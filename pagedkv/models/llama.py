@@ -1,4 +1,4 @@
-"""The Llama-family decoder (llama, mistral, qwen2, SmolLM) on flattened tokens.
+"""The Llama-family decoder (llama, mistral, qwen2, qwen3, phi3, SmolLM) on flattened tokens.
 
 The model is pure: it knows nothing about blocks or caches. Each layer hands its rotated q, k, v to
 an ``AttentionFn`` supplied by the caller (the runner's paged attention, or a plain causal one in
@@ -50,12 +50,17 @@ class LlamaAttention(nn.Module):
         qkv_out = config.q_size + 2 * config.kv_size
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=config.attention_bias)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_proj_bias)
+        # qwen3: RMSNorm over each head of q and of k, before RoPE
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
                 ) -> torch.Tensor:
         t = x.shape[0]
         h, kvh = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(t, h + 2 * kvh, self.head_dim)  # [T, H + 2*KVH, d]
+        if self.q_norm is not None:
+            qkv = torch.cat((self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h:h + kvh]), qkv[:, h + kvh:]), dim=1)
         qk = apply_rope(qkv[:, : h + kvh], cos, sin)  # q and k rotated in one op
         q, k = qk[:, :h], qk[:, h:]
         v = qkv[:, h + kvh:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,15 +30,25 @@ class LoadedModel:
 
 def resolve_model_path(model: str | Path | None) -> tuple[Path, str]:
     """(path, display name): None -> bundled default GGUF; a folder -> HF (or its only ``*.gguf``
-    when it has no config.json); ``*.gguf`` -> GGUF. Raises ModelLoadError for anything else."""
+    when it has no config.json); ``*.gguf`` -> GGUF; ``org/name`` that is no local path -> that
+    model's snapshot in the local Hugging Face cache (never downloaded). Raises ModelLoadError for
+    anything else."""
     if model is None or str(model) in ("", "default", DEFAULT_MODEL_NAME):
         return default_model_path(), DEFAULT_MODEL_NAME
     path = Path(model).expanduser()
+    if not path.exists() and _looks_like_repo_id(str(model)):
+        cached = hf_cache_snapshot(str(model))
+        if cached is None:
+            raise ModelLoadError(
+                f"{model!r} is neither a local path nor a Hugging Face model in the local cache "
+                f"({hf_hub_cache()}); pagedkv never downloads models: fetch it first, e.g. "
+                f"`huggingface-cli download {model}`, or give a folder or a .gguf file")
+        path = cached
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if not (path / "config.json").exists() and len(ggufs) == 1:  # a folder holding one GGUF file
             return ggufs[0], ggufs[0].stem
-        return path, path.name
+        return path, str(model) if path != Path(model).expanduser() else path.name
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"GGUF file {path} does not exist")
@@ -47,6 +58,36 @@ def resolve_model_path(model: str | Path | None) -> tuple[Path, str]:
         f"*.safetensors), a .gguf file, or None for the bundled default ({DEFAULT_MODEL_NAME}); "
         f"pagedkv never downloads models"
     )
+
+
+def _looks_like_repo_id(text: str) -> bool:
+    parts = text.split("/")
+    return len(parts) == 2 and all(p and not p.startswith(".") for p in parts) and not text.endswith(".gguf")
+
+
+def hf_hub_cache() -> Path:
+    """Where Hugging Face keeps downloaded models: $HF_HUB_CACHE, else $HF_HOME/hub, else
+    ~/.cache/huggingface/hub."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def hf_cache_snapshot(repo_id: str, revision: str = "main") -> Path | None:
+    """The snapshot folder of ``repo_id`` (``org/name``) in the local Hugging Face cache at
+    ``revision`` (a branch or tag named in refs/, or a commit hash), or None. No network."""
+    root = hf_hub_cache() / ("models--" + repo_id.replace("/", "--"))
+    ref = root / "refs" / revision
+    try:
+        commit = ref.read_text().strip() if ref.is_file() else revision
+    except OSError:
+        return None
+    snapshot = root / "snapshots" / commit
+    if snapshot.is_dir():
+        return snapshot
+    snapshots = sorted((root / "snapshots").glob("*"), key=lambda p: p.stat().st_mtime) if root.is_dir() else []
+    return snapshots[-1] if snapshots and not ref.is_file() and revision == "main" else None
 
 
 def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:

@@ -1,7 +1,18 @@
-"""Rotary position embedding: inverse frequencies (default, linear, llama3 scaling) and cos/sin tables.
+"""Rotary position embedding: inverse frequencies (default, linear, llama3, longrope scaling) and
+cos/sin tables.
 
 Tables are computed once (float32, grown lazily by powers of two) and gathered once per step for all
-layers; ``apply_rope`` uses the Hugging Face "rotate half" layout (GGUF q/k rows are un-permuted to it).
+layers; ``apply_rope`` uses the Hugging Face "rotate half" layout (GGUF q/k rows are un-permuted to it)
+over the first ``rotary_dim`` dims of each head (all of them unless ``partial_rotary_factor`` < 1).
+
+LongRoPE (Phi-3) has two sets of frequency divisors: ``short_factor`` for contexts up to the
+original training length and ``long_factor`` beyond it, and scales cos/sin by an attention factor.
+transformers picks the set per forward call (by the longest position in it), which would give K
+rows already cached a different rotation than later ones; pagedkv, like llama.cpp, picks it once
+per engine by the context it serves (``max_model_len``): long factors if that exceeds the original
+length (a model used outside an engine keeps the short ones). Within the original length, with
+``max_model_len`` at most that length, the results equal transformers'; a prompt beyond it computed
+in one step equals transformers' too (both use the long factors for every position).
 """
 
 from __future__ import annotations
@@ -13,11 +24,19 @@ import torch
 from pagedkv.models.config import RopeConfig
 
 
-def inv_frequencies(rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> torch.Tensor:
-    """Per-pair inverse frequencies, ``[head_dim // 2]`` float32, after the configured scaling."""
+def inv_frequencies(rope: RopeConfig, head_dim: int, max_position_embeddings: int,
+                    long_context: bool = False) -> torch.Tensor:
+    """Per-pair inverse frequencies, ``[rotary_dim // 2]`` float32, after the configured scaling
+    (``head_dim`` here is the rotated dims; ``long_context`` picks longrope's long factors)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
     inv_freq = 1.0 / (rope.theta ** exponents)  # [head_dim // 2]
-    if rope.rope_type == "linear":
+    if rope.rope_type == "longrope":
+        factors = rope.long_factor if long_context else rope.short_factor
+        ext = torch.tensor(factors, dtype=torch.float32, device="cpu")
+        if ext.numel() != inv_freq.numel():
+            raise ValueError(f"longrope factors have {ext.numel()} entries, expected {inv_freq.numel()}")
+        inv_freq = 1.0 / (ext * rope.theta ** exponents)
+    elif rope.rope_type == "linear":
         inv_freq = inv_freq / rope.factor
     elif rope.rope_type == "llama3":
         inv_freq = _llama3_scale(inv_freq, rope, max_position_embeddings)
@@ -49,17 +68,32 @@ class RotaryEmbedding:
     """
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> None:
+        self.rope = rope
         self.max_position_embeddings = max_position_embeddings
-        self.inv_freq = inv_frequencies(rope, head_dim, max_position_embeddings)  # [head_dim // 2]
-        self._cos = torch.empty(0, head_dim, device="cpu")
-        self._sin = torch.empty(0, head_dim, device="cpu")
-        self._grow(min(4096, max_position_embeddings))
+        self.rotary_dim = int(head_dim * rope.partial_rotary_factor)
+        self.scale = 1.0
+        # longrope: short factors until told the context is longer (the engine says, by max_model_len)
+        self.set_context_length(rope.original_max_position_embeddings or max_position_embeddings)
+
+    def set_context_length(self, context: int) -> None:
+        """The longest context served; longrope picks its factors by it (see the module docstring)."""
+        rope = self.rope
+        long_context = rope.rope_type == "longrope" and context > (rope.original_max_position_embeddings or context)
+        self.inv_freq = inv_frequencies(rope, self.rotary_dim, self.max_position_embeddings, long_context)
+        if rope.rope_type == "longrope":
+            factor = rope.factor
+            orig = rope.original_max_position_embeddings or self.max_position_embeddings
+            self.scale = (rope.attention_factor if rope.attention_factor is not None
+                          else 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig)))
+        self._cos = torch.empty(0, self.rotary_dim, device="cpu")
+        self._sin = torch.empty(0, self.rotary_dim, device="cpu")
+        self._grow(min(4096, self.max_position_embeddings))
 
     def _grow(self, length: int) -> None:
         positions = torch.arange(length, dtype=torch.float32, device="cpu")
-        freqs = torch.outer(positions, self.inv_freq.float())  # [length, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [length, head_dim]
-        self._cos, self._sin = emb.cos(), emb.sin()
+        freqs = torch.outer(positions, self.inv_freq.float())  # [length, rotary_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [length, rotary_dim]
+        self._cos, self._sin = emb.cos() * self.scale, emb.sin() * self.scale
 
     def cos_sin(self, positions: torch.Tensor, max_position: int, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,12 +111,18 @@ class RotaryEmbedding:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` for ``x`` ``[T, heads, head_dim]``.
+    """``x * cos + rotate_half(x) * sin`` for ``x`` ``[T, heads, head_dim]``, over the first
+    ``cos.shape[-1]`` dims of each head (partial rotary: the rest pass through).
 
     Written as one multiply and two in-place ``addcmul_`` on the halves: no ``cat``/negation
     temporaries (10x faster than the textbook form for a 2k-token prefill).
     """
-    half = x.shape[-1] // 2
+    rd = cos.shape[-1]
+    if rd != x.shape[-1]:
+        out = x.clone()
+        out[..., :rd] = apply_rope(x[..., :rd], cos, sin)
+        return out
+    half = rd // 2
     out = x * cos
     out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1.0)  # -x2 * sin
     out[..., half:].addcmul_(x[..., :half], sin[..., half:])  # +x1 * sin

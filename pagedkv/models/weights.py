@@ -35,6 +35,11 @@ _LAYER_MAP: dict[str, tuple[str, str | None]] = {
     "mlp.gate_proj.bias": ("mlp.gate_up_proj.bias", "gate"),
     "mlp.up_proj.bias": ("mlp.gate_up_proj.bias", "up"),
     "mlp.down_proj.weight": ("mlp.down_proj.weight", None),
+    # qwen3's per-head q/k norms; phi3's checkpoints hold q/k/v and gate/up already fused
+    "self_attn.q_norm.weight": ("self_attn.q_norm.weight", None),
+    "self_attn.k_norm.weight": ("self_attn.k_norm.weight", None),
+    "self_attn.qkv_proj.weight": ("self_attn.qkv_proj.weight", None),
+    "mlp.gate_up_proj.weight": ("mlp.gate_up_proj.weight", None),
     "mlp.down_proj.bias": ("mlp.down_proj.bias", None),
 }
 _TOP_MAP: dict[str, str] = {
