@@ -19,7 +19,8 @@ closed (warm) against one on an empty directory (cold), alternately, timing the 
 Last line: one JSON object with ``tiered_vs_off_throughput`` (host_disk tok/s / off tok/s, median
 over repeats), ``host_vs_off_throughput``, ``restart_ttft_speedup`` (median first-wave TTFT cold /
 warm), per-engine medians (``<engine>_tok_s``, ``<engine>_ttft_s``), the restart TTFTs, the
-settings and the load average.
+costs the host+disk engine measured (``measured_*``: prefill tokens/s, seconds per block of host
+copies and disk reads), the settings and the load average.
 """
 
 from __future__ import annotations
@@ -93,18 +94,27 @@ def run_engine(args, tier: str, workload, vocab: int, kv_dir: Path | None) -> di
             seconds += took
             tokens += sum(outs)
             ttfts += ttft
-        kv = engine.stats().kv
+        stats = engine.stats()
         return {"tok_s": tokens / seconds, "ttft_s": statistics.median(ttfts), "seconds": seconds,
-                "hit_tokens": kv.tier_hit_tokens, "evictions": kv.evictions}
+                "hit_tokens": stats.kv.tier_hit_tokens, "evictions": stats.kv.evictions,
+                "costs": stats.tier_costs}
     finally:
         engine.close()
 
 
-def first_wave_ttft(args, workload, kv_dir: Path) -> float:
+def first_wave_ttft(args, workload, kv_dir: Path, vocab: int) -> float:
+    """Median TTFT of the first wave on a fresh engine over ``kv_dir``, after the same untimed
+    warm-up for every engine (one unrelated prompt: first-step costs are not a tier's)."""
     engine = make_engine(args, "host_disk", kv_dir)
     try:
+        rng = random.Random(99)
+        engine.add_request("warm-up", [rng.randrange(1000, vocab) for _ in range(64)],
+                           SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
         per_wave = -(-len(workload.prompts) // args.waves)
-        _, ttft = run_wave(engine, workload.prompts[:per_wave], workload.new_tokens[:per_wave], "restart")
+        # 4 new tokens each: every request is still running when the last first token comes
+        _, ttft = run_wave(engine, workload.prompts[:per_wave], [4] * per_wave, "restart")
         return statistics.median(ttft)
     finally:
         engine.close()
@@ -123,6 +133,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=64, help="case c's 64, or fewer for a quick run")
     p.add_argument("--output-len", type=int, default=None, help="new tokens per request (case c: 128)")
     p.add_argument("--dir", default=None, help="where the disk tier directories go (default: a temp dir)")
+    p.add_argument("--restart-only", action="store_true",
+                   help="only the restart comparison (the warm directory is written by one first wave)")
     args = p.parse_args()
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="pagedkv-tiers-"))
@@ -138,7 +150,11 @@ def main() -> None:
 
     engines = ("off", "host", "host_disk")
     results: dict[str, list[dict]] = {e: [] for e in engines}
-    for r in range(args.repeat):
+    if args.restart_only:
+        warm_dir = root / f"run-{args.repeat - 1}"
+        shutil.rmtree(warm_dir, ignore_errors=True)
+        first_wave_ttft(args, workload, warm_dir, vocab)  # closes: the prefix reaches the directory
+    for r in range(0 if args.restart_only else args.repeat):
         for tier in engines:
             kv_dir = root / f"run-{r}"
             shutil.rmtree(kv_dir, ignore_errors=True)
@@ -152,8 +168,8 @@ def main() -> None:
     for r in range(args.repeat):
         cold_dir = root / f"cold-{r}"
         shutil.rmtree(cold_dir, ignore_errors=True)
-        cold.append(first_wave_ttft(args, workload, cold_dir))
-        warm.append(first_wave_ttft(args, workload, warm_dir))
+        cold.append(first_wave_ttft(args, workload, cold_dir, vocab))
+        warm.append(first_wave_ttft(args, workload, warm_dir, vocab))
         print(f"restart {r}: first-wave median TTFT cold {cold[-1]:.3f} s, warm disk {warm[-1]:.3f} s",
               file=sys.stderr, flush=True)
     if not args.dir:
@@ -162,20 +178,24 @@ def main() -> None:
     def med(tier: str, key: str) -> float:
         return statistics.median(x[key] for x in results[tier])
 
-    ratios = [h["tok_s"] / o["tok_s"] for h, o in zip(results["host_disk"], results["off"])]
-    host_ratios = [h["tok_s"] / o["tok_s"] for h, o in zip(results["host"], results["off"])]
-    out = {
-        "tiered_vs_off_throughput": round(statistics.median(ratios), 3),
-        "host_vs_off_throughput": round(statistics.median(host_ratios), 3),
-        "restart_ttft_speedup": round(statistics.median(c / w for c, w in zip(cold, warm)), 3),
-        **{f"{t}_tok_s": round(med(t, "tok_s"), 2) for t in engines},
-        **{f"{t}_ttft_s": round(med(t, "ttft_s"), 4) for t in engines},
+    out: dict = {"restart_ttft_speedup": round(statistics.median(c / w for c, w in zip(cold, warm)), 3)}
+    if not args.restart_only:
+        ratios = [h["tok_s"] / o["tok_s"] for h, o in zip(results["host_disk"], results["off"])]
+        host_ratios = [h["tok_s"] / o["tok_s"] for h, o in zip(results["host"], results["off"])]
+        out.update({
+            "tiered_vs_off_throughput": round(statistics.median(ratios), 3),
+            "host_vs_off_throughput": round(statistics.median(host_ratios), 3),
+            **{f"{t}_tok_s": round(med(t, "tok_s"), 2) for t in engines},
+            **{f"{t}_ttft_s": round(med(t, "ttft_s"), 4) for t in engines},
+            **{f"measured_{k}": v for k, v in results["host_disk"][-1]["costs"].items()
+               if k.endswith(("_s_per_block", "tokens_per_s")) and v is not None}})
+    out.update({
         "restart_cold_ttft_s": round(statistics.median(cold), 4),
         "restart_warm_ttft_s": round(statistics.median(warm), 4),
         "requests": len(workload.prompts), "waves": args.waves, "num_kv_blocks": args.num_kv_blocks,
         "host_gib": args.host_gib, "repeat": args.repeat, "threads": args.threads,
         "load_avg_1m": round(os.getloadavg()[0], 2),
-    }
+    })
     print(json.dumps(out))
 
 

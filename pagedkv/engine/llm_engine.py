@@ -171,6 +171,8 @@ class LLMEngine:
                     logits = logits.index_select(0, logits.new_tensor([e - 1 for e in ends]).long())
                 self._sample(out, logits, step)
         self.scheduler.update_from_output(out, step)
+        if not out.scheduled and self.kv.disk is not None:
+            self.kv.disk.wait_for_reads(0.05)  # nothing to compute but requests waiting for the disk
         self._steps += 1
         if self.kv_guard is not None:
             self.kv_guard.after_step(self._steps)

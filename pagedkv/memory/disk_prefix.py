@@ -128,6 +128,19 @@ class DiskPrefixTier:
                     waiting += 1
         return waiting
 
+    def wait_for_reads(self, timeout: float) -> bool:
+        """Block until a read finishes (or none is pending), at most ``timeout`` seconds: an engine
+        with nothing to run but requests waiting for the disk sleeps here instead of spinning
+        (which would also starve the worker of the GIL). True if a read is ready to poll."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while not self._done and self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+            return bool(self._done)
+
     def poll(self) -> list[tuple[bytes, bytes]]:
         """The reads finished since the last poll that found a block: ``(key, payload)`` pairs."""
         with self._cv:
