@@ -1,10 +1,11 @@
 """Native CPU kernels (C++), built once per machine with PyTorch's extension tooling.
 
-``available()`` builds ``csrc/paged_attention.cpp`` on first use (about a minute; ``scripts/setup.sh``
+``available()`` builds ``csrc/*.cpp`` on first use (about a minute; ``scripts/setup.sh``
 does it ahead of time) into ``$PAGEDKV_CACHE_DIR/native/`` (default ``~/.cache/pagedkv/native``),
 keyed by the source, the torch version and the CPU's instruction sets (it is built with
 ``-march=native``), and registers ``torch.ops.pagedkv.paged_attention`` and
-``torch.ops.pagedkv.rms_norm``. Where no compiler is present
+``torch.ops.pagedkv.rms_norm`` (and, from ``csrc/quant_matmul.cpp``, ``q8_0_linear``: a linear layer
+over GGUF Q8_0 weights kept as int8). Where no compiler is present
 or the build fails, ``available()`` is False, the reason is logged once, and callers use the plain
 PyTorch ops. ``PAGEDKV_NATIVE=0`` turns the native path off.
 
@@ -26,7 +27,7 @@ from pagedkv.models.cache_dir import cache_root
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
+_SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp", Path(__file__).parent / "csrc" / "quant_matmul.cpp"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
