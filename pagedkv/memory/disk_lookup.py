@@ -76,6 +76,11 @@ class DiskLookup:
             return False  # nothing to read, recomputing is cheaper, or no room in the host tier
         return self.disk.request_reads(keys) > 0
 
+    def persistable_blocks(self) -> list[tuple[str, int, bytes]]:
+        """``(tier, block id, key)`` of every cached block, host then device, not yet on disk."""
+        return [(pool.name, block.block_id, key) for pool in (self.host_tier.pool, self.device)
+                for key, block in pool.cached.items() if not self.disk.has(key)]
+
     def forget(self, seq_id: Hashable) -> None:
         self._looked_up.discard(seq_id)
 

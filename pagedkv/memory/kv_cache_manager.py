@@ -117,12 +117,10 @@ class KVCacheManager:
         # The host tier of the prefix cache (memory/host_tier.py), below the device pool.
         self.host_tier: HostPrefixTier | None = None
         self.costs = costs or TierCosts(block_size)
-        self.disk: DiskPrefixTier | None = None
         self.disk_lookup: DiskLookup | None = None  # memory/disk_lookup.py
         self._offloading = True
         if offload_to_host and enable_prefix_caching and num_host_blocks > 0:
             self.host_tier = tier = HostPrefixTier(self.host_pool)
-            self.disk = disk
             lookup = None
             if disk is not None:
                 self.disk_lookup = lookup = DiskLookup(disk, self.pool, tier, self.costs, block_size)
@@ -140,6 +138,11 @@ class KVCacheManager:
             raise ValueError("the disk tier needs the host tier: offload_to_host, prefix caching and host blocks")
 
     # ------------------------------------------------------------------ queries
+    @property
+    def disk(self) -> DiskPrefixTier | None:
+        """The disk tier below the host tier, or None."""
+        return self.disk_lookup.disk if self.disk_lookup is not None else None
+
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
@@ -287,11 +290,7 @@ class KVCacheManager:
     def persistable_blocks(self) -> list[tuple[str, int, bytes]]:
         """``(tier, block id, key)`` of every cached block, host then device, not yet on disk
         (what a clean shutdown writes down); empty without a disk tier."""
-        disk = self.disk
-        if disk is None:
-            return []
-        return [(pool.name, block.block_id, key) for pool in (self.host_pool, self.pool)
-                for key, block in pool.cached.items() if not disk.has(key)]
+        return self.disk_lookup.persistable_blocks() if self.disk_lookup is not None else []
 
     def finish_step(self, copied: bool = True) -> None:
         """The step's copies are over: release the host blocks they held (``copied=False``: the

@@ -49,7 +49,8 @@ class TierCosts:
         """Load ``blocks`` found in ``tier`` ("host" or "disk") instead of recomputing them.
         ``record=False`` asks without counting the decision (the caller counts it with
         :meth:`record` once the answer was acted on)."""
-        read = self._cost(HOST_READ) if tier == "host" else _sum(self._cost(DISK_READ), self._cost(HOST_READ))
+        cost = self.s_per_block
+        read = cost[HOST_READ] if tier == "host" else _sum(cost[DISK_READ], cost[HOST_READ])
         prefill = self.prefill_s_per_token
         cheaper = read is None or prefill is None or read < self.block_size * prefill
         if record:
@@ -62,14 +63,11 @@ class TierCosts:
 
     def swap_cheaper(self, blocks: int, tokens: int) -> bool:
         """Preempt a sequence of ``blocks`` blocks holding ``tokens`` computed tokens by swap."""
-        copy = _sum(self._cost(HOST_WRITE), self._cost(HOST_READ))
+        copy = _sum(self.s_per_block[HOST_WRITE], self.s_per_block[HOST_READ])
         prefill = self.prefill_s_per_token
         cheaper = copy is None or prefill is None or blocks * copy < tokens * prefill
         self.decisions[f"preempt_{'swap' if cheaper else 'recompute'}"] += 1
         return cheaper
-
-    def _cost(self, what: str) -> float | None:
-        return self.s_per_block[what]
 
     def as_dict(self) -> dict[str, float | int | None]:
         """The measured inputs (None until measured) and the decisions counted so far."""
