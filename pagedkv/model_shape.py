@@ -20,6 +20,9 @@ holds exactly this for each block id)::
     + 8-bit kinds only: one fp32 scale per layer, K/V and KV head = scale_bytes_per_block
 
     kv_bytes_per_token = layers * 2 * kv_heads_per_rank * head_dim * dtype_bytes
+
+    (A hybrid model, with full and sliding-window layers, groups them, ``kv_groups``: a block then
+    holds ``layers`` = the group size, and a sequence has one block table per group.)
     MLA:                 layers * (kv_lora_rank + qk_rope_head_dim) * dtype_bytes  (one latent,
                          every rank holds all of it; one scale per layer for 8-bit kinds)
 
@@ -61,14 +64,23 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"vocab_size": 151936, "intermediate_size": 22016, "max_position_embeddings": 32768,
               "head_dim": 128},
     "phi3": {"vocab_size": 32064, "intermediate_size": 8192, "max_position_embeddings": 4096},
+    "gemma3": {"vocab_size": 262208, "intermediate_size": 9216, "max_position_embeddings": 131072,
+               "sliding_window": 4096, "head_dim": 256},
     "mixtral": {"vocab_size": 32000, "intermediate_size": 14336, "max_position_embeddings": 131072},
     "deepseek_v2": {"vocab_size": 102400, "intermediate_size": 11008, "max_position_embeddings": 2048},
 }
 _HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                      "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3",
+                     "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
                      "MixtralForCausalLM": "mixtral",
                      "DeepseekV2ForCausalLM": "deepseek_v2"}
 _GGUF_MODEL_TYPES = {"deepseek2": "deepseek_v2"}  # llama.cpp architecture -> HF model_type
+_MODEL_TYPE_ALIASES = {"gemma3_text": "gemma3"}  # config.json model_type -> ours
+# Attention kinds of a layer (config.json "layer_types"): every earlier token visible, or only the
+# last ``sliding_window`` of them.
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+_SLIDING_PATTERN = {"gemma3": 6}  # older configs: every n-th layer global, the others sliding
 _REQUIRED = ("hidden_size", "num_attention_heads", "num_hidden_layers")
 
 
@@ -97,7 +109,10 @@ class ModelShape:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None
-    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (qwen3)
+    # Per layer, FULL_ATTENTION or SLIDING_ATTENTION (the window is ``sliding_window``); empty: every
+    # layer is alike, windowed when ``sliding_window`` is set (mistral, phi3).
+    layer_types: tuple[str, ...] = ()
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (qwen3, gemma3)
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int | None = None
     qk_nope_head_dim: int | None = None
@@ -116,6 +131,27 @@ class ModelShape:
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                                 f"{self.num_hidden_layers} layers")
+            bad = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+            if bad:
+                raise ValueError(f"unknown layer type {bad[0]!r} (known: {FULL_ATTENTION}, {SLIDING_ATTENTION})")
+            if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
+                raise ValueError("sliding_attention layers need a sliding_window")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of ``layer`` (None: it sees every earlier token)."""
+        if self.layer_types and self.layer_types[layer] == FULL_ATTENTION:
+            return None
+        return self.sliding_window
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Layers of both kinds, full and sliding-window attention (Gemma 2/3): the KV cache keeps
+        them in separate groups (:func:`kv_groups`)."""
+        return len(set(self.layer_types)) > 1
 
     @property
     def is_mla(self) -> bool:
@@ -168,6 +204,62 @@ class ModelShape:
         return embed + self.num_hidden_layers * (attn + 2 * h) + mlp  # 2 norms per layer
 
 
+@dataclass(frozen=True, slots=True)
+class KVGroup:
+    """Layers whose KV share block tables: a block of the pool holds one block of tokens for each
+    of them (``layers``; a group with fewer layers than the pool's slots leaves the rest unused).
+    ``window``: the group's layers see only the last ``window`` tokens, so its blocks that fall
+    out of every query's window are released as decoding goes on (None: all are kept)."""
+
+    window: int | None
+    layers: tuple[int, ...]
+
+
+def kv_groups(shape: ModelShape) -> tuple[KVGroup, ...]:
+    """How the KV cache groups the layers; one group of every layer unless the model is hybrid.
+
+    A hybrid model (full and sliding-window layers, Gemma 2/3) gets groups of at most ``size``
+    layers of one kind each, full groups first: every group has its own block tables over the one
+    pool, and a block holds ``size`` layers (:func:`kv_layer_slots`). ``size`` is chosen to keep
+    padding slots and the number of groups (block tables per sequence) both low: Gemma 3 27B (62
+    layers, 10 full) gets 1 full + 6 sliding groups of 10 slots. Model-wide windows (mistral) stay
+    one group: its window is applied as a mask and its blocks are kept."""
+    layers = range(shape.num_hidden_layers)
+    if not shape.is_hybrid:
+        return (KVGroup(None, tuple(layers)),)
+    full = [i for i in layers if shape.layer_window(i) is None]
+    sliding = [i for i in layers if shape.layer_window(i) is not None]
+
+    def groups_of(size: int) -> int:
+        return -(-len(full) // size) + -(-len(sliding) // size)
+
+    size = min(range(1, min(len(full), len(sliding)) + 1),
+               key=lambda n: (n * groups_of(n) + groups_of(n), -n))  # slots + tables, then bigger
+    out = [KVGroup(None, tuple(full[i:i + size])) for i in range(0, len(full), size)]
+    out += [KVGroup(shape.sliding_window, tuple(sliding[i:i + size])) for i in range(0, len(sliding), size)]
+    return tuple(out)
+
+
+def kv_layer_slots(shape: ModelShape) -> int:
+    """Layers one KV block holds: every layer, or a hybrid model's group size (:func:`kv_groups`)."""
+    return max(len(g.layers) for g in kv_groups(shape))
+
+
+def kv_blocks_per_sequence(shape: ModelShape, num_tokens: int, block_size: int) -> int:
+    """Blocks a sequence of ``num_tokens`` holds while it decodes: every group's blocks of all its
+    tokens, except a sliding group's, which holds the blocks that its next query can still see
+    (the window, plus the partly filled block at each end)."""
+    check_block_size(block_size)
+    total = 0
+    for group in kv_groups(shape):
+        blocks = -(-num_tokens // block_size)
+        if group.window is not None and num_tokens > group.window:
+            first_visible = (num_tokens - group.window + 1) // block_size  # for the next query
+            blocks -= first_visible
+        total += blocks
+    return total
+
+
 def check_block_size(block_size: object, name: str = "block_size") -> int:
     """``block_size`` if it is an int in ``MIN_BLOCK_SIZE .. MAX_BLOCK_SIZE``; else ValueError
     naming ``name`` (the field or flag the caller reads it from) and the range."""
@@ -211,10 +303,11 @@ def kv_heads_per_rank(shape: ModelShape, tp: int = 1) -> int:
 
 
 def kv_bytes_per_token(shape: ModelShape, kv_dtype: str, tp: int = 1) -> int:
-    """KV bytes one token takes on one rank, K and V of every layer (see the module diagram)."""
+    """KV bytes one token takes in one block on one rank, K and V of every layer the block holds
+    (all of them, or a hybrid model's group size: :func:`kv_layer_slots`; see the module diagram)."""
     per_layer = ((shape.kv_lora_rank or 0) + (shape.qk_rope_head_dim or 0) if shape.is_mla
                  else 2 * kv_heads_per_rank(shape, tp) * shape.head_dim)
-    return shape.num_hidden_layers * per_layer * kv_dtype_bytes(kv_dtype)
+    return kv_layer_slots(shape) * per_layer * kv_dtype_bytes(kv_dtype)
 
 
 def scale_bytes_per_block(shape: ModelShape, kv_dtype: str, tp: int = 1) -> int:
@@ -223,7 +316,7 @@ def scale_bytes_per_block(shape: ModelShape, kv_dtype: str, tp: int = 1) -> int:
     if kv_dtype_name(kv_dtype) not in SCALED_KV_DTYPES:
         return 0
     per_layer = 1 if shape.is_mla else 2 * kv_heads_per_rank(shape, tp)
-    return shape.num_hidden_layers * per_layer * SCALE_BYTES
+    return kv_layer_slots(shape) * per_layer * SCALE_BYTES
 
 
 def kv_bytes_per_block(shape: ModelShape, block_size: int, kv_dtype: str, tp: int = 1) -> int:
@@ -252,6 +345,7 @@ def shape_from_hf_dict(d: dict[str, Any], name: str = "") -> ModelShape:
         raise ValueError(f"config.json lacks required key {missing[0]!r}")
     model_type = str(d.get("model_type") or next(
         (_HF_ARCHITECTURES[a] for a in d.get("architectures") or [] if a in _HF_ARCHITECTURES), ""))
+    model_type = _MODEL_TYPE_ALIASES.get(model_type, model_type)
     defaults = _HF_DEFAULTS.get(model_type, _HF_DEFAULTS["llama"])
 
     def get(key: str) -> Any:
@@ -268,9 +362,14 @@ def shape_from_hf_dict(d: dict[str, Any], name: str = "") -> ModelShape:
     elif model_type == "phi3":  # no biases; Phi-3 mini 4k has a 2047-token window
         qkv_bias = o_bias = False
         window = d.get("sliding_window")
-    else:  # llama's attention_bias covers o_proj too; mistral has none
+    else:  # llama's (and gemma3's) attention_bias covers o_proj too; mistral has none
         qkv_bias = o_bias = model_type != "mistral" and bool(d.get("attention_bias", False))
         window = d.get("sliding_window", defaults.get("sliding_window"))
+    layer_types: tuple[str, ...] = ()
+    if model_type in _SLIDING_PATTERN:  # per-layer kinds: listed, or every n-th layer global
+        n, every = int(d["num_hidden_layers"]), int(d.get("sliding_window_pattern") or _SLIDING_PATTERN[model_type])
+        layer_types = tuple(d.get("layer_types") or (
+            SLIDING_ATTENTION if (i + 1) % every else FULL_ATTENTION for i in range(n)))
     experts = int(d.get("n_routed_experts") or d.get("num_local_experts") or 0)
     return ModelShape(
         model_type=model_type,
@@ -282,12 +381,13 @@ def shape_from_hf_dict(d: dict[str, Any], name: str = "") -> ModelShape:
         num_key_value_heads=int(d.get("num_key_value_heads") or heads),
         head_dim=int(d.get("head_dim") or defaults.get("head_dim") or hidden // heads),
         max_position_embeddings=int(get("max_position_embeddings")),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type == "gemma3")),
         attention_bias=qkv_bias,
         o_proj_bias=o_bias,
         mlp_bias=bool(d.get("mlp_bias", False)),
         sliding_window=int(window) if window else None,
-        qk_norm=model_type == "qwen3",
+        layer_types=layer_types,
+        qk_norm=model_type in ("qwen3", "gemma3"),
         kv_lora_rank=_opt_int(d.get("kv_lora_rank")),
         qk_rope_head_dim=_opt_int(d.get("qk_rope_head_dim")),
         qk_nope_head_dim=_opt_int(d.get("qk_nope_head_dim")),

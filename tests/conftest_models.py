@@ -24,14 +24,16 @@ BASE: dict[str, Any] = dict(
 def randomize_(model: torch.nn.Module, seed: int) -> None:
     """Weights with O(1) activations (HF's 0.02 init gives near-uniform logits and greedy ties)."""
     gen = torch.Generator().manual_seed(seed)
+    # gemma: norms scale by (1 + w) and embeddings are multiplied by sqrt(hidden)
+    gemma = "Gemma" in type(model).__name__
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+                p.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn(p.shape, generator=gen))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
             elif "embed_tokens" in name:
-                p.copy_(torch.randn(p.shape, generator=gen))
+                p.copy_(torch.randn(p.shape, generator=gen) / (math.sqrt(p.shape[-1]) if gemma else 1.0))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
 
@@ -50,7 +52,8 @@ def make_hf_checkpoint(tmp_path: Path, model_type: str = "llama", seed: int = 0,
            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
            "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-           "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM)}[model_type]
+           "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+           "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM)}[model_type]
     base = {**BASE, "pad_token_id": 0} if model_type == "phi3" else BASE
     config = cls[0](**{**base, **overrides})
     torch.manual_seed(seed)
@@ -119,9 +122,12 @@ def paged_greedy(runner: ModelRunner, prompts: list[list[int]], n: int, *, chunk
     alloc = alloc or TinyAllocator(runner.num_blocks)
     prefix_blocks, prefix_len = shared_prefix or ([], 0)
     tables: list[list[int]] = []
+    num_groups = len(runner.cache.groups)  # a hybrid model's KV groups each need a table
+    group_tables: list[tuple[list[int], ...]] = []
     for p in prompts:
         total = len(p) + n
         tables.append(prefix_blocks + alloc.take(-(-total // bs) - len(prefix_blocks)))
+        group_tables.append(tuple(alloc.take(-(-total // bs)) for _ in range(num_groups - 1)))
     done = [prefix_len] * len(prompts)  # tokens already in the cache
     seqs = [list(p) for p in prompts]
     outs: list[list[int]] = [[] for _ in prompts]
@@ -133,7 +139,7 @@ def paged_greedy(runner: ModelRunner, prompts: list[list[int]], n: int, *, chunk
             todo = seq[done[i]:]
             if chunk is not None and len(todo) > chunk:
                 todo = todo[:chunk]
-            chunks.append(SeqChunk(todo, done[i], tables[i]))
+            chunks.append(SeqChunk(todo, done[i], tables[i], group_tables=group_tables[i]))
             owners.append(i)
         logits = runner.execute(chunks)
         for row, (i, c) in enumerate(zip(owners, chunks)):

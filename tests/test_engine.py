@@ -9,6 +9,7 @@ may stay in use.
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -17,6 +18,7 @@ from conftest_models import hf_greedy, hf_logits, load_hf_reference, make_hf_che
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.engine import LLMEngine, RequestRejectedError, RequestTooLongError
+from pagedkv.model_shape import kv_layer_slots, shape_from_hf_dict
 
 
 def ragged_prompts(seed: int, lengths: list[int], vocab: int = 256) -> list[list[int]]:
@@ -24,16 +26,30 @@ def ragged_prompts(seed: int, lengths: list[int], vocab: int = 256) -> list[list
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+# gemma3: a hybrid KV cache (sliding-window layers 0, 1 and 3 in groups of their own)
+_TINY = {"llama": {}, "qwen2": {}, "gemma3": dict(num_hidden_layers=4, sliding_window=6, sliding_window_pattern=3,
+                                                 head_dim=24)}
+
+
+@pytest.fixture(scope="module", params=list(_TINY))
 def tiny(request, tmp_path_factory):
-    folder = make_hf_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=5)
+    folder = make_hf_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=5,
+                                **_TINY[request.param])
     return folder, load_hf_reference(folder)
+
+
+def same_memory_blocks(folder, n: int) -> int:
+    """Blocks taking the memory of ``n`` blocks of a cache holding every layer in each block (a
+    hybrid model's blocks hold one group's layers: more of them fit)."""
+    shape = shape_from_hf_dict(json.loads((folder / "config.json").read_text()))
+    return n * shape.num_hidden_layers // kv_layer_slots(shape)
 
 
 def test_greedy_batch_equals_transformers(tiny):
     folder, ref = tiny
     prompts = ragged_prompts(0, [3, 17, 40, 9, 64, 1])
-    llm = LLM(str(folder), block_size=4, num_kv_blocks=200, max_num_batched_tokens=48,
+    llm = LLM(str(folder), block_size=4, num_kv_blocks=same_memory_blocks(folder, 200),
+              max_num_batched_tokens=48,
               debug_integrity=True, prefix_index="radix")
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
@@ -50,7 +66,7 @@ def test_greedy_batch_equals_transformers(tiny):
 def test_logprobs_match_transformers(tiny):
     folder, ref = tiny
     prompt = ragged_prompts(1, [12])[0]
-    llm = LLM(str(folder), block_size=8, num_kv_blocks=32)
+    llm = LLM(str(folder), block_size=8, num_kv_blocks=same_memory_blocks(folder, 32))
     comp = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, logprobs=3,
                                                  ignore_eos=True))[0].outputs[0]
     seq = prompt + comp.token_ids
@@ -169,7 +185,7 @@ def test_parallel_sampling_is_seeded_and_shares_blocks(tiny):
     folder, _ = tiny
     prompt = ragged_prompts(3, [30])[0]
     params = SamplingParams(temperature=1.0, n=4, seed=123, max_tokens=10, ignore_eos=True)
-    llm = LLM(str(folder), block_size=4, num_kv_blocks=128, debug_integrity=True)
+    llm = LLM(str(folder), block_size=4, num_kv_blocks=same_memory_blocks(folder, 128), debug_integrity=True)
     alone = llm.generate([prompt], params)[0]
     others = ragged_prompts(4, [7, 19])
     crowd = llm.generate([others[0], prompt, others[1]],
@@ -206,7 +222,7 @@ def reference_beam_search(model, prompt: list[int], width: int, max_tokens: int)
 def test_beam_search_matches_reference(tiny):
     folder, ref = tiny
     prompts = ragged_prompts(5, [6, 21])
-    llm = LLM(str(folder), block_size=4, num_kv_blocks=128, debug_integrity=True)
+    llm = LLM(str(folder), block_size=4, num_kv_blocks=same_memory_blocks(folder, 128), debug_integrity=True)
     outs = llm.beam_search(prompts, beam_width=3, max_tokens=7)
     for prompt, out in zip(prompts, outs):
         expected = reference_beam_search(ref, prompt, 3, 7)
@@ -218,7 +234,8 @@ def test_beam_search_matches_reference(tiny):
 
 def test_rejected_requests_leave_others_running(tiny):
     folder, ref = tiny
-    engine = LLMEngine.from_options(str(folder), block_size=4, num_kv_blocks=20, max_model_len=64)
+    engine = LLMEngine.from_options(str(folder), block_size=4, num_kv_blocks=same_memory_blocks(folder, 20),
+                                    max_model_len=64)
     engine.add_request("ok", [5, 6, 7], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     with pytest.raises(RequestTooLongError, match="max_model_len is 64"):
         engine.add_request("long", list(range(3, 70)), SamplingParams(max_tokens=1))
@@ -241,7 +258,7 @@ def test_rejected_requests_leave_others_running(tiny):
 
 def test_abort_frees_blocks(tiny):
     folder, _ = tiny
-    engine = LLMEngine.from_options(str(folder), block_size=4, num_kv_blocks=64)
+    engine = LLMEngine.from_options(str(folder), block_size=4, num_kv_blocks=same_memory_blocks(folder, 64))
     engine.add_request("a", list(range(3, 30)), SamplingParams(max_tokens=50, ignore_eos=True))
     engine.add_request("b", list(range(3, 10)), SamplingParams(max_tokens=5, ignore_eos=True))
     engine.step()
@@ -262,7 +279,7 @@ def test_prompt_logprobs_match_transformers(tiny, faults):
     from logits at every prompt position, and equals transformers'."""
     folder, ref = tiny
     prompt = ragged_prompts(7, [45])[0]
-    llm = LLM(str(folder), block_size=4, num_kv_blocks=64, max_num_batched_tokens=16,
+    llm = LLM(str(folder), block_size=4, num_kv_blocks=same_memory_blocks(folder, 64), max_num_batched_tokens=16,
               fault_injection=faults, debug_integrity=True)
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2))  # caches the prompt's blocks
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2,
@@ -284,7 +301,8 @@ def test_a_shared_prefix_being_computed_is_waited_for_not_computed_twice(tiny):
     """Requests sharing a prefix, submitted together: the first computes it, the others are
     admitted once it is written and hit it (no second computation of the shared blocks)."""
     folder, _ = tiny
-    engine = LLMEngine.from_options(str(folder), block_size=4, num_kv_blocks=200, debug_integrity=True)
+    engine = LLMEngine.from_options(str(folder), block_size=4, num_kv_blocks=same_memory_blocks(folder, 200),
+                                    debug_integrity=True)
     plans = []
     schedule = engine.scheduler.schedule
     engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
@@ -301,5 +319,6 @@ def test_a_shared_prefix_being_computed_is_waited_for_not_computed_twice(tiny):
     assert [(s.group.request_id, s.start, s.num_tokens) for s in plans[1].scheduled][1:] == [
         ("r1", 40, 3), ("r2", 40, 3), ("r3", 40, 3)]
     assert all(outs[f"r{i}"].num_cached_tokens == 40 for i in (1, 2, 3))
-    want = LLM(str(folder), block_size=4, num_kv_blocks=200, enable_prefix_caching=False).generate(prompts, params)
+    want = LLM(str(folder), block_size=4, num_kv_blocks=same_memory_blocks(folder, 200),
+               enable_prefix_caching=False).generate(prompts, params)
     assert [outs[f"r{i}"].outputs[0].token_ids for i in range(4)] == [o.outputs[0].token_ids for o in want]

@@ -6,6 +6,9 @@ on), and block copies / swaps move stored contents exactly as the runner would. 
 ``check_integrity()`` holds, and every computed position of every sequence, read through its block
 table, holds that sequence's own prefix. A wrong prefix hit, a missed copy-on-write, a lost swap
 copy or a write into a shared block all show up as a mismatch.
+
+Hybrid models (``groups``: KV groups of full and sliding-window layers) keep one table per group;
+the slots store the group too, and a released entry must be out of the window of the next query.
 """
 
 from hypothesis import HealthCheck, settings
@@ -21,34 +24,52 @@ class MemoryCoreMachine(RuleBasedStateMachine):
     @initialize(block_size=st.sampled_from([1, 2, 3, 4, 8]), num_blocks=st.integers(4, 24),
                 num_host_blocks=st.integers(0, 16), policy=st.sampled_from(["lru", "fifo", "lrc"]),
                 caching=st.booleans(), watermark=st.sampled_from([0.0, 0.1]),
-                index=st.sampled_from(["hash", "radix"]))
-    def setup(self, block_size, num_blocks, num_host_blocks, policy, caching, watermark, index):
+                index=st.sampled_from(["hash", "radix"]),
+                groups=st.sampled_from([(None,), (None,), (None, 2), (None, 3, 3), (None, None, 5), (None, 1)]))
+    def setup(self, block_size, num_blocks, num_host_blocks, policy, caching, watermark, index, groups):
         self.B = block_size
+        self.windows = groups
+        if len(groups) > 1:
+            num_blocks *= len(groups)
         # With index="radix" the radix tree serves lookups and check_integrity() proves it
         # names exactly the blocks the hash chain does.
         self.mgr = KVCacheManager(num_blocks, block_size, num_host_blocks=num_host_blocks,
                                   enable_prefix_caching=caching, eviction_policy=policy,
-                                  watermark=watermark, prefix_index=index)
+                                  watermark=watermark, prefix_index=index, kv_group_windows=groups)
         self.device: dict[int, list] = {}  # block id -> slot contents
         self.host: dict[int, list] = {}
         self.ref: dict[int, tuple[list[int], str | None]] = {}  # seq -> (tokens, salt)
         self.next_id = 0
 
     # -- helpers -------------------------------------------------------------------------
-    def _content(self, seq, pos):
+    def _content(self, seq, pos, group=0):
         tokens, salt = self.ref[seq]
-        return (salt, tuple(tokens[:pos + 1]))
+        return (group, salt, tuple(tokens[:pos + 1]))
+
+    def _tables(self, seq):
+        return [self.mgr.block_table(seq), *self.mgr.group_tables(seq)]
+
+    def _check_reads(self, seq, store, upto):
+        """Every position before ``upto`` that the next query may read holds this sequence's
+        prefix, in every group; a released entry is out of that query's window."""
+        for g, table in enumerate(self._tables(seq)):
+            for pos in range(upto):
+                block_id = table[pos // self.B]
+                if block_id == -1:
+                    assert g > 0 and pos <= self.mgr.num_computed(seq) - self.windows[g], (seq, g, pos)
+                    continue
+                assert store[block_id][pos % self.B] == self._content(seq, pos, g), (seq, g, pos)
 
     def _write(self, seq, n):
         """Write KV for the next n tokens, as the runner would, then mark them computed."""
-        table = self.mgr.block_table(seq)
         start = self.mgr.num_computed(seq)
-        for pos in range(start, start + n):
-            block_id = table[pos // self.B]
-            # Writing into a block another sequence still references would corrupt it.
-            assert self.mgr.pool.blocks[block_id].ref_count == 1, (seq, pos, block_id)
-            slots = self.device.setdefault(block_id, [None] * self.B)
-            slots[pos % self.B] = self._content(seq, pos)
+        for g, table in enumerate(self._tables(seq)):
+            for pos in range(start, start + n):
+                block_id = table[pos // self.B]
+                # Writing into a block another sequence still references would corrupt it.
+                assert block_id >= 0 and self.mgr.pool.blocks[block_id].ref_count == 1, (seq, pos, block_id)
+                slots = self.device.setdefault(block_id, [None] * self.B)
+                slots[pos % self.B] = self._content(seq, pos, g)
         self.mgr.mark_computed(seq, n)
 
     def _copy(self, pairs, src, dst):
@@ -73,10 +94,8 @@ class MemoryCoreMachine(RuleBasedStateMachine):
             return
         assert cached % self.B == 0 and cached < len(tokens)
         self.ref[seq] = (tokens, salt)
-        # Every hit position must already hold this very prefix.
-        table = self.mgr.block_table(seq)
-        for pos in range(cached):
-            assert self.device[table[pos // self.B]][pos % self.B] == self._content(seq, pos)
+        # Every hit position must already hold this very prefix (in every group, within the window).
+        self._check_reads(seq, self.device, cached)
         self._write(seq, min(chunk, len(tokens) - cached))
 
     @precondition(lambda self: self._seqs(False))
@@ -88,11 +107,11 @@ class MemoryCoreMachine(RuleBasedStateMachine):
             tokens.append(new_token)
             k = 1
         k = min(k, len(tokens) - self.mgr.num_computed(seq))
-        table_before = list(self.mgr.block_table(seq))
+        tables_before = [list(t) for t in self._tables(seq)]
         try:
             copies = self.mgr.allocate_slots(seq, k)
         except OutOfBlocksError:
-            assert self.mgr.block_table(seq) == table_before
+            assert self._tables(seq) == tables_before
             return
         self._copy(copies, self.device, self.device)
         self._write(seq, k)
@@ -147,10 +166,7 @@ class MemoryCoreMachine(RuleBasedStateMachine):
         self.mgr.check_integrity()
         for seq in self.ref:
             store = self.host if self.mgr.is_swapped(seq) else self.device
-            table = self.mgr.block_table(seq)
-            for pos in range(self.mgr.num_computed(seq)):
-                assert store[table[pos // self.B]][pos % self.B] == self._content(seq, pos), \
-                    (seq, pos)
+            self._check_reads(seq, store, self.mgr.num_computed(seq))
 
     def teardown(self):
         if not hasattr(self, "mgr"):

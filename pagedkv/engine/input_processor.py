@@ -27,11 +27,13 @@ PromptInput = str | list[int] | TokenizedPrompt
 class InputProcessor:
     """Checks prompts against ``max_model_len``, the vocabulary and the KV pool's size."""
 
-    def __init__(self, tokenizer, max_model_len: int, kv: KVCacheManager, vocab_size: int | None) -> None:
+    def __init__(self, tokenizer, max_model_len: int, kv: KVCacheManager, vocab_size: int | None,
+                 chunk: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.kv = kv  # read only: block size and pool size
         self.vocab_size = vocab_size
+        self.chunk = chunk  # the most tokens one step computes (a sliding window's blocks hold that much more)
 
     def tokenize(self, prompt: PromptInput) -> TokenizedPrompt:
         """Tokenize and check a prompt without touching the engine's state, so any thread may call
@@ -94,8 +96,11 @@ class InputProcessor:
         kv = self.kv
         # Forks share the prompt's blocks; each needs its own blocks for its output (plus one
         # copy-on-write of the prompt's partial last block).
-        needed = (kv.blocks_for(n + max_tokens) if width == 1 else
-                  kv.blocks_for(n) + width * (kv.blocks_for(max_tokens) + 1))
+        # (a sliding window's group holds its window plus one step's chunk: at most the whole
+        # sequence, recomputed at once after a preemption)
+        chunk = min(self.chunk or n + max_tokens, n + max_tokens)
+        needed = (kv.blocks_for(n + max_tokens, chunk) if width == 1 else
+                  kv.blocks_for(n, chunk) + width * (kv.blocks_for(max_tokens, chunk) + kv.num_groups))
         if needed > kv.num_blocks:
             raise RequestTooLongError(
                 f"the request needs about {needed} KV blocks ({n} prompt tokens, "

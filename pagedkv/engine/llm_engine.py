@@ -60,9 +60,9 @@ class LLMEngine:
         B = runner.block_size
         model_len = config.max_model_len or max_position_embeddings or runner.num_blocks * B
         self.config = config.with_max_model_len(model_len)
-        rotary = getattr(getattr(runner, "model", None), "rotary", None)
-        if rotary is not None:  # longrope picks its factors by the context served
-            rotary.set_context_length(model_len)
+        set_context_length = getattr(getattr(runner, "model", None), "set_context_length", None)
+        if set_context_length is not None:  # longrope picks its factors by the context served
+            set_context_length(model_len)
         if config.kv_offload_dir is not None and runner.num_host_blocks == 0:
             raise ValueError("the disk tier (kv_offload_dir) reads blocks back through the host tier, "
                              "which has no blocks: give a larger kv_offloading_size")
@@ -70,7 +70,8 @@ class LLMEngine:
         self.kv = KVCacheManager(runner.num_blocks, B, num_host_blocks=runner.num_host_blocks,
                                  enable_prefix_caching=config.enable_prefix_caching,
                                  eviction_policy=config.eviction_policy, watermark=config.watermark,
-                                 prefix_index=config.prefix_index, offload_to_host=True, disk=disk)
+                                 prefix_index=config.prefix_index, offload_to_host=True, disk=disk,
+                                 kv_group_windows=kv_group_windows(runner))
         self.tiers = TierMover(runner, self.kv)
         self._closed = False
         spec = config.faults
@@ -85,7 +86,8 @@ class LLMEngine:
         self.kv_guard = KVQuantGuard(runner) if getattr(runner, "write_error", None) is not None else None
         self.outputs = OutputProcessor(tokenizer, model_len)
         self.inputs = InputProcessor(tokenizer, self.config.max_model_len, self.kv,
-                                     getattr(getattr(runner, "config", None), "vocab_size", None))
+                                     getattr(getattr(runner, "config", None), "vocab_size", None),
+                                     chunk=config.max_num_batched_tokens)
         self._arrivals = 0
         self._steps = 0
         self._prompt_tokens = 0
@@ -183,7 +185,8 @@ class LLMEngine:
     def _chunk(self, s: ScheduledSeq) -> SeqChunk:
         seq = s.seq
         return SeqChunk(seq.token_ids[s.start:s.start + s.num_tokens], s.start,
-                        self.kv.block_table(seq.seq_id), all_logits=_prompt_logprob_window(s) is not None)
+                        self.kv.block_table(seq.seq_id), all_logits=_prompt_logprob_window(s) is not None,
+                        group_tables=self.kv.group_tables(seq.seq_id))
 
     def _execute(self, out: SchedulerOutput, chunks: list[SeqChunk]):
         """The plan's shared work on the runner; the logits of its chunks, or None."""
@@ -429,6 +432,13 @@ class LLMEngine:
             kv_bytes_per_block=int(getattr(getattr(runner, "cache", None), "bytes_per_block", 0)),
             kv_quant_error=quant, kv_quant_error_max=max_quant_error(quant),
             tier_costs=self.kv.costs.as_dict(), thrash_guarded=s.thrash_guarded)
+
+def kv_group_windows(runner) -> tuple[int | None, ...]:
+    """The memory core's KV groups for the runner's cache (``model_shape.kv_groups``): one per
+    group, its window or None."""
+    groups = getattr(getattr(runner, "cache", None), "groups", None)
+    return tuple(g.window for g in groups) if groups else (None,)
+
 
 def _prompt_logprob_window(s: ScheduledSeq) -> tuple[int, int] | None:
     """Positions ``first .. last - 1`` of this chunk whose logits give prompt logprobs not yet

@@ -274,7 +274,7 @@ class Scheduler:
             return mode
         kv = self.kv
         resident = [s.seq_id for s in group.live_seqs if s.seq_id in kv]
-        blocks = len({b for sid in resident for b in kv.block_table(sid)})
+        blocks = len({b for sid in resident for b in kv.block_ids(sid)})
         tokens = sum(kv.num_computed(sid) for sid in resident)
         if blocks > kv.host_pool.num_free:
             return "recompute"

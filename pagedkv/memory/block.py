@@ -24,6 +24,7 @@ class Block:
     last_used: int = 0
     cached_at: int = 0
     uses: int = 0  # how many sequences have referenced this block since it was cached
+    kv_group: int = 0  # the KV group (a hybrid model's, memory/kv_groups.py) it was cached for
     prev: Block | None = None
     next: Block | None = None
 

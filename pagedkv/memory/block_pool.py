@@ -96,8 +96,8 @@ class BlockPool:
     def lookup(self, block_hash: bytes) -> Block | None:
         return self.cached.get(block_hash)
 
-    def cache(self, blocks: Iterable[Block], hashes: Iterable[bytes]) -> None:
-        """Register full, computed blocks under their hashes.
+    def cache(self, blocks: Iterable[Block], hashes: Iterable[bytes], kv_group: int = 0) -> None:
+        """Register full, computed blocks under their hashes (of KV group ``kv_group``'s layers).
 
         A block that already has a hash (a prefix hit) keeps it; a hash another block already
         holds (two sequences computed the same prefix at once) stays with that block.
@@ -110,6 +110,7 @@ class BlockPool:
                 block.block_hash = block_hash
                 block.cached_at = block.last_used = now
                 block.uses = 1
+                block.kv_group = kv_group
                 cached[block_hash] = block
 
     def evict_cached(self, max_blocks: int | None = None) -> int:

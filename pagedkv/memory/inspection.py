@@ -10,10 +10,12 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from pagedkv.memory.errors import IntegrityError
+from pagedkv.memory.kv_groups import RELEASED, first_visible_block
+from pagedkv.memory.prefix_hash import group_hash
 from pagedkv.memory.stats import KVStats
 
 if TYPE_CHECKING:
-    from pagedkv.memory.kv_cache_manager import KVCacheManager
+    from pagedkv.memory.kv_cache_manager import KVCacheManager, SeqState
 
 
 def kv_stats(mgr: KVCacheManager) -> KVStats:
@@ -24,14 +26,17 @@ def kv_stats(mgr: KVCacheManager) -> KVStats:
     for seq in mgr.seqs.values():
         if not seq.on_device:
             continue
-        table_blocks += len(seq.block_table)
-        n = min(len(seq.token_ids), len(seq.block_table) * B)
-        for i, block_id in enumerate(seq.block_table):
-            fill = min(B, n - i * B)
-            if fill <= 0:
-                break
-            if fill > filled.get(block_id, 0):
-                filled[block_id] = fill
+        for table in seq.tables():  # every KV group's (a hybrid model's released entries skipped)
+            n = min(len(seq.token_ids), len(table) * B)
+            for i, block_id in enumerate(table):
+                fill = min(B, n - i * B)
+                if fill <= 0:
+                    break
+                if block_id == RELEASED:
+                    continue
+                table_blocks += 1
+                if fill > filled.get(block_id, 0):
+                    filled[block_id] = fill
     pool = mgr.pool
     tier = mgr.host_tier
     used = pool.num_blocks - pool.num_free
@@ -41,7 +46,7 @@ def kv_stats(mgr: KVCacheManager) -> KVStats:
         cached_blocks=len(pool.cached), evictable_blocks=evictable, num_seqs=len(mgr.seqs), table_blocks=table_blocks,
         filled_slots=sum(filled.values()), allocated_slots=used * B,
         prefix_query_tokens=mgr.prefix_query_tokens, prefix_hit_tokens=mgr.prefix_hit_tokens,
-        evictions=pool.evictions, cow_copies=mgr.cow_copies,
+        evictions=pool.evictions, cow_copies=mgr.cow_copies, window_released_blocks=mgr.released_blocks,
         swapped_out_blocks=mgr.swapped_out_blocks, swapped_in_blocks=mgr.swapped_in_blocks,
         host_blocks=mgr.host_pool.num_blocks,
         host_used_blocks=mgr.host_pool.num_blocks - mgr.host_pool.num_free,
@@ -82,8 +87,10 @@ def check_integrity(mgr: KVCacheManager) -> None:
         refs["host"].update(b.block_id for b in mgr.host_tier.held)
     for seq in mgr.seqs.values():
         table = seq.block_table
-        if len(set(table)) != len(table):
-            raise IntegrityError(f"sequence {seq.seq_id!r} maps one block twice: {table}")
+        held = seq.block_ids()
+        if len(set(held)) != len(held):
+            raise IntegrityError(f"sequence {seq.seq_id!r} maps one block twice: {seq.tables()}")
+        _check_groups(mgr, seq)
         if not seq.num_computed <= len(seq.token_ids):
             raise IntegrityError(f"sequence {seq.seq_id!r} computed more tokens than it has")
         if seq.num_computed > len(table) * B:
@@ -92,13 +99,16 @@ def check_integrity(mgr: KVCacheManager) -> None:
             raise IntegrityError(f"sequence {seq.seq_id!r} hashed blocks past its tokens")
         if seq.num_cached_blocks > seq.num_computed // B:
             raise IntegrityError(f"sequence {seq.seq_id!r} cached a block before computing it")
-        refs[seq.tier].update(table)
+        refs[seq.tier].update(held)
         if seq.on_device:
-            for i in range(seq.num_cached_blocks):
-                h = mgr.pool.blocks[table[i]].block_hash
-                if h is not None and h != seq.block_hashes[i]:
-                    raise IntegrityError(f"sequence {seq.seq_id!r} block {i} holds another "
-                                         f"prefix's hash")
+            for g, group_table in enumerate(seq.tables()):
+                for i in range(seq.num_cached_blocks):
+                    if group_table[i] == RELEASED:
+                        continue
+                    h = mgr.pool.blocks[group_table[i]].block_hash
+                    if h is not None and h != group_hash(seq.block_hashes[i], g):
+                        raise IntegrityError(f"sequence {seq.seq_id!r} block {i} of group {g} holds "
+                                             f"another prefix's hash")
     mgr.index.check()
     for tier, pool in mgr.tiers.items():
         counts = refs[tier]
@@ -109,6 +119,24 @@ def check_integrity(mgr: KVCacheManager) -> None:
                                      f"{expected} references")
 
 
+def _check_groups(mgr: KVCacheManager, seq: SeqState) -> None:
+    """A hybrid model's group tables: as long as group 0's, released entries exactly the leading
+    ones out of the window of the next query."""
+    if len(seq.group_tables) != mgr.num_groups - 1 or len(seq.released) != len(seq.group_tables):
+        raise IntegrityError(f"sequence {seq.seq_id!r} has {len(seq.group_tables)} group tables "
+                             f"for {mgr.num_groups} KV groups")
+    B = mgr.block_size
+    for g, table in enumerate(seq.group_tables, start=1):
+        lo = seq.released[g - 1]
+        if len(table) != len(seq.block_table):
+            raise IntegrityError(f"sequence {seq.seq_id!r} group {g} table has {len(table)} blocks, "
+                                 f"group 0 {len(seq.block_table)}")
+        if any(b != RELEASED for b in table[:lo]) or RELEASED in table[lo:]:
+            raise IntegrityError(f"sequence {seq.seq_id!r} group {g} released entries are not the first {lo}")
+        if lo > first_visible_block(seq.num_computed, mgr.group_windows[g], B):
+            raise IntegrityError(f"sequence {seq.seq_id!r} group {g} released a block still in the window")
+
+
 def pretty_print(mgr: KVCacheManager) -> str:
     """A readable dump of every sequence's block table and the cached blocks."""
     lines = [f"KVCacheManager: {mgr.num_blocks} blocks x {mgr.block_size} slots, "
@@ -116,4 +144,6 @@ def pretty_print(mgr: KVCacheManager) -> str:
     for seq in mgr.seqs.values():
         lines.append(f"  seq {seq.seq_id!r} [{seq.tier}] tokens={len(seq.token_ids)} "
                      f"computed={seq.num_computed} table={seq.block_table}")
+        for g, table in enumerate(seq.group_tables, start=1):
+            lines.append(f"    group {g} (window {mgr.group_windows[g]}) table={table}")
     return "\n".join(lines)

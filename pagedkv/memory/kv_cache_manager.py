@@ -18,6 +18,9 @@ and how many tokens' KV is written (``num_computed``). A sequence's tokens, and 
   block is never served to another request before its KV exists. The caller appends tokens to
   its own list before it marks them computed.
 - ``swap_out`` / ``swap_in`` move whole sequences between the pools, returning block copy pairs.
+- A hybrid model (``kv_group_windows`` with more than one group) gives each sequence one table
+  per KV group; a sliding group's blocks that leave every query's window are released as the
+  sequence advances (``memory/kv_groups.py``).
 
 Every allocation is transactional: it raises ``OutOfBlocksError`` before changing anything.
 """
@@ -35,6 +38,7 @@ from pagedkv.memory.errors import OutOfBlocksError
 from pagedkv.memory.eviction import make_eviction_policy
 from pagedkv.memory.host_tier import HostPrefixTier
 from pagedkv.memory.inspection import check_integrity, kv_stats, pretty_print
+from pagedkv.memory.kv_groups import RELEASED, cache_group_blocks, release_out_of_window, window_hits
 from pagedkv.memory.prefix_hash import chain_hashes, root_hash
 from pagedkv.memory.prefix_index import make_prefix_index
 from pagedkv.memory.stats import KVStats
@@ -55,10 +59,22 @@ class SeqState:
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks, chained
     num_cached_blocks: int = 0  # leading blocks already offered to the prefix cache
     tier: str = DEVICE  # the pool its block table points into (see memory/tiers.py)
+    # a hybrid model's KV groups 1..: their tables (RELEASED entries: out of the window) and how
+    # many leading blocks each has released (memory/kv_groups.py)
+    group_tables: list[list[int]] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)
 
     @property
     def on_device(self) -> bool:
         return self.tier == DEVICE
+
+    def tables(self) -> list[list[int]]:
+        """Every group's block table (group 0's is ``block_table``); live lists."""
+        return [self.block_table, *self.group_tables]
+
+    def block_ids(self) -> list[int]:
+        """Every block the sequence holds, all groups."""
+        return [b for table in self.tables() for b in table if b != RELEASED]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -83,14 +99,27 @@ class KVCacheManager:
             ``offload_to_host``): evicted device blocks are written through to it, and
             ``prefetch()`` reads a waiting prompt's blocks from it into the host tier.
         costs: the measured costs that decide reload against recompute (``memory/tier_costs.py``).
+        kv_group_windows: one entry per KV group of a hybrid model (``model_shape.kv_groups``):
+            its attention window, or None for a group that keeps every block. Group 0 must be
+            None (the prefix cache's anchor; the radix index holds group 0's blocks). A hybrid
+            model's host pool serves swapping only (no host or disk prefix tier yet).
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, num_host_blocks: int = 0,
                  enable_prefix_caching: bool = True, eviction_policy: str = "lru",
                  watermark: float = 0.0, lrc_alpha: float = 0.7, lrc_beta: float = 0.3,
                  prefix_index: str = "hash", offload_to_host: bool = False,
-                 disk: DiskPrefixTier | None = None, costs: TierCosts | None = None) -> None:
+                 disk: DiskPrefixTier | None = None, costs: TierCosts | None = None,
+                 kv_group_windows: tuple[int | None, ...] = (None,)) -> None:
         check_block_size(block_size)
+        if not kv_group_windows or kv_group_windows[0] is not None:
+            raise ValueError(f"kv_group_windows must start with None (group 0 keeps every block), "
+                             f"got {kv_group_windows!r}")
+        if len(kv_group_windows) > 1:
+            if disk is not None:
+                raise ValueError("a hybrid model's KV groups (sliding-window layers) do not go to the disk "
+                                 "tier yet: leave kv_offload_dir unset")
+            offload_to_host = False  # its host pool serves swapping only
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
         if num_host_blocks < 0:
@@ -100,6 +129,8 @@ class KVCacheManager:
         kwargs = {"alpha": lrc_alpha, "beta": lrc_beta} if eviction_policy == "lrc" else {}
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.group_windows = tuple(kv_group_windows)
+        self.released_blocks = 0  # sliding-window blocks released as sequences advanced
         self.pool = BlockPool(num_blocks, name=DEVICE,
                               eviction_policy=make_eviction_policy(eviction_policy, **kwargs))
         self.host_pool = BlockPool(num_host_blocks, name=HOST)
@@ -161,13 +192,35 @@ class KVCacheManager:
         """Cached blocks whose prefix was forgotten to make room (or by evict_cached)."""
         return self.pool.evictions
 
-    def blocks_for(self, num_tokens: int) -> int:
-        """Blocks needed to hold ``num_tokens`` slots."""
-        return _cdiv(num_tokens, self.block_size)
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
+
+    def blocks_for(self, num_tokens: int, chunk: int | None = None) -> int:
+        """Blocks a sequence of ``num_tokens`` holds at most, every KV group's: a sliding group
+        keeps its window plus the chunk being computed (``chunk``: the most tokens one step
+        computes; None: the whole sequence at once)."""
+        B = self.block_size
+        total = 0
+        for window in self.group_windows:
+            if window is None:
+                total += _cdiv(num_tokens, B)
+            else:
+                total += min(_cdiv(num_tokens, B), _cdiv(window + (chunk or num_tokens), B) + 1)
+        return total
 
     def block_table(self, seq_id: Hashable) -> list[int]:
-        """The sequence's block table (live list: do not modify)."""
+        """The sequence's block table (KV group 0's; live list: do not modify)."""
         return self.seqs[seq_id].block_table
+
+    def group_tables(self, seq_id: Hashable) -> tuple[list[int], ...]:
+        """The block tables of KV groups 1.. (a hybrid model's; RELEASED = -1 entries are out of
+        the window), live lists: do not modify."""
+        return tuple(self.seqs[seq_id].group_tables)
+
+    def block_ids(self, seq_id: Hashable) -> list[int]:
+        """Every block the sequence holds, in every KV group."""
+        return self.seqs[seq_id].block_ids()
 
     def num_computed(self, seq_id: Hashable) -> int:
         """Tokens of the sequence whose KV is written; 0 for a sequence the manager does not hold
@@ -205,11 +258,16 @@ class KVCacheManager:
         hits: list[Block] = []
         host_hits: list[Block] = []
         found: list[Block] = []
+        groups = self.num_groups
+        group_hits: list[list[Block]] = [[] for _ in range(groups - 1)]
         if self.enable_prefix_caching:
             self._hash_full_blocks(seq, len(token_ids) // B)
             # The block holding the last prompt token is never a hit: it must be computed.
             max_hits = (len(token_ids) - 1) // B
             hits = self.index.match(seq.root, token_ids, seq.block_hashes, max_hits)
+            if groups > 1 and hits:  # every group must serve the hit (memory/kv_groups.py)
+                k, group_hits = window_hits(pool, self.group_windows, seq.block_hashes, len(hits), B)
+                hits = hits[:k]
             if self.host_tier is not None:  # the chain may go on in the host tier
                 found = self.host_tier.match(seq.block_hashes[len(hits):max_hits])
                 if found and self.costs.reload_cheaper("host", len(found), record=False):
@@ -217,17 +275,24 @@ class KVCacheManager:
         num_cached = (len(hits) + len(host_hits)) * B
         remaining = len(token_ids) - num_cached
         num_new = remaining if num_new_tokens is None else max(1, min(num_new_tokens, remaining))
-        need = _cdiv(num_cached + num_new, B) - len(hits)
-        revived = sum(1 for b in hits if b.ref_count == 0)
+        per_group = _cdiv(num_cached + num_new, B) - len(hits)  # new blocks in each group
+        need = per_group * groups
+        all_hits = [*hits, *(b for blocks in group_hits for b in blocks)]
+        revived = sum(1 for b in all_hits if b.ref_count == 0)
         available = pool.num_free - revived - self.watermark_blocks
         if need > available:
             raise OutOfBlocksError(need, max(available, 0))
-        for block in hits:
+        for block in all_hits:
             pool.touch(block)
         if host_hits:  # held until the reload is done, before any allocation could evict them
             self.host_tier.hold(host_hits)  # type: ignore[union-attr]
         fresh = pool.allocate(need)
-        seq.block_table = [b.block_id for b in hits] + [b.block_id for b in fresh]
+        seq.block_table = [b.block_id for b in hits] + [b.block_id for b in fresh[:per_group]]
+        for g, blocks in enumerate(group_hits, start=1):
+            released = len(hits) - len(blocks)  # before the window of the first uncached token
+            seq.group_tables.append([RELEASED] * released + [b.block_id for b in blocks]
+                                    + [b.block_id for b in fresh[g * per_group:(g + 1) * per_group]])
+            seq.released.append(released)
         if host_hits:
             self.host_tier.reload(host_hits, fresh, B)  # type: ignore[union-attr]
         seq.num_computed = num_cached
@@ -317,27 +382,29 @@ class KVCacheManager:
         if not seq.on_device:
             raise ValueError(f"sequence {seq_id!r} is swapped out; swap it in first")
         B = self.block_size
-        table = seq.block_table
         start = seq.num_computed
-        first = start // B
+        first = start // B  # never released: the next query sees it
         last = _cdiv(start + num_new_tokens, B)  # exclusive
-        missing = last - len(table)
         blocks = self.pool.blocks
-        shared = [i for i in range(first, min(last, len(table))) if blocks[table[i]].ref_count > 1]
-        total = max(missing, 0) + len(shared)
+        plans = []  # per group table: (table, shared indices, missing blocks)
+        for table in seq.tables():
+            shared = [i for i in range(first, min(last, len(table))) if blocks[table[i]].ref_count > 1]
+            plans.append((table, shared, max(last - len(table), 0)))
+        total = sum(len(shared) + missing for _, shared, missing in plans)
         if total == 0:
             return []
         if total > self.pool.num_free:
             raise OutOfBlocksError(total, self.pool.num_free)
-        fresh = self.pool.allocate(total)
+        fresh = iter(self.pool.allocate(total))
         copies: list[CopyPair] = []
-        for i, new in zip(shared, fresh):
-            old = blocks[table[i]]
-            if i * B < start:  # holds computed tokens to carry over
-                copies.append((old.block_id, new.block_id))
-            table[i] = new.block_id
-            self.pool.free((old,))
-        table.extend(b.block_id for b in fresh[len(shared):])
+        for table, shared, missing in plans:
+            for i in shared:
+                old, new = blocks[table[i]], next(fresh)
+                if i * B < start:  # holds computed tokens to carry over
+                    copies.append((old.block_id, new.block_id))
+                table[i] = new.block_id
+                self.pool.free((old,))
+            table.extend(next(fresh).block_id for _ in range(missing))
         self.cow_copies += len(copies)
         return copies
 
@@ -355,6 +422,8 @@ class KVCacheManager:
         seq.num_computed = n
         if self.enable_prefix_caching and n // self.block_size > seq.num_cached_blocks:
             self._cache_full_blocks(seq)
+        if seq.group_tables:  # cached first: a released block stays cached-free
+            self.released_blocks += release_out_of_window(self.pool, seq, self.group_windows, self.block_size)
 
     def _hash_full_blocks(self, seq: SeqState, full: int) -> None:
         """Extend the sequence's hash chain to its first ``full`` blocks (all full of tokens).
@@ -374,6 +443,8 @@ class KVCacheManager:
         start = seq.num_cached_blocks
         self.pool.cache((blocks[i] for i in seq.block_table[start:full]), seq.block_hashes[start:full])
         self.index.on_cached(seq.root, seq.token_ids, seq.block_table, seq.block_hashes, full)
+        if seq.group_tables:
+            cache_group_blocks(self.pool, seq, start, full)
         seq.num_cached_blocks = full
 
     # ------------------------------------------------------------------ forks and freeing
@@ -393,9 +464,10 @@ class KVCacheManager:
             raise ValueError(f"fork {child_id!r}: the child needs its own token list starting with "
                              f"the first {n} tokens of {parent_id!r}")
         child = SeqState(child_id, token_ids, parent.root, list(parent.block_table),
-                         parent.num_computed, list(parent.block_hashes), parent.num_cached_blocks)
+                         parent.num_computed, list(parent.block_hashes), parent.num_cached_blocks,
+                         group_tables=[list(t) for t in parent.group_tables], released=list(parent.released))
         blocks = self.pool.blocks
-        for block_id in child.block_table:
+        for block_id in child.block_ids():
             self.pool.touch(blocks[block_id])
         self.seqs[child_id] = child
 
@@ -410,7 +482,7 @@ class KVCacheManager:
         seq = self.seqs.pop(seq_id)
         pool = self.tiers[seq.tier]
         blocks = pool.blocks
-        pool.free(blocks[i] for i in reversed(seq.block_table))
+        pool.free(blocks[i] for i in reversed(seq.block_ids()))
 
     def evict_cached(self, max_blocks: int | None = None, *, offload: bool = True) -> int:
         """Forget cached-free device prefix blocks (all, or up to ``max_blocks``); returns the
@@ -460,7 +532,7 @@ class KVCacheManager:
             # The host blocks are read by this step's swap-in copies, after its swap-outs: hold
             # them so that an offload later in the step cannot take one and write it first.
             host = self.host_pool
-            sources = [host.blocks[i] for i in dict.fromkeys(i for seq in seqs for i in seq.block_table)]
+            sources = [host.blocks[i] for i in dict.fromkeys(i for seq in seqs for i in seq.block_ids())]
             if len(sources) > self.pool.num_free:
                 raise OutOfBlocksError(len(sources), self.pool.num_free, self.pool.name)
             self.host_tier.hold(sources)

@@ -39,3 +39,12 @@ def chain_hashes(parent: bytes, token_ids: list[int], block_size: int, start_blo
         parent = sha256(parent + data[off:off + step]).digest()
         out.append(parent)
     return out
+
+
+def group_hash(block_hash: bytes, group: int) -> bytes:
+    """The cache key of KV group ``group``'s block of the prefix ``block_hash`` names (a hybrid
+    model keeps a block per group for each block of tokens, ``memory/kv_groups.py``); group 0's is
+    the chain hash itself."""
+    if group == 0:
+        return block_hash
+    return hashlib.sha256(block_hash + b"\x00group\x00" + group.to_bytes(4, "little")).digest()

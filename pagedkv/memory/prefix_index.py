@@ -102,8 +102,10 @@ class RadixIndex:
             raise IntegrityError("; ".join(problems))
         paths = self.tree.paths()
         cached = self.pool.cached
-        if len(paths) != len(cached):
-            raise IntegrityError(f"radix tree holds {len(paths)} blocks, hash index {len(cached)}")
+        # the tree indexes group 0's blocks (a hybrid model's other groups are found by hash)
+        num_cached = sum(1 for block in cached.values() if block.kv_group == 0)
+        if len(paths) != num_cached:
+            raise IntegrityError(f"radix tree holds {len(paths)} blocks, hash index {num_cached}")
         B = self.block_size
         for tenant, tokens, block_id in paths:
             h = chain_hashes(tenant, list(tokens), B, 0, len(tokens) // B)[-1]  # type: ignore[arg-type]

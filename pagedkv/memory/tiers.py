@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.errors import OutOfBlocksError
+from pagedkv.memory.kv_groups import RELEASED
 
 if TYPE_CHECKING:
     from pagedkv.memory.kv_cache_manager import SeqState
@@ -50,7 +51,7 @@ def move_sequences(seqs: list[SeqState], src: BlockPool, dst: BlockPool) -> dict
     takes the same reference count). Raises OutOfBlocksError (naming ``dst``), changing nothing,
     when ``dst`` lacks free blocks.
     """
-    refs = Counter(b for seq in seqs for b in seq.block_table)
+    refs = Counter(b for seq in seqs for b in seq.block_ids())  # every KV group's blocks
     if len(refs) > dst.num_free:
         raise OutOfBlocksError(len(refs), dst.num_free, dst.name)
     mapping = {}
@@ -59,7 +60,8 @@ def move_sequences(seqs: list[SeqState], src: BlockPool, dst: BlockPool) -> dict
         mapping[src_id] = block.block_id
     src_blocks = src.blocks
     for seq in seqs:
-        src.free(src_blocks[i] for i in reversed(seq.block_table))
-        seq.block_table = [mapping[i] for i in seq.block_table]
+        src.free(src_blocks[i] for i in reversed(seq.block_ids()))
+        for table in seq.tables():  # a sliding group's released entries stay released
+            table[:] = [mapping[i] if i != RELEASED else RELEASED for i in table]
         seq.tier = dst.name
     return mapping

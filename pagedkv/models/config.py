@@ -21,7 +21,11 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",  # its language model; the vision tower is skipped
 }
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+_MODEL_TYPE_ALIASES = {"gemma3_text": "gemma3"}
 SUPPORTED_MODEL_TYPES = frozenset(SUPPORTED_ARCHITECTURES.values())
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
@@ -68,6 +72,13 @@ class ModelConfig(ModelShape):
 
     rms_norm_eps: float = 1e-6
     rope: RopeConfig = RopeConfig()
+    # Gemma 3: the sliding layers' own RoPE (None: ``rope`` for every layer), the MLP activation,
+    # the attention scale 1/sqrt(query_pre_attn_scalar) (None: 1/sqrt(head_dim)), and tanh caps
+    # ``cap * tanh(x / cap)`` on the final logits.
+    rope_local: RopeConfig | None = None
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         ModelShape.__post_init__(self)  # (slotted dataclasses break zero-argument super())
@@ -86,6 +97,9 @@ class ModelConfig(ModelShape):
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise UnsupportedModelError(f"hidden activation {self.hidden_act!r} is not supported "
+                                        f"(supported: {', '.join(HIDDEN_ACTS)})")
         if self.rotary_dim % 2:
             raise ValueError(f"the rotated dims of a head must be even for RoPE, got {self.rotary_dim}")
 
@@ -94,12 +108,28 @@ class ModelConfig(ModelShape):
         """Dims of each head that RoPE rotates (the first ones; ``head_dim`` unless partial)."""
         return int(self.head_dim * self.rope.partial_rotary_factor)
 
+    @property
+    def is_gemma(self) -> bool:
+        """Gemma's layout: embeddings scaled by sqrt(hidden), RMSNorm weights applied as
+        ``1 + w`` (the loader adds the 1), norms before and after each sublayer ("sandwich")."""
+        return self.model_type == "gemma3"
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor q.k is multiplied by before softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        """The RoPE of ``layer``: sliding-window layers may have their own (``rope_local``)."""
+        if self.rope_local is not None and self.layer_window(layer) is not None:
+            return self.rope_local
+        return self.rope
+
     @classmethod
-    def from_shape(cls, shape: ModelShape, *, rms_norm_eps: float = 1e-6,
-                   rope: RopeConfig = RopeConfig()) -> ModelConfig:
-        """``shape`` with the model code's own parameters added (validated as a runnable model)."""
-        return cls(**{f.name: getattr(shape, f.name) for f in fields(ModelShape)},
-                   rms_norm_eps=rms_norm_eps, rope=rope)
+    def from_shape(cls, shape: ModelShape, **model_fields: Any) -> ModelConfig:
+        """``shape`` with the model code's own parameters added (``rms_norm_eps``, ``rope``, ...;
+        validated as a runnable model)."""
+        return cls(**{f.name: getattr(shape, f.name) for f in fields(ModelShape)}, **model_fields)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json dict (``rope_parameters`` layout) that :meth:`from_hf_dict` reads back."""
@@ -124,6 +154,14 @@ class ModelConfig(ModelShape):
         }
         if self.rope.freq_factors is not None:
             out["pagedkv_rope_freq_factors"] = list(self.rope.freq_factors)
+        if self.layer_types:
+            out["layer_types"] = list(self.layer_types)
+        if self.is_gemma:
+            out.update(hidden_activation=self.hidden_act, query_pre_attn_scalar=self.query_pre_attn_scalar,
+                       final_logit_softcapping=self.final_logit_softcapping, attention_bias=self.attention_bias)
+            local = self.rope_local or self.rope
+            out["rope_parameters"] = {"full_attention": rope_parameters,
+                                      "sliding_attention": {"rope_type": "default", "rope_theta": local.theta}}
         return out
 
     @classmethod
@@ -134,7 +172,18 @@ class ModelConfig(ModelShape):
         model_type = _model_type(d)
         d = hf_text_config(d)
         shape = shape_from_hf_dict({**d, "model_type": model_type})
-        return cls.from_shape(shape, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope=_rope_from_hf(d))
+        extra: dict[str, Any] = {}
+        if model_type == "gemma3":
+            if d.get("attn_logit_softcapping") is not None:
+                raise UnsupportedModelError("attention logit soft-capping (attn_logit_softcapping) is not supported")
+            if d.get("use_bidirectional_attention"):
+                raise UnsupportedModelError("gemma3 with use_bidirectional_attention is an encoder; not supported")
+            softcap = d.get("final_logit_softcapping")
+            extra = dict(rope_local=_local_rope_from_hf(d),
+                         query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
+                         hidden_act=str(d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"),
+                         final_logit_softcapping=float(softcap) if softcap is not None else None)
+        return cls.from_shape(shape, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope=_rope_from_hf(d), **extra)
 
 
 def _model_type(d: dict[str, Any]) -> str:
@@ -143,6 +192,7 @@ def _model_type(d: dict[str, Any]) -> str:
         if arch in SUPPORTED_ARCHITECTURES:
             return SUPPORTED_ARCHITECTURES[arch]
     model_type = d.get("model_type")
+    model_type = _MODEL_TYPE_ALIASES.get(model_type, model_type)
     if model_type in SUPPORTED_MODEL_TYPES and not archs:
         return str(model_type)
     name = archs[0] if archs else model_type
@@ -152,11 +202,23 @@ def _model_type(d: dict[str, Any]) -> str:
     )
 
 
+def _local_rope_from_hf(d: dict[str, Any]) -> RopeConfig:
+    """Gemma 3's sliding layers' RoPE: ``rope_parameters["sliding_attention"]`` (new layout) or
+    ``rope_local_base_freq`` (old), unscaled."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("sliding_attention"), dict):
+        return _rope_from_hf({"rope_parameters": params["sliding_attention"]})
+    return RopeConfig(theta=float(d.get("rope_local_base_freq", 10000.0)))
+
+
 def _rope_from_hf(d: dict[str, Any]) -> RopeConfig:
     """Both layouts: ``rope_parameters`` (new) or ``rope_theta`` + ``rope_scaling`` (old)."""
     params = d.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:  # per-layer-type layout
         params = params["full_attention"]
+    if d.get("model_type") in ("gemma3", "gemma3_text") and "rope_theta" not in (params or {}) \
+            and "rope_theta" not in d:
+        d = {**d, "rope_theta": 1_000_000.0}  # gemma3's global default
     scaling = dict(params) if isinstance(params, dict) else dict(d.get("rope_scaling") or {})
     theta = float(scaling.get("rope_theta", d.get("rope_theta", 10000.0)))
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"

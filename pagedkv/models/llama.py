@@ -1,9 +1,14 @@
-"""The Llama-family decoder (llama, mistral, qwen2, qwen3, phi3, SmolLM) on flattened tokens.
+"""The Llama-family decoder (llama, mistral, qwen2, qwen3, phi3, gemma3, SmolLM) on flattened tokens.
 
 The model is pure: it knows nothing about blocks or caches. Each layer hands its rotated q, k, v to
 an ``AttentionFn`` supplied by the caller (the runner's paged attention, or a plain causal one in
 tests). All linear layers run on ``[total_tokens, hidden]``; q/k/v and gate/up are fused into one
 matmul each (the loader concatenates the checkpoint's weights into them).
+
+Gemma 3 is the same decoder with a few switches (``ModelConfig.is_gemma``): embeddings scaled by
+sqrt(hidden), GeGLU, a norm after each sublayer as well as before (``GemmaDecoderLayer``), RMSNorm
+weights used as ``1 + w`` (the loader stores them so), its own attention scale, sliding-window
+layers with their own RoPE, and an optional tanh cap on the final logits.
 """
 
 from __future__ import annotations
@@ -74,11 +79,13 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # GeGLU (gemma) instead of SwiGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * I]
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))  # in place: no second [T, I] temporary
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act.mul_(up))  # in place: no second [T, I] temporary
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -96,6 +103,25 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(x)).add_(x)
 
 
+class GemmaDecoderLayer(nn.Module):
+    """Gemma's layer: each sublayer's output is normed too before it joins the residual."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
+        self.mlp = LlamaMLP(config)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
+                ) -> torch.Tensor:
+        x = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, attention)).add_(x)
+        return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))).add_(x)
+
+
 class LlamaForCausalLM(nn.Module):
     """Decoder + LM head. ``forward`` takes flattened tokens of many sequences at once."""
 
@@ -105,13 +131,23 @@ class LlamaForCausalLM(nn.Module):
         # _weight skips nn.Embedding's random init (slow on the meta device the loader builds on)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        layer = GemmaDecoderLayer if config.is_gemma else LlamaDecoderLayer
+        self.layers = nn.ModuleList(layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: nn.Module | None = (
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
-        # Not a submodule: its tables are derived data, never part of the state dict.
-        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+        # Not submodules: their tables are derived data, never part of the state dict. One per
+        # distinct RoPE (gemma3's sliding layers have their own); layer i uses ropes[rope_of[i]].
+        ropes = list(dict.fromkeys(config.layer_rope(i) for i in range(config.num_hidden_layers)))
+        self.rope_of = [ropes.index(config.layer_rope(i)) for i in range(config.num_hidden_layers)]
+        self.rotaries = [RotaryEmbedding(r, config.head_dim, config.max_position_embeddings) for r in ropes]
+        self.embed_scale = config.hidden_size ** 0.5 if config.is_gemma else None
+
+    def set_context_length(self, context: int) -> None:
+        """The longest context served (longrope picks its factors by it; see ``models/rope.py``)."""
+        for rotary in self.rotaries:
+            rotary.set_context_length(context)
 
     def forward(
         self,
@@ -123,13 +159,21 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Logits ``[N, vocab]`` (``N = T`` when ``logits_indices`` is None), in the model's dtype."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.embed_scale is not None:  # rounded to the model dtype first, as transformers does
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         top = int(positions.max()) if max_position is None else max_position
-        cos, sin = self.rotary.cos_sin(positions, top, x.dtype)  # [T, 1, d] each, shared by all layers
-        for layer in self.layers:
-            x = layer(x, cos, sin, attention)
+        # [T, 1, d] each, shared by all layers of one RoPE
+        tables = [rotary.cos_sin(positions, top, x.dtype) for rotary in self.rotaries]
+        for layer, rope in zip(self.layers, self.rope_of):
+            x = layer(x, *tables[rope], attention)
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)  # [N, hidden]: only the rows we sample from
         x = self.norm(x)
         if self.lm_head is None:  # tied: the embedding matrix is the head
-            return F.linear(x, self.embed_tokens.weight)  # [N, vocab]
-        return self.lm_head(x)  # [N, vocab]
+            logits = F.linear(x, self.embed_tokens.weight)  # [N, vocab]
+        else:
+            logits = self.lm_head(x)  # [N, vocab]
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

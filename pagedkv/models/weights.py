@@ -41,6 +41,10 @@ _LAYER_MAP: dict[str, tuple[str, str | None]] = {
     "self_attn.qkv_proj.weight": ("self_attn.qkv_proj.weight", None),
     "mlp.gate_up_proj.weight": ("mlp.gate_up_proj.weight", None),
     "mlp.down_proj.bias": ("mlp.down_proj.bias", None),
+    # gemma's norms after the attention and around the MLP (its post_attention_layernorm follows
+    # the attention; llama's comes before the MLP: the layer class says which)
+    "pre_feedforward_layernorm.weight": ("pre_feedforward_layernorm.weight", None),
+    "post_feedforward_layernorm.weight": ("post_feedforward_layernorm.weight", None),
 }
 _TOP_MAP: dict[str, str] = {
     "model.embed_tokens.weight": "embed_tokens.weight",
@@ -48,6 +52,10 @@ _TOP_MAP: dict[str, str] = {
     "lm_head.weight": "lm_head.weight",
 }
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
+# Multimodal checkpoints (Gemma3ForConditionalGeneration) keep the language model under a prefix,
+# old and new layouts; their vision tower and projector are not used.
+_LANGUAGE_MODEL = re.compile(r"^(?:language_model\.model\.|model\.language_model\.)")
+_VISION = re.compile(r"^(?:model\.)?(?:vision_tower|multi_modal_projector)\.")
 
 
 class Target(NamedTuple):
@@ -68,6 +76,9 @@ def _shard_rows(config: ModelConfig, shard: str) -> tuple[int, int]:
 
 def map_name(config: ModelConfig, name: str) -> Target | None:
     """The module target of checkpoint tensor ``name``; None for names the model does not use."""
+    name = _LANGUAGE_MODEL.sub("model.", name)
+    if name == "language_model.lm_head.weight":
+        name = "lm_head.weight"
     if name in _TOP_MAP:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             return None
@@ -102,7 +113,7 @@ def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]
     for name, tensor in tensors:
         target = map_name(config, name)
         if target is None:
-            if not _IGNORED.search(name) and name != "lm_head.weight":
+            if not _IGNORED.search(name) and not _VISION.match(name) and not name.endswith("lm_head.weight"):
                 unknown.append(name)
             continue
         if target.param not in params:
@@ -114,6 +125,8 @@ def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]
             raise ModelLoadError(
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
             )
+        if config.is_gemma and target.param.endswith("norm.weight"):
+            tensor = tensor.float() + 1.0  # gemma scales by (1 + w): stored as one weight
         dest.copy_(tensor)
         filled[target.param] += dest.shape[0] if dest.dim() else 1
     missing = [p for p, rows in filled.items() if rows < (params[p].shape[0] if params[p].dim() else 1)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(slots=True)
@@ -15,13 +15,16 @@ class SeqChunk:
 
     ``block_table`` maps logical block i to a physical block id and must cover
     ``start_pos + len(token_ids)`` slots. ``all_logits`` asks for the logits of every token of the
-    chunk (prompt logprobs), not only of its last one.
+    chunk (prompt logprobs), not only of its last one. A hybrid model's KV groups after the first
+    (``model_shape.kv_groups``) have their own tables in ``group_tables``; a sliding group's
+    entries for blocks out of every query's window are -1 (released).
     """
 
     token_ids: list[int]
     start_pos: int
     block_table: list[int]
     all_logits: bool = False
+    group_tables: tuple[list[int], ...] = ()
 
     @property
     def num_logits(self) -> int:
@@ -31,3 +34,9 @@ class SeqChunk:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    def in_group(self, group: int) -> SeqChunk:
+        """This chunk with KV group ``group``'s block table (group 0: itself)."""
+        if group == 0:
+            return self
+        return replace(self, block_table=self.group_tables[group - 1], group_tables=())

@@ -4,7 +4,10 @@ Both pools hold every layer in one tensor::
 
     [num_layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]
 
-so ``kv[layer, 0]`` is one layer's K cache ``[num_blocks, block_size, kv_heads, head_dim]``. The 8-bit
+so ``kv[layer, 0]`` is one layer's K cache ``[num_blocks, block_size, kv_heads, head_dim]``. A hybrid
+model (full and sliding-window layers, ``model_shape.kv_groups``) has ``group size`` slots in place
+of ``num_layers``: layer ``l`` of group ``g`` lives in slot ``slot_of[l]``, and each group has its
+own block tables, so one block id means one block of tokens of one group's layers. The 8-bit
 formats (int8, fp8) also hold ``scales [num_layers, 2, num_blocks, kv_heads]`` float32, one per block,
 layer, K/V and KV head (see :mod:`pagedkv.ops.kv_format`): the block's quantization descriptor,
 indexed by the same block id, so a copy-on-write copy or a swap moves it with the block. The bytes
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.model_shape import check_block_size, kv_bytes_per_block
+from pagedkv.model_shape import check_block_size, kv_bytes_per_block, kv_groups
 from pagedkv.models.config import ModelConfig
 from pagedkv.ops.kv_format import KVFormat, kv_format
 from pagedkv.units import parse_bytes
@@ -69,7 +72,13 @@ class KVCache:
         self.format: KVFormat = kv_format(dtype)
         self.dtype = self.format.storage
         self.bytes_per_block = bytes_per_block(config, block_size, self.format.name)
-        layers, kvh = config.num_hidden_layers, config.num_key_value_heads
+        self.groups = kv_groups(config)
+        self.group_of = [0] * config.num_hidden_layers  # layer -> its KV group
+        self.slot_of = [0] * config.num_hidden_layers  # layer -> its slot in a block
+        for g, group in enumerate(self.groups):
+            for slot, layer in enumerate(group.layers):
+                self.group_of[layer], self.slot_of[layer] = g, slot
+        layers, kvh = max(len(g.layers) for g in self.groups), config.num_key_value_heads
         shape = (layers, 2, block_size, kvh, config.head_dim)
         self.kv = torch.zeros(shape[:2] + (num_blocks,) + shape[2:], dtype=self.dtype, device=device)
         pin = False  # CPU-only development machines: pinned memory buys nothing
@@ -82,13 +91,15 @@ class KVCache:
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of one layer, each ``[num_blocks, block_size, kv_heads, head_dim]`` (views)."""
-        return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
+        slot = self.slot_of[layer_idx]
+        return self.kv[slot, 0], self.kv[slot, 1]
 
     def layer_scales(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(K, V) scales of one layer, each ``[num_blocks, kv_heads]`` (views), or (None, None)."""
         if self.scales is None:
             return None, None
-        return self.scales[layer_idx, 0], self.scales[layer_idx, 1]
+        slot = self.slot_of[layer_idx]
+        return self.scales[slot, 0], self.scales[slot, 1]
 
     @property
     def device_bytes(self) -> int:

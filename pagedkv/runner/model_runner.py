@@ -44,11 +44,13 @@ class _StepAttention:
         self.rotation = rotation  # [d, d] orthonormal Hadamard, or None
         self.num_heads = config.num_attention_heads
         self.head_dim = config.head_dim
-        self.sliding_window = config.sliding_window
+        self.config = config
+        self.scale = config.attention_scale
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        inp = self.inputs
         cache = self.cache
+        inp = self.inputs.group(cache.group_of[layer_idx])
+        window, scale = self.config.layer_window(layer_idx), self.scale
         rotation = self.rotation
         if rotation is not None:  # q.k and p.v are unchanged by an orthonormal H; outliers are spread
             q, k, v = q @ rotation, k @ rotation, v @ rotation
@@ -64,22 +66,22 @@ class _StepAttention:
         if inp.native is not None:
             out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype)
             if inp.native.num_rows:
-                native_paged_attention(out, q, k_cache, v_cache, inp.native, sliding_window=self.sliding_window,
+                native_paged_attention(out, q, k_cache, v_cache, inp.native, scale, sliding_window=window,
                                        k_scales=k_scales, v_scales=v_scales)
             if rotation is not None:
                 assert not inp.prefills  # 8-bit blocks: every row goes through the kernel
                 return out @ rotation  # H H = I: back from the rotated V basis
         elif inp.identity_decode:
-            return paged_decode_attention(q, k_cache, v_cache, inp.decode_groups[0].meta)  # [T, H, d]
+            return paged_decode_attention(q, k_cache, v_cache, inp.decode_groups[0].meta, scale)  # [T, H, d]
         else:
             out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype)  # [T, H, d]
         for group in inp.decode_groups:
             q_dec = q.index_select(0, group.rows)
-            out.index_copy_(0, group.rows, paged_decode_attention(q_dec, k_cache, v_cache, group.meta))
+            out.index_copy_(0, group.rows, paged_decode_attention(q_dec, k_cache, v_cache, group.meta, scale))
         for p in inp.prefills:
             out[p.start:p.end] = paged_prefill_attention(
                 q[p.start:p.end], k[p.start:p.end], v[p.start:p.end], k_cache, v_cache, p.block_table,
-                p.start_pos, sliding_window=self.sliding_window,
+                p.start_pos, scale, sliding_window=window,
             )
         return out
 
@@ -170,11 +172,19 @@ class ModelRunner:
     def prepare(self, chunks: Sequence[SeqChunk]) -> StepInputs:
         """Validate chunks and build the step's shared indices (raises BatchError)."""
         cfg = self.config
-        return build_step_inputs(list(chunks), block_size=self.block_size, num_blocks=self.num_blocks,
-                                 num_heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
-                                 head_dim=cfg.head_dim, sliding_window=cfg.sliding_window,
-                                 dtype=self.cache.dtype, native=self.native_attention,
-                                 fresh_from_cache=self.cache.format.scaled)
+        chunks = list(chunks)
+        groups = self.cache.groups
+        if len(groups) > 1 and any(len(c.group_tables) != len(groups) - 1 for c in chunks):
+            raise BatchError(f"this model's KV cache has {len(groups)} groups: every chunk needs "
+                             f"{len(groups) - 1} group_tables")
+        per_group = [build_step_inputs([c.in_group(g) for c in chunks], block_size=self.block_size,
+                                       num_blocks=self.num_blocks, num_heads=cfg.num_attention_heads,
+                                       kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                                       sliding_window=cfg.layer_window(group.layers[0]), dtype=self.cache.dtype,
+                                       native=self.native_attention, fresh_from_cache=self.cache.format.scaled)
+                     for g, group in enumerate(groups)]
+        per_group[0].other_groups = per_group[1:]
+        return per_group[0]
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[SeqChunk], return_all_logits: bool = False) -> torch.Tensor:

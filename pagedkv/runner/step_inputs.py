@@ -14,7 +14,7 @@ each get their own call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -94,6 +94,12 @@ class StepInputs:
     prefills: list[PrefillItem]
     identity_decode: bool  # one decode group covering every token in order: its output is the output
     native: NativeMetadata | None = None  # the native kernel's rows (then no decode groups)
+    # a hybrid model's KV groups after the first: their own slots, tables and metadata
+    other_groups: list[StepInputs] = field(default_factory=list)
+
+    def group(self, g: int) -> StepInputs:
+        """The inputs of KV group ``g``'s layers."""
+        return self if g == 0 else self.other_groups[g - 1]
 
     @property
     def num_tokens(self) -> int:
@@ -136,8 +142,10 @@ def build_step_inputs(chunks: list[SeqChunk], *, block_size: int, num_blocks: in
                 f"{ctx} tokens at block_size={block_size}"
             )
         table = c.block_table[:needed]
-        if min(table) < 0 or max(table) >= num_blocks:
+        if min(table[c.start_pos // block_size:]) < 0 or max(table) >= num_blocks:
             raise BatchError(f"chunk {i}: block id out of range 0..{num_blocks - 1}: {table}")
+        if min(table) < 0:  # a sliding group's released blocks: out of every query's window, never read
+            table = [b if b >= 0 else 0 for b in table]
         row = len(input_ids)
         input_ids.extend(c.token_ids)
         for p in range(c.start_pos, ctx):

@@ -1,0 +1,89 @@
+"""A hybrid model's KV groups in the memory core: one block table per group, windows released.
+
+A hybrid model (Gemma 3: five sliding-window layers to one full-attention layer) keeps its layers'
+KV in groups (``model_shape.kv_groups``); a block of the one pool belongs to one group. Every
+sequence has a table per group, all as long as the sequence::
+
+    group 0 (full):       [ b4  b9  b2  b7  b5 ]     every block kept: the prefix-cache anchor
+    group 1 (window 8):   [ -1  -1  b3  b8  b6 ]     blocks no later query can see are released
+                            ^^^^^^ released: -1      (B = 4, 18 tokens computed: the next query,
+                                                      position 18, sees 11..18)
+
+- Released blocks go back to the pool like any freed block: a cached one stays cached-free, so a
+  later prompt with the same prefix can still take it.
+- Prefix caching: each group caches its blocks under its own key (``group_hash``). A prefix of k
+  blocks is a hit only when group 0 holds all k and every other group holds the blocks the
+  first uncached token can see (the window before position k * B); its earlier entries are -1.
+- Copy-on-write, swapping and freeing treat every group's blocks alike (``SeqState.tables``).
+
+The functions here hold that arithmetic; ``KVCacheManager`` calls them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from pagedkv.memory.block import Block
+from pagedkv.memory.block_pool import BlockPool
+from pagedkv.memory.prefix_hash import group_hash
+
+if TYPE_CHECKING:
+    from pagedkv.memory.kv_cache_manager import SeqState
+
+RELEASED = -1  # a table entry whose block is out of every query's window
+
+
+def first_visible_block(num_tokens: int, window: int | None, block_size: int) -> int:
+    """The first block the query at position ``num_tokens`` can see (keys after position
+    ``num_tokens - window``); blocks before it are out of every later query's window."""
+    if window is None or num_tokens < window:
+        return 0
+    return (num_tokens - window + 1) // block_size
+
+
+def window_hits(pool: BlockPool, windows: Sequence[int | None], block_hashes: Sequence[bytes],
+                num_hits: int, block_size: int) -> tuple[int, list[list[Block]]]:
+    """The longest hit of at most ``num_hits`` blocks (group 0's hits) that every other group
+    can serve too: ``(k, blocks)`` with ``blocks[g - 1]`` = group g's cached blocks
+    ``first_visible_block(k * B) .. k - 1``."""
+    found = [[pool.lookup(group_hash(block_hashes[i], g)) for i in range(num_hits)]
+             for g in range(1, len(windows))]
+    for k in range(num_hits, 0, -1):
+        out = []
+        for g, blocks in enumerate(found, start=1):
+            lo = first_visible_block(k * block_size, windows[g], block_size)
+            hit = blocks[lo:k]
+            if any(b is None for b in hit):
+                break
+            out.append(hit)  # type: ignore[arg-type]
+        else:
+            return k, out
+    return 0, [[] for _ in found]
+
+
+def cache_group_blocks(pool: BlockPool, seq: SeqState, start: int, full: int) -> None:
+    """Offer groups 1.. blocks ``start .. full - 1`` (computed, full) to the prefix cache."""
+    blocks = pool.blocks
+    for g, table in enumerate(seq.group_tables, start=1):
+        pairs = [(blocks[table[i]], group_hash(seq.block_hashes[i], g))
+                 for i in range(start, full) if table[i] != RELEASED]
+        pool.cache((b for b, _ in pairs), (h for _, h in pairs), kv_group=g)
+
+
+def release_out_of_window(pool: BlockPool, seq: SeqState, windows: Sequence[int | None],
+                          block_size: int) -> int:
+    """Release every group's blocks that the next query (position ``num_computed``) cannot see;
+    returns how many."""
+    released = 0
+    blocks = pool.blocks
+    for g, table in enumerate(seq.group_tables, start=1):
+        lo = first_visible_block(seq.num_computed, windows[g], block_size)
+        done = seq.released[g - 1]
+        if lo > done:
+            out = [blocks[b] for b in table[done:lo] if b != RELEASED]
+            pool.free(out)
+            table[done:lo] = [RELEASED] * (lo - done)
+            seq.released[g - 1] = lo
+            released += len(out)
+    return released
