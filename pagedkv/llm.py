@@ -27,7 +27,7 @@ class LLM:
     ``kv_cache_memory`` / ``num_kv_blocks``, ``kv_offloading_size`` (``swap_space``), ``kv_offload_dir``,
     ``kv_offload_disk_size``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``max_model_len``, ``preemption_mode``, ``eviction_policy``,
-    ``dtype``, ``seed``, ``fault_injection``, ``debug_integrity``, ``threads``); see
+    ``dtype``, ``quantization``, ``seed``, ``fault_injection``, ``debug_integrity``, ``threads``); see
     ``pagedkv.engine.EngineConfig``.
     """
 

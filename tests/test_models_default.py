@@ -22,7 +22,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def default() -> object:
-    return load_model(None)
+    return load_model(None, quantization="none")  # the file's weights exactly (dequantized), as transformers
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +51,21 @@ def test_greedy_matches_transformers(default: object, reference: torch.nn.Module
     got = paged_greedy(runner, prompts, 24, chunk=9)
     assert got == want
     assert "Paris" in tok.decode(got[-1])
+
+
+def test_q8_0_weights_keep_the_greedy_answer(default: object) -> None:
+    """quantization "auto" keeps the linear weights in Q8_0 (Q4_1 requantized): same answers."""
+    from pagedkv.models.quant_linear import QuantEmbedding, QuantLinear
+
+    quant = load_model(None)
+    assert quant.quantization == "q8_0" and isinstance(quant.model.embed_tokens, QuantEmbedding)
+    assert isinstance(quant.model.layers[0].mlp.down_proj, QuantLinear)
+    tok = default.tokenizer  # type: ignore[attr-defined]
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    prompts = [tok.encode(PROMPTS[0]), tok.encode(chat)]
+    want = paged_greedy(ModelRunner(default, block_size=16, num_blocks=64), prompts, 24)  # type: ignore[arg-type]
+    got = paged_greedy(ModelRunner(quant, block_size=16, num_blocks=64), prompts, 24)
+    assert got == want and "Paris" in tok.decode(got[-1])
 
 
 def test_dequantized_weights_match_transformers_gguf_reader(default: object, reference: torch.nn.Module) -> None:

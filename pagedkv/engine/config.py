@@ -11,6 +11,7 @@ from pagedkv.memory import EVICTION_POLICIES
 from pagedkv.memory.prefix_index import PREFIX_INDEXES
 from pagedkv.model_shape import KV_CACHE_DTYPES, check_block_size
 from pagedkv.units import parse_bytes
+from pagedkv.weight_quant import QUANTIZATIONS
 
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -41,6 +42,9 @@ class EngineConfig:
     token ids ("radix"); both find the same blocks. ``kv_cache_dtype`` is the KV block format:
     "auto" (the model dtype), a float dtype, or 8-bit blocks with one scale per block, layer, K/V
     and KV head ("int8", "fp8" = "fp8_e4m3", "fp8_e5m2"; see docs/kv_quantization.md).
+    ``quantization`` is the format of the linear weights: "none" (the model dtype), "q8_0" (int8
+    with a scale per 32 values), "auto" (default: "q8_0" for a GGUF with quantized linear weights,
+    else "none"; see ``pagedkv/weight_quant.py``).
     """
 
     model: str | None = None
@@ -61,6 +65,7 @@ class EngineConfig:
     watermark: float = 0.01
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    quantization: str = "auto"
     seed: int = 0
     debug_integrity: bool = False
     fault_injection: str | None = None
@@ -113,6 +118,7 @@ class EngineConfig:
         _one_of("prefix_index", self.prefix_index, PREFIX_INDEXES)
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _one_of("quantization", self.quantization, QUANTIZATIONS)
         if self.fault_injection:
             FaultSpec.parse(self.fault_injection)
 

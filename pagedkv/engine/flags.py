@@ -13,6 +13,7 @@ from pagedkv.engine.config import DTYPES, PREEMPTION_MODES, EngineConfig
 from pagedkv.memory import EVICTION_POLICIES
 from pagedkv.memory.prefix_index import PREFIX_INDEXES
 from pagedkv.model_shape import KV_CACHE_DTYPES
+from pagedkv.weight_quant import QUANTIZATIONS
 
 
 def _size(text: str) -> int | str:
@@ -49,6 +50,8 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
               {"choices": DTYPES}),
     "kv_cache_dtype": ("KV block format: auto (the model dtype), a float dtype, or 8-bit blocks with "
                        "per-block scales: int8, fp8 (= fp8_e4m3), fp8_e5m2", {"choices": KV_CACHE_DTYPES}),
+    "quantization": ("linear weights: none (the model dtype), q8_0 (int8 + a scale per 32 values), auto: "
+                     "q8_0 for a GGUF whose linear weights are quantized, else none", {"choices": QUANTIZATIONS}),
     "seed": ("global random seed", {"type": int}),
     "debug_integrity": ("check KV-cache integrity after every step",
                         {"action": argparse.BooleanOptionalAction}),

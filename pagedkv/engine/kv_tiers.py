@@ -40,6 +40,7 @@ def open_disk_tier(config: EngineConfig, runner, model_name: str,
         "model": model_name,
         **(identity or {}),
         "dtype": _model_dtype(runner, config),
+        **({"weights": "q8_0"} if _has_q8_0_weights(runner) else {}),  # other weights, other K/V
         "block_size": str(runner.block_size),
         "kv_cache_dtype": fmt.name if fmt is not None else config.kv_cache_dtype,
         "shape": "" if cfg is None else (f"layers={cfg.num_hidden_layers} kv_heads={cfg.num_key_value_heads} "
@@ -62,6 +63,15 @@ def _model_dtype(runner, config: EngineConfig) -> str:
     if params is None:
         return config.dtype
     return str(next(params()).dtype).removeprefix("torch.")
+
+
+def _has_q8_0_weights(runner) -> bool:
+    """Whether the model keeps linear weights in Q8_0 (``quantization``, resolved)."""
+    modules = getattr(getattr(runner, "model", None), "modules", None)
+    if modules is None:
+        return False
+    from pagedkv.models.quant_linear import QuantLinear
+    return any(isinstance(m, QuantLinear) for m in modules())
 
 
 class TierMover:

@@ -1,12 +1,15 @@
 """Convert a GGUF file into a cached Hugging Face-style folder, then load that folder.
 
-Conversion (first load only) reads the metadata into a config.json, dequantizes every tensor to
-float32 with ``gguf.quants.dequantize``, renames llama.cpp tensors to Hugging Face names, undoes
-llama.cpp's q/k row permutation (llama architecture) and writes::
+Conversion (first load only) reads the metadata into a config.json, renames llama.cpp tensors to
+Hugging Face names, undoes llama.cpp's q/k row permutation (llama architecture) and writes::
 
-    <cache>/gguf/<key>/  config.json  model.safetensors  tokenizer.json  tokenizer_config.json
+    <cache>/gguf/<stem>-<quantization>-<key>/  config.json  model.safetensors  tokenizer.json  tokenizer_config.json
 
-``key`` hashes (path, size, mtime, converter version), so an edited file converts again.
+With quantization "none" every tensor is dequantized to float32 (``gguf.quants.dequantize``); with
+"q8_0" the linear weights, the LM head and the embedding are written as Q8_0 pairs (int8 values and
+float32 scales, ``models/weights.py`` names them; Q8_0 tensors kept bit for bit, Q4_0 exactly,
+other types requantized) and the rest as float32. ``key`` hashes (path, size, mtime, converter
+version, quantization), so an edited file converts again and the two choices never share a folder.
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ from pagedkv.models.cache_dir import cache_root, file_key
 from pagedkv.models.config import ModelConfig, RopeConfig
 from pagedkv.models.errors import ModelLoadError, UnsupportedModelError
 from pagedkv.models.gguf_tokenizer import build_gguf_tokenizer
+from pagedkv.models.quant_linear import quantize_q8_0
+from pagedkv.weight_quant import Q8_0_GROUP, check_quantization
 
-CONVERTER_VERSION = "2"
+CONVERTER_VERSION = "3"
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")  # mistral GGUFs use the llama architecture
 _DONE = ".complete"
 
@@ -142,28 +147,96 @@ def _tensor_values(reader: Any, name: str) -> tuple[float, ...] | None:
     return tuple(float(x) for x in np.asarray(t.data, dtype=np.float32).reshape(-1))
 
 
-def _iter_tensors(reader: Any, config: ModelConfig, arch: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _is_matrix(name: str) -> bool:
+    """Whether HF tensor ``name`` is a linear layer's weight, the LM head or the embedding."""
+    return name.endswith("_proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight")
+
+
+def _float32(t: Any) -> np.ndarray:
     from gguf.quants import dequantize
 
-    for t in tqdm(reader.tensors, desc="pagedkv: dequantizing GGUF", unit="tensor", leave=False):
+    try:
+        return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+    except NotImplementedError as e:
+        raise UnsupportedModelError(f"GGUF tensor {t.name}: {e}") from e
+
+
+def _q8_0(t: Any, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 ``[rows, cols]``, float32 scales ``[rows, cols / 32]``) of GGUF tensor ``t``."""
+    from gguf import GGMLQuantizationType as T
+
+    if t.tensor_type in (T.Q8_0, T.Q4_0):
+        # Q8_0 block: fp16 scale, 32 int8; Q4_0 block: fp16 scale, 16 bytes whose low nibbles
+        # are values 0..15 and high nibbles values 16..31, each minus 8. Both are Q8_0 as they are.
+        width = 34 if t.tensor_type == T.Q8_0 else 18
+        blocks = np.asarray(t.data).reshape(-1, width)
+        scales = blocks[:, :2].view(np.float16).astype(np.float32).reshape(rows, cols // Q8_0_GROUP)
+        if t.tensor_type == T.Q8_0:
+            values = blocks[:, 2:].view(np.int8)
+        else:
+            nibbles = blocks[:, 2:]
+            values = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=1).astype(np.int8) - np.int8(8)
+        return np.ascontiguousarray(values).reshape(rows, cols), scales
+    q, d = quantize_q8_0(torch.from_numpy(np.require(_float32(t).reshape(rows, cols), requirements="W")))
+    return q.numpy(), d.numpy()
+
+
+def _iter_tensors(reader: Any, config: ModelConfig, arch: str, quantization: str = "none"
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    for t in tqdm(reader.tensors, desc="pagedkv: converting GGUF", unit="tensor", leave=False):
         name = hf_name(t.name, arch)
         if name is None:
             continue
-        try:
-            arr = dequantize(t.data, t.tensor_type)
-        except NotImplementedError as e:
-            raise UnsupportedModelError(f"GGUF tensor {t.name}: {e}") from e
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGML lists dims innermost first
-        arr = np.asarray(arr, dtype=np.float32).reshape(shape)
         if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            arr = unpermute_rows(arr, config.num_attention_heads)
+            heads: int | None = config.num_attention_heads
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            arr = unpermute_rows(arr, config.num_key_value_heads)
+            heads = config.num_key_value_heads
+        else:
+            heads = None
+        if quantization == "q8_0" and _is_matrix(name) and len(shape) == 2 and shape[1] % Q8_0_GROUP == 0:
+            pair = _q8_0(t, *shape)
+            for suffix, arr in zip(("_q8_0", "_q8_0_scales"), pair):
+                arr = arr if heads is None else unpermute_rows(arr, heads)
+                yield name + suffix, torch.from_numpy(np.ascontiguousarray(arr))
+            continue
+        arr = _float32(t).reshape(shape)
+        if heads is not None:
+            arr = unpermute_rows(arr, heads)
         yield name, torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
 
 
-def convert_gguf(path: Path, out_dir: Path) -> None:
-    """Write the HF-style folder for GGUF ``path`` into ``out_dir`` (created)."""
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+def has_quantized_linears(path: Path) -> bool:
+    """Whether GGUF ``path`` holds any linear weight in a quantized type (not F32/F16/BF16/F64).
+
+    Reading a GGUF's header takes seconds (its vocabulary), so the answer is remembered in the
+    cache, keyed by the file's (path, size, mtime)."""
+    stamp = cache_root() / "gguf" / f"{path.stem}-{file_key(path, 'quantized-linears')}.json"
+    try:
+        return bool(json.loads(stamp.read_text())["quantized_linears"])
+    except (OSError, ValueError, KeyError):
+        pass
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    arch = _field(reader, "general.architecture")
+    types = {t.tensor_type.name for t in reader.tensors
+             if (name := hf_name(t.name, arch)) is not None and name.endswith("_proj.weight")}
+    answer = bool(types - set(_FLOAT_TYPES))
+    try:
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(json.dumps({"path": str(path), "linear_types": sorted(types), "quantized_linears": answer}))
+    except OSError:
+        pass  # a read-only cache only costs a reread next time
+    return answer
+
+
+def convert_gguf(path: Path, out_dir: Path, quantization: str = "none") -> None:
+    """Write the HF-style folder for GGUF ``path`` into ``out_dir`` (created); ``quantization`` is
+    "none" or "q8_0" (the module docstring)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
@@ -175,7 +248,7 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
         factors = np.asarray(t.data, dtype=np.float32).reshape(-1)
         config = _with_freq_factors(config, tuple(float(x) for x in factors))
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = dict(_iter_tensors(reader, config, arch))
+    tensors = dict(_iter_tensors(reader, config, arch, quantization))
     save_file(tensors, str(out_dir / "model.safetensors"))
     config_json = {**config.to_hf_dict(), **extra}
     (out_dir / "config.json").write_text(json.dumps(config_json, indent=2))
@@ -223,17 +296,21 @@ def _write_tokenizer(reader: Any, out_dir: Path, tokens: list[str], extra: dict[
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2))
 
 
-def converted_folder(path: Path) -> Path:
-    """The cached HF-style folder for GGUF ``path``, converting it on first use (atomically)."""
+def converted_folder(path: Path, quantization: str = "none") -> Path:
+    """The cached HF-style folder for GGUF ``path`` with linear weights dequantized ("none") or in
+    Q8_0 ("q8_0"), converting it on first use (atomically)."""
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {path} does not exist")
-    folder = cache_root() / "gguf" / f"{path.stem}-{file_key(path, CONVERTER_VERSION)}"
+    if check_quantization(quantization) == "auto":
+        raise ValueError("converted_folder needs a resolved quantization ('none' or 'q8_0'), not 'auto'")
+    key = file_key(path, f"{CONVERTER_VERSION}|{quantization}")
+    folder = cache_root() / "gguf" / f"{path.stem}-{quantization}-{key}"
     if (folder / _DONE).exists():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=folder.parent))
     try:
-        convert_gguf(path, tmp)
+        convert_gguf(path, tmp, quantization)
         (tmp / _DONE).write_text(str(path))
         try:
             os.replace(tmp, folder)
@@ -247,4 +324,4 @@ def converted_folder(path: Path) -> Path:
     return folder
 
 
-__all__ = ["converted_folder", "convert_gguf", "gguf_config", "hf_name", "unpermute_rows"]
+__all__ = ["converted_folder", "convert_gguf", "gguf_config", "has_quantized_linears", "hf_name", "unpermute_rows"]

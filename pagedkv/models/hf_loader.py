@@ -15,7 +15,7 @@ from pagedkv.models.config import ModelConfig
 from pagedkv.models.errors import ModelLoadError
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.tokenizer import Tokenizer
-from pagedkv.models.weights import build_model
+from pagedkv.models.weights import build_model, quantized_modules
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -49,6 +49,15 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def safetensors_names(files: list[Path]) -> list[str]:
+    """The tensor names of ``files`` (headers only, no data read)."""
+    names: list[str] = []
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            names.extend(f.keys())
+    return names
 
 
 def _token_id(tok: HFTokenizer, value: Any) -> int | None:
@@ -98,12 +107,16 @@ def load_hf_tokenizer(folder: Path, config_json: dict[str, Any] | None = None) -
 
 def load_hf_folder(folder: Path, dtype: torch.dtype = torch.float32
                    ) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer | None]:
-    """Model, config and tokenizer (None when the folder has no tokenizer.json) of an HF folder."""
+    """Model, config and tokenizer (None when the folder has no tokenizer.json) of an HF folder.
+    Weights the folder holds in Q8_0 (a GGUF converted with quantization "q8_0") load as Q8_0
+    modules (``models/quant_linear.py``)."""
     config_path = folder / "config.json"
     if not config_path.exists():
         raise ModelLoadError(f"{folder} is not a model folder: no config.json")
     config_json = read_json(config_path)
     config = ModelConfig.from_hf_dict(config_json)
-    model = build_model(config, iter_safetensors(safetensors_files(folder)), dtype=dtype)
+    files = safetensors_files(folder)
+    model = build_model(config, iter_safetensors(files), dtype=dtype,
+                        quantized=quantized_modules(config, safetensors_names(files)))
     tokenizer = load_hf_tokenizer(folder, config_json) if (folder / "tokenizer.json").exists() else None
     return model, config, tokenizer

@@ -11,21 +11,25 @@ import torch
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.default_model import DEFAULT_MODEL_NAME, default_model_path
 from pagedkv.models.errors import ModelLoadError
-from pagedkv.models.gguf_loader import converted_folder
+from pagedkv.models.gguf_loader import converted_folder, has_quantized_linears
 from pagedkv.models.hf_loader import load_hf_folder
 from pagedkv.models.llama import LlamaForCausalLM
+from pagedkv.models.quant_linear import quantize_model
 from pagedkv.models.tokenizer import Tokenizer
+from pagedkv.weight_quant import check_quantization
 
 
 @dataclass(slots=True)
 class LoadedModel:
-    """A ready model: ``model`` (eval mode), its frozen ``config``, ``tokenizer`` and a display ``name``."""
+    """A ready model: ``model`` (eval mode), its frozen ``config``, ``tokenizer``, a display ``name``
+    and the resolved ``quantization`` of its weights ("none" or "q8_0")."""
 
     model: LlamaForCausalLM
     config: ModelConfig
     tokenizer: Tokenizer | None
     name: str
     path: Path
+    quantization: str = "none"
 
 
 def resolve_model_path(model: str | Path | None) -> tuple[Path, str]:
@@ -90,14 +94,31 @@ def hf_cache_snapshot(repo_id: str, revision: str = "main") -> Path | None:
     return snapshots[-1] if snapshots and not ref.is_file() and revision == "main" else None
 
 
-def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load ``model`` (see :func:`resolve_model_path`) with weights in ``dtype``.
+def resolve_quantization(requested: str, path: Path) -> str:
+    """"none" or "q8_0": ``requested`` unless it is "auto", which is "q8_0" for a GGUF file whose
+    linear weights are quantized and "none" otherwise (``pagedkv/weight_quant.py``). Raises
+    ValueError for an unknown value."""
+    if check_quantization(requested) != "auto":
+        return requested
+    return "q8_0" if path.is_file() and has_quantized_linears(path) else "none"
 
-    GGUF files are converted once (dequantized to float32) into the pagedkv cache directory and
-    loaded from there afterwards. Raises ModelLoadError (or a subclass) with a clear message.
+
+def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float32,
+               quantization: str = "auto") -> LoadedModel:
+    """Load ``model`` (see :func:`resolve_model_path`) with weights in ``dtype``, the linear ones
+    in Q8_0 where ``quantization`` (:func:`resolve_quantization`) says so.
+
+    GGUF files are converted once (dequantized to float32, or to Q8_0 pairs) into the pagedkv cache
+    directory and loaded from there afterwards; a float folder asked for "q8_0" is quantized as
+    it loads. Raises ModelLoadError (or a subclass) with a clear message, ValueError for an
+    unknown ``quantization``.
     """
+    check_quantization(quantization)
     path, name = resolve_model_path(model)
-    folder = converted_folder(path) if path.is_file() else path
+    quant = resolve_quantization(quantization, path)
+    folder = converted_folder(path, quant) if path.is_file() else path
     with torch.inference_mode(False):
         net, config, tokenizer = load_hf_folder(folder, dtype=dtype)
-    return LoadedModel(model=net, config=config, tokenizer=tokenizer, name=name, path=path)
+        if quant == "q8_0":
+            quantize_model(net)  # float linear layers left (an HF folder); none after a GGUF conversion
+    return LoadedModel(model=net, config=config, tokenizer=tokenizer, name=name, path=path, quantization=quant)

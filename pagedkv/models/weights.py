@@ -2,20 +2,25 @@
 
 Checkpoint names are Hugging Face's (``model.layers.3.self_attn.q_proj.weight``); the GGUF loader
 renames llama.cpp tensors to them first, so this is the single place that knows the module layout.
+A weight kept in Q8_0 (``models/quant_linear.py``) is two checkpoint tensors, ``<name>.weight_q8_0``
+(int8) and ``<name>.weight_q8_0_scales`` (float32), filling the module's ``qweight`` and ``scales``
+rows exactly as ``<name>.weight`` fills ``weight``.
 """
 
 from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import NamedTuple
 
 import torch
+from torch import nn
 
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.errors import MissingTensorError, ModelLoadError
 from pagedkv.models.llama import LlamaForCausalLM
+from pagedkv.models.quant_linear import QuantEmbedding, QuantLinear, tie_quantized_head
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # checkpoint suffix inside a layer -> (module suffix, shard name or None)
@@ -52,6 +57,8 @@ _TOP_MAP: dict[str, str] = {
     "lm_head.weight": "lm_head.weight",
 }
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
+# Q8_0 checkpoint suffix -> the QuantLinear / QuantEmbedding buffer it fills
+_Q8_0_SUFFIXES = {".weight_q8_0": "qweight", ".weight_q8_0_scales": "scales"}
 # Multimodal checkpoints (Gemma3ForConditionalGeneration) keep the language model under a prefix,
 # old and new layouts; their vision tower and projector are not used.
 _LANGUAGE_MODEL = re.compile(r"^(?:language_model\.model\.|model\.language_model\.)")
@@ -74,8 +81,19 @@ def _shard_rows(config: ModelConfig, shard: str) -> tuple[int, int]:
     }[shard]
 
 
+def _q8_0_split(name: str) -> tuple[str, str] | None:
+    """(the float weight's checkpoint name, buffer) of a Q8_0 checkpoint name, else None."""
+    for suffix, buffer in _Q8_0_SUFFIXES.items():
+        if name.endswith(suffix):
+            return name.removesuffix(suffix) + ".weight", buffer
+    return None
+
+
 def map_name(config: ModelConfig, name: str) -> Target | None:
     """The module target of checkpoint tensor ``name``; None for names the model does not use."""
+    if (q8 := _q8_0_split(name)) is not None:  # a Q8_0 pair fills the rows its float weight would
+        target = map_name(config, q8[0])
+        return None if target is None else target._replace(param=target.param.removesuffix("weight") + q8[1])
     name = _LANGUAGE_MODEL.sub("model.", name)
     if name == "language_model.lm_head.weight":
         name = "lm_head.weight"
@@ -97,17 +115,46 @@ def map_name(config: ModelConfig, name: str) -> Target | None:
     return None
 
 
+def quantized_modules(config: ModelConfig, names: Iterable[str]) -> frozenset[str]:
+    """The modules (``layers.3.self_attn.qkv_proj``, ``embed_tokens``, ``lm_head``) whose weight the
+    checkpoint tensor ``names`` hold in Q8_0."""
+    found = set()
+    for name in names:
+        if _q8_0_split(name) is not None and (target := map_name(config, name)) is not None:
+            found.add(target.param.rpartition(".")[0])
+    return frozenset(found)
+
+
+def _put_quantized(model: LlamaForCausalLM, module: str, dtype: torch.dtype) -> None:
+    parent_name, _, child_name = module.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    old = getattr(parent, child_name)
+    if isinstance(old, nn.Embedding):
+        new: nn.Module = QuantEmbedding(old.num_embeddings, old.embedding_dim, dtype=dtype)
+    elif isinstance(old, nn.Linear):
+        new = QuantLinear(old.in_features, old.out_features, bias=old.bias is not None, bias_dtype=dtype)
+    else:
+        raise ModelLoadError(f"checkpoint holds a Q8_0 weight for {module}, which is no linear layer or embedding")
+    setattr(parent, child_name, new)
+
+
 def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]],
-                dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+                dtype: torch.dtype = torch.float32, quantized: Collection[str] = ()) -> LlamaForCausalLM:
     """Build the model without random init and fill every parameter from ``tensors``.
 
-    Raises MissingTensorError naming the first missing checkpoint tensors, ModelLoadError on a
-    shape mismatch. Unknown checkpoint names are reported with a warning and skipped.
+    ``quantized`` names the modules built as Q8_0 (:func:`quantized_modules` of the checkpoint's
+    names); a tied model whose embedding is Q8_0 gets a Q8_0 head over the same tensors. Raises
+    MissingTensorError naming the first missing checkpoint tensors, ModelLoadError on a shape
+    mismatch. Unknown checkpoint names are reported with a warning and skipped.
     """
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to_empty(device="cpu").to(dtype)
+    for module in sorted(quantized):
+        _put_quantized(model, module, dtype)
     params = dict(model.named_parameters())
+    params.update((f"{name}.{b}", getattr(m, b)) for name, m in model.named_modules()
+                  if isinstance(m, (QuantLinear, QuantEmbedding)) for b in ("qweight", "scales"))
     filled: dict[str, int] = {name: 0 for name in params}  # rows written per parameter
     unknown: list[str] = []
     for name, tensor in tensors:
@@ -137,6 +184,7 @@ def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]
         )
     if unknown:
         warnings.warn(f"ignored {len(unknown)} unknown checkpoint tensors, e.g. {unknown[:3]}", stacklevel=2)
+    tie_quantized_head(model)
     model.eval()
     return model
 

@@ -1,0 +1,199 @@
+"""Linear layers and the token embedding over Q8_0 weights kept quantized (weight-only: activations
+stay float32).
+
+A Q8_0 weight ``W [N, K]`` is ``qweight [N, K]`` int8 and ``scales [N, K / 32]`` float32, with
+``W[n, k] = scales[n, k // 32] * qweight[n, k]``::
+
+    qweight row n:  | q0 .. q31 | q32 .. q63 | ...   int8, K values
+    scales row n:   |    d0     |    d1     | ...   float32, one per 32 values
+
+Rows are output features, so fused layers (q/k/v, gate/up) are the shards' rows concatenated, as
+for float weights. ``QuantLinear`` runs ``torch.ops.pagedkv.q8_0_linear`` (``ops/csrc/quant_matmul.cpp``)
+where the native kernels are built, else a plain-PyTorch path that dequantizes 256 rows at a time.
+``QuantEmbedding`` dequantizes only the rows it gathers; a tied LM head is a ``QuantLinear`` over
+the embedding's own tensors (no second copy).
+
+The model code is untouched: ``build_model`` puts these modules where the checkpoint holds Q8_0
+tensors, and ``quantize_model`` swaps a float model's modules for them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedkv.weight_quant import Q8_0_GROUP
+
+_FALLBACK_TILE = 256  # weight rows dequantized at a time by the plain-PyTorch path
+
+
+def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [N, K]`` (K a multiple of 32) -> (int8 ``[N, K]``, float32 scales ``[N, K / 32]``),
+    scale = absmax / 127 per 32 values along K (0 for an all-zero run)."""
+    n, k = weight.shape
+    if k % Q8_0_GROUP:
+        raise ValueError(f"Q8_0 needs in_features to be a multiple of {Q8_0_GROUP}, got {k}")
+    blocks = weight.detach().float().reshape(n, k // Q8_0_GROUP, Q8_0_GROUP)
+    scales = blocks.abs().amax(-1) / 127.0  # [N, K / 32]
+    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    q = (blocks * inv[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+    return q.reshape(n, k).contiguous(), scales.contiguous()
+
+
+def dequantize_q8_0(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+                    ) -> torch.Tensor:
+    """The float weight ``[N, K]`` of a Q8_0 pair (any leading rows: a slice or a gather)."""
+    n, k = qweight.shape
+    w = qweight.to(torch.float32).view(n, k // Q8_0_GROUP, Q8_0_GROUP) * scales[..., None]
+    return w.view(n, k).to(dtype)
+
+
+def q8_0_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ W^T`` in plain PyTorch, dequantizing ``_FALLBACK_TILE`` weight rows at a time
+    (a bounded temporary, never the whole float weight)."""
+    n = qweight.shape[0]
+    out = x.new_empty(x.shape[0], n)  # [M, N]
+    for n0 in range(0, n, _FALLBACK_TILE):
+        n1 = min(n, n0 + _FALLBACK_TILE)
+        out[:, n0:n1] = x @ dequantize_q8_0(qweight[n0:n1], scales[n0:n1]).t()
+    return out
+
+
+def _native_ok() -> bool:
+    from pagedkv.ops import native  # imported late: ops.native imports pagedkv.models (the cache dir)
+    return native.available()
+
+
+class QuantLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` in Q8_0 (buffers ``qweight``, ``scales``; see the module docstring).
+
+    ``x`` may be any float dtype and shape ``[..., in_features]``; it is computed in float32 and
+    the result returned in ``x``'s dtype. ``native`` None (default) uses the native kernel where it
+    is built; False forces the plain-PyTorch path (tests, comparisons).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 bias_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if in_features % Q8_0_GROUP:
+            raise ValueError(f"Q8_0 needs in_features to be a multiple of {Q8_0_GROUP}, got {in_features}")
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.zeros(out_features, in_features // Q8_0_GROUP))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=bias_dtype), requires_grad=False) if bias else None
+        self.native: bool | None = None
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> QuantLinear:
+        """Quantize ``weight [out, in]`` (the bias is kept as it is)."""
+        out_features, in_features = weight.shape
+        layer = cls(in_features, out_features, bias=bias is not None,
+                    bias_dtype=bias.dtype if bias is not None else torch.float32)
+        layer.qweight, layer.scales = quantize_q8_0(weight)
+        if bias is not None:
+            layer.bias.data.copy_(bias.detach())  # type: ignore[union-attr]
+        return layer
+
+    @classmethod
+    def sharing(cls, embedding: QuantEmbedding) -> QuantLinear:
+        """The tied LM head: a QuantLinear over ``embedding``'s own tensors (no copy)."""
+        head = cls(embedding.embedding_dim, embedding.num_embeddings)
+        head.qweight, head.scales = embedding.qweight, embedding.scales
+        return head
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized float32 weight ``[out, in]``: a fresh copy, for inspection only."""
+        return dequantize_q8_0(self.qweight, self.scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()  # [M, K]
+        if self.native is None:
+            self.native = _native_ok()
+        if self.native:
+            out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)  # [M, N]
+            torch.ops.pagedkv.q8_0_linear(out, x2, self.qweight, self.scales)
+        else:
+            out = q8_0_linear_reference(x2, self.qweight, self.scales)
+        if self.bias is not None:
+            out += self.bias
+        return out.view(*lead, self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, format=q8_0")
+
+
+class QuantEmbedding(nn.Module):
+    """A token embedding ``[num_embeddings, embedding_dim]`` in Q8_0; a lookup dequantizes only the
+    gathered rows, into ``dtype`` (the model's)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if embedding_dim % Q8_0_GROUP:
+            raise ValueError(f"Q8_0 needs embedding_dim to be a multiple of {Q8_0_GROUP}, got {embedding_dim}")
+        self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
+        self.register_buffer("qweight", torch.zeros(num_embeddings, embedding_dim, dtype=torch.int8))
+        self.register_buffer("scales", torch.zeros(num_embeddings, embedding_dim // Q8_0_GROUP))
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> QuantEmbedding:
+        emb = cls(*weight.shape, dtype=weight.dtype)
+        emb.qweight, emb.scales = quantize_q8_0(weight)
+        return emb
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight in ``dtype``: a fresh copy, for inspection only."""
+        return dequantize_q8_0(self.qweight, self.scales, self.dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, embedding_dim]
+        flat = input_ids.reshape(-1)
+        rows = dequantize_q8_0(self.qweight.index_select(0, flat), self.scales.index_select(0, flat), self.dtype)
+        return rows.view(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, format=q8_0"
+
+
+def quantize_model(model: nn.Module) -> int:
+    """Swap ``model``'s float linear layers (every ``nn.Linear`` whose input is a multiple of 32),
+    its token embedding and its LM head for Q8_0 ones; a tied head shares the embedding's tensors.
+    Returns how many modules were swapped; idempotent. Apply it to a loaded model used for inference.
+    """
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.in_features % Q8_0_GROUP == 0:
+                setattr(parent, name, QuantLinear.from_float(child.weight, child.bias))
+                swapped += 1
+    embed = getattr(model, "embed_tokens", None)
+    if type(embed) is nn.Embedding and embed.embedding_dim % Q8_0_GROUP == 0:
+        model.embed_tokens = QuantEmbedding.from_float(embed.weight)  # type: ignore[assignment]
+        swapped += 1
+    tie_quantized_head(model)
+    return swapped
+
+
+def tie_quantized_head(model: nn.Module) -> None:
+    """A tied model (``lm_head`` None) whose embedding is Q8_0 gets a ``QuantLinear`` head over it."""
+    embed = getattr(model, "embed_tokens", None)
+    if getattr(model, "lm_head", 0) is None and isinstance(embed, QuantEmbedding):
+        model.lm_head = QuantLinear.sharing(embed)  # type: ignore[assignment]
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer of ``model``, shared tensors counted once."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+__all__ = ["QuantEmbedding", "QuantLinear", "dequantize_q8_0", "q8_0_linear_reference", "quantize_model",
+           "quantize_q8_0", "tie_quantized_head", "weight_bytes"]

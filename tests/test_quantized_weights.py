@@ -1,0 +1,231 @@
+"""Weights kept in Q8_0 (``quantization="q8_0"``): QuantLinear / QuantEmbedding against plain PyTorch
+on the dequantized weights (native kernel and fallback), and tiny GGUF files and HF folders loaded
+both ways: module types, exact values where the file's type allows, logits, greedy tokens,
+resident bytes, cache folders, the "auto" choice and bad values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tiny_model import write_tiny_model
+
+from pagedkv.engine import EngineConfig, LLMEngine
+from pagedkv.models import load_model
+from pagedkv.models.loader import resolve_quantization
+from pagedkv.models.quant_linear import (
+    QuantEmbedding,
+    QuantLinear,
+    dequantize_q8_0,
+    quantize_model,
+    quantize_q8_0,
+    weight_bytes,
+)
+from pagedkv.ops import native
+from pagedkv.runner import ModelRunner, SeqChunk
+from pagedkv.sampling_params import SamplingParams
+
+gguf = pytest.importorskip("gguf")
+from gguf.quants import quantize  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB = 64, 2, 4, 2, 96, 128
+NEEDS_NATIVE = pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
+
+
+def _write_gguf(path: Path, types: dict[str, gguf.GGMLQuantizationType], tied: bool = True, seed: int = 0) -> None:
+    """A tiny llama GGUF (no tokenizer); ``types`` maps a tensor-name suffix (``attn_q.weight``,
+    ``token_embd.weight``, ...) to its type, F32 for the rest."""
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(128)
+    w.add_embedding_length(HIDDEN)
+    w.add_block_count(LAYERS)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(VOCAB)
+    head_dim = HIDDEN // HEADS
+    shapes = {"token_embd.weight": (VOCAB, HIDDEN), "output_norm.weight": (HIDDEN,)}
+    if not tied:
+        shapes["output.weight"] = (VOCAB, HIDDEN)
+    for i in range(LAYERS):
+        shapes |= {f"blk.{i}.{k}": v for k, v in {
+            "attn_norm.weight": (HIDDEN,), "ffn_norm.weight": (HIDDEN,),
+            "attn_q.weight": (HEADS * head_dim, HIDDEN), "attn_k.weight": (KV_HEADS * head_dim, HIDDEN),
+            "attn_v.weight": (KV_HEADS * head_dim, HIDDEN), "attn_output.weight": (HIDDEN, HEADS * head_dim),
+            "ffn_gate.weight": (FFN, HIDDEN), "ffn_up.weight": (FFN, HIDDEN), "ffn_down.weight": (HIDDEN, FFN),
+        }.items()}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
+            continue
+        arr = (rng.standard_normal(shape) / (1.0 if "token_embd" in name else np.sqrt(shape[1]))).astype(np.float32)
+        qtype = next((t for suffix, t in types.items() if name.endswith(suffix)), Q.F32)
+        if qtype == Q.F32:
+            w.add_tensor(name, arr)
+        else:
+            w.add_tensor(name, quantize(arr, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+# Q8_0 and Q4_0 are Q8_0 exactly: the quantized model computes with the very weights of the float one
+EXACT = {"attn_q.weight": Q.Q8_0, "attn_k.weight": Q.Q4_0, "attn_v.weight": Q.Q8_0, "attn_output.weight": Q.Q8_0,
+         "ffn_gate.weight": Q.Q4_0, "ffn_up.weight": Q.Q8_0, "ffn_down.weight": Q.Q8_0, "token_embd.weight": Q.Q8_0}
+
+
+@pytest.fixture()
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _greedy(runner: ModelRunner, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    table = list(range(16))
+    logits = runner.execute([SeqChunk(prompt, 0, table)])
+    first, out, pos = logits, [], len(prompt)
+    for _ in range(steps):
+        out.append(int(logits[0].argmax()))
+        logits = runner.execute([SeqChunk([out[-1]], pos, table)])
+        pos += 1
+    return out, first
+
+
+def _set_native(model: torch.nn.Module, on: bool) -> None:
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.native = on
+
+
+@pytest.mark.parametrize("use_native", [pytest.param(True, marks=NEEDS_NATIVE), False])
+@pytest.mark.parametrize("m", [1, 5, 33, 300])
+def test_quant_linear_matches_pytorch_on_the_dequantized_weights(use_native: bool, m: int) -> None:
+    gen = torch.Generator().manual_seed(m)
+    weight, bias = torch.randn(300, 96, generator=gen), torch.randn(300, generator=gen)
+    weight[3, 32:64] = 0.0  # an all-zero block: scale 0
+    layer = QuantLinear.from_float(weight, bias)
+    layer.native = use_native
+    x = torch.randn(2, m, 96, generator=gen)  # any leading shape
+    want = torch.nn.functional.linear(x, layer.weight, bias)
+    torch.testing.assert_close(layer(x), want, atol=1e-4, rtol=1e-5)
+    assert (layer.weight - weight).abs().max() <= weight.abs().max() / 254 + 1e-6  # half a step of 127
+    assert layer(x.to(torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_fused_rows_concatenate_and_embedding_gathers_dequantized_rows() -> None:
+    gen = torch.Generator().manual_seed(0)
+    q_w, k_w = torch.randn(64, 64, generator=gen), torch.randn(32, 64, generator=gen)
+    fused, parts = quantize_q8_0(torch.cat([q_w, k_w])), [quantize_q8_0(q_w), quantize_q8_0(k_w)]
+    assert torch.equal(fused[0], torch.cat([p[0] for p in parts]))
+    assert torch.equal(fused[1], torch.cat([p[1] for p in parts]))
+    emb = QuantEmbedding.from_float(torch.randn(50, 64, generator=gen))
+    ids = torch.tensor([[3, 49], [0, 3]])
+    torch.testing.assert_close(emb(ids), emb.weight[ids], atol=0, rtol=0)
+    head = QuantLinear.sharing(emb)
+    assert head.qweight.data_ptr() == emb.qweight.data_ptr() and head.out_features == 50
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_q8_0_gguf_matches_its_dequantized_float_model(cache: Path, tmp_path: Path, tied: bool) -> None:
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, {**EXACT, "output.weight": Q.Q8_0}, tied=tied)
+    plain = load_model(str(path), quantization="none")
+    quant = load_model(str(path), quantization="q8_0")
+    assert (plain.quantization, quant.quantization) == ("none", "q8_0")
+    layer = quant.model.layers[1]
+    for mod in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
+                quant.model.lm_head):
+        assert isinstance(mod, QuantLinear)
+    assert isinstance(quant.model.embed_tokens, QuantEmbedding)
+    if tied:  # the head is the embedding's own tensors
+        assert quant.model.lm_head.qweight.data_ptr() == quant.model.embed_tokens.qweight.data_ptr()
+    # bit for bit the file's values (q/k rows un-permuted alike)
+    for i in range(LAYERS):
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            a, b = plain.model.get_submodule(f"layers.{i}.{name}"), quant.model.get_submodule(f"layers.{i}.{name}")
+            assert torch.equal(a.weight, b.weight), name
+    assert torch.equal(plain.model.embed_tokens.weight, quant.model.embed_tokens.weight)
+    # memory: int8 plus a float32 scale per 32 for every matrix, float32 for the norms
+    matrices = VOCAB * HIDDEN * (1 if tied else 2) + LAYERS * (HIDDEN * (HIDDEN + 2 * 32) + HIDDEN * HIDDEN
+                                                             + 3 * FFN * HIDDEN)
+    norms = (2 * LAYERS + 1) * HIDDEN * 4
+    assert weight_bytes(quant.model) == matrices * 9 // 8 + norms
+    assert weight_bytes(plain.model) == matrices * 4 + norms
+    # same greedy tokens, close logits
+    prompt = [5, 40, 77, 120, 9, 100, 33, 64, 3]
+    want, want_logits = _greedy(ModelRunner(plain, block_size=4, num_blocks=32), prompt, 16)
+    got, got_logits = _greedy(ModelRunner(quant, block_size=4, num_blocks=32), prompt, 16)
+    assert got == want
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
+    _set_native(quant.model, False)  # the plain-PyTorch path agrees too
+    fallback, fallback_logits = _greedy(ModelRunner(quant, block_size=4, num_blocks=32), prompt, 16)
+    assert fallback == want
+    torch.testing.assert_close(fallback_logits, want_logits, atol=1e-4, rtol=1e-4)
+    # one converted folder per choice, each reused
+    folders = sorted(p.parent.name for p in (cache / "gguf").glob("*/.complete"))
+    assert len(folders) == 2 and {f.split("-")[1] for f in folders} == {"none", "q8_0"}
+    load_model(str(path), quantization="q8_0")
+    assert len(list((cache / "gguf").glob("*/.complete"))) == 2
+
+
+def test_other_types_are_requantized_and_auto_follows_the_file(cache: Path, tmp_path: Path) -> None:
+    path = tmp_path / "q4_1.gguf"
+    _write_gguf(path, {"attn_q.weight": Q.Q4_1, "attn_k.weight": Q.Q4_1, "attn_v.weight": Q.F32,
+                       "attn_output.weight": Q.Q4_1, "ffn_gate.weight": Q.Q4_1, "ffn_up.weight": Q.Q4_1,
+                       "ffn_down.weight": Q.Q5_0, "token_embd.weight": Q.Q5_1})
+    quant = load_model(str(path))  # auto: the file's linear weights are quantized
+    plain = load_model(str(path), quantization="none")
+    assert quant.quantization == "q8_0" and isinstance(quant.model.layers[0].mlp.down_proj, QuantLinear)
+    for name in ("self_attn.qkv_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        a, b = plain.model.get_submodule(f"layers.0.{name}").weight, quant.model.get_submodule(f"layers.0.{name}")
+        step = a.view(a.shape[0], -1, 32).abs().amax(-1, keepdim=True) / 127  # per 32 values
+        assert ((b.weight - a).view_as(step.expand(-1, -1, 32)).abs() <= step / 2 + 1e-6).all(), name
+    prompt = [5, 40, 77, 120, 9]
+    _, want = _greedy(ModelRunner(plain, block_size=4, num_blocks=32), prompt, 0)
+    _, got = _greedy(ModelRunner(quant, block_size=4, num_blocks=32), prompt, 0)
+    assert torch.nn.functional.cosine_similarity(got, want).item() > 0.999
+    float_file = tmp_path / "f32.gguf"
+    _write_gguf(float_file, {})
+    assert resolve_quantization("auto", float_file) == "none"  # a float GGUF keeps its precision
+    assert resolve_quantization("auto", path) == "q8_0"
+
+
+def test_hf_folder_quantizes_at_load_and_the_engine_threads_the_option(cache: Path, tmp_path: Path) -> None:
+    folder = write_tiny_model(tmp_path / "hf")
+    assert resolve_quantization("auto", folder) == "none"
+    plain = load_model(str(folder))
+    quant = load_model(str(folder), quantization="q8_0")
+    assert plain.quantization == "none" and isinstance(plain.model.layers[0].mlp.down_proj, torch.nn.Linear)
+    assert isinstance(quant.model.lm_head, QuantLinear) and isinstance(quant.model.embed_tokens, QuantEmbedding)
+    assert quantize_model(quant.model) == 0  # idempotent
+    torch.testing.assert_close(quant.model.layers[0].mlp.down_proj.weight, plain.model.layers[0].mlp.down_proj.weight,
+                               atol=0.02, rtol=0)
+    engine = LLMEngine.from_options(str(folder), quantization="q8_0", num_kv_blocks=32, block_size=4)
+    assert isinstance(engine.runner.model.layers[1].self_attn.qkv_proj, QuantLinear)
+    engine.add_request("r", "hello world", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.close()
+
+
+def test_a_bad_quantization_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="int4")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        load_model(str(tmp_path / "absent.gguf"), quantization="q4")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        QuantLinear.from_float(torch.randn(8, 40))
+
+
+def test_dequantize_round_trip() -> None:
+    w = torch.randn(4, 64)
+    q, d = quantize_q8_0(w)
+    assert q.dtype == torch.int8 and d.shape == (4, 2)
+    assert (dequantize_q8_0(q, d) - w).abs().max() <= w.abs().max() / 254 + 1e-6
