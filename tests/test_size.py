@@ -32,10 +32,17 @@ HAND_FP16 = {
     "qwen2.5-7b": 2 * 28 * 4 * 128 * 2,  # 57,344
     "smollm2-135m": 2 * 30 * 3 * 64 * 2,  # 23,040
     "deepseek-v2-lite": 27 * (512 + 64) * 2,  # MLA latent: 31,104
+    # hybrid (sliding-window and global layers in groups): per token of one group's block
+    "gemma-3-1b": 2 * 4 * 1 * 256 * 2,  # 26 layers: groups of 4 (4 global, 22 sliding)
+    "gemma-3-4b": 2 * 5 * 4 * 256 * 2,  # 34 layers: groups of 5
+    "gemma-3-12b": 2 * 8 * 8 * 256 * 2,  # 48 layers: groups of 8
+    "gemma-3-27b": 2 * 10 * 16 * 128 * 2,  # 62 layers: groups of 10
 }
 PUBLISHED_PARAMS = {"llama-2-7b": 6.74e9, "llama-2-13b": 13.0e9, "llama-2-70b": 69.0e9,
                     "llama-3-8b": 8.03e9, "llama-3-70b": 70.6e9, "mistral-7b": 7.24e9,
-                    "qwen2.5-7b": 7.62e9, "smollm2-135m": 1.35e8, "deepseek-v2-lite": 15.7e9}
+                    "qwen2.5-7b": 7.62e9, "smollm2-135m": 1.35e8, "deepseek-v2-lite": 15.7e9,
+                    # Gemma 3: the language model's parameters (4B-27B also ship a ~0.42B vision tower)
+                    "gemma-3-1b": 1.0e9, "gemma-3-4b": 3.88e9, "gemma-3-12b": 11.77e9, "gemma-3-27b": 27.0e9}
 
 
 def test_preset_kv_bytes_per_token() -> None:
@@ -191,3 +198,22 @@ def test_gguf_reader_on_the_default_model() -> None:
     spec = spec_from_gguf(files[0])
     assert kv_bytes_per_token(spec, "fp16") == HAND_FP16["smollm2-135m"]
     assert spec.num_params == pytest.approx(134_515_008, rel=0.01)
+
+
+@pytest.mark.parametrize("name,window", [("gemma-3-1b", 512), ("gemma-3-4b", 1024), ("gemma-3-27b", 1024)])
+def test_hybrid_models_size_sliding_groups_by_their_window(name: str, window: int) -> None:
+    """Gemma 3: a max-length sequence holds every block of the global groups and about
+    window / B + 1 blocks of each sliding group; the report compares it with a full cache."""
+    from pagedkv.model_shape import kv_groups
+
+    spec = PRESETS[name]
+    groups = kv_groups(spec)
+    full = sum(1 for g in groups if g.window is None)
+    r = size_kv_cache(spec, SizingInputs(kv_memory=8 << 30, max_len=8192), SHAREGPT)
+    sliding_blocks = (r.blocks_per_max_len_seq - full * 8192 // 16) / (len(groups) - full)
+    assert window // 16 <= sliding_blocks <= window // 16 + 1
+    assert r.max_concurrent_at_max_len == r.num_blocks // r.blocks_per_max_len_seq
+    assert r.kv_groups.startswith(f"{full} full + {len(groups) - full} sliding (window {window})")
+    assert r.full_cache_seq_bytes_at_max_len > 3 * r.seq_bytes_at_max_len
+    short = size_kv_cache(spec, SizingInputs(kv_memory=8 << 30, max_len=window // 2), SHAREGPT)
+    assert short.blocks_per_max_len_seq == len(groups) * (window // 2 // 16)  # nothing out of the window yet

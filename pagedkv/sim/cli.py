@@ -157,6 +157,16 @@ def _capacity(args: argparse.Namespace) -> int:
     return result.token_capacity
 
 
+def _group_windows(args: argparse.Namespace) -> tuple[int | None, ...]:
+    """The KV groups of ``--model`` (a hybrid model's sliding-window groups), else one group."""
+    if not args.model:
+        return (None,)
+    from pagedkv.model_shape import kv_groups
+    from pagedkv.sim.model_spec import load_model_spec
+
+    return tuple(g.window for g in kv_groups(load_model_spec(args.model)))
+
+
 def run_simulate(args: argparse.Namespace) -> int:
     """``pagedkv simulate``: run every policy on one trace, print a table (or ``--json``)."""
     from pagedkv.sim.policies import parse_block_sizes, parse_policies
@@ -174,6 +184,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             beam_width=args.beam_width, seed=args.seed)
         requests = load_trace(args.trace, workload) if args.trace else generate_workload(workload)
         config = SimConfig(capacity=_capacity(args), max_model_len=args.max_model_len,
+                           kv_group_windows=_group_windows(args),
                            max_num_seqs=args.max_num_seqs, watermark=args.watermark,
                            eviction_policy=args.eviction_policy,
                            beam_reshuffle=args.beam_reshuffle, sample_every=args.sample_every,

@@ -30,7 +30,8 @@ class PagedPolicy:
     """Paged KV memory of ``capacity // block_size`` blocks managed by ``KVCacheManager``."""
 
     def __init__(self, name: str, capacity: int, block_size: int, *, prefix_caching: bool,
-                 cow: bool, watermark: float = 0.01, eviction_policy: str = "lru") -> None:
+                 cow: bool, watermark: float = 0.01, eviction_policy: str = "lru",
+                 kv_group_windows: tuple[int | None, ...] = (None,)) -> None:
         if capacity < block_size:
             raise ValueError(f"--kv-tokens: capacity {capacity} is below block size {block_size}")
         self.name = name
@@ -39,7 +40,8 @@ class PagedPolicy:
         self.cow = cow
         self.manager = KVCacheManager(capacity // block_size, block_size,
                                       enable_prefix_caching=prefix_caching,
-                                      eviction_policy=eviction_policy, watermark=watermark)
+                                      eviction_policy=eviction_policy, watermark=watermark,
+                                      kv_group_windows=kv_group_windows)
         self.live: dict[int, SimSeq] = {}
 
     def admit(self, request: Request, seqs: list[SimSeq]) -> bool:
@@ -115,7 +117,8 @@ class PagedPolicy:
         for seq in self.live.values():
             n = len(seq.tokens)
             end = -(-n // B) * B
-            empty[mgr.block_table(seq.seq_id)[-1]] = end - n
+            for table in (mgr.block_table(seq.seq_id), *mgr.group_tables(seq.seq_id)):
+                empty[table[-1]] = end - n
             if end > seq.final_len:
                 never += end - seq.final_len
         filled = allocated - sum(empty.values())

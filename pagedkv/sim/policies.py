@@ -90,8 +90,14 @@ def parse_policies(text: str, block_sizes: tuple[int, ...]) -> list[PolicySpec]:
 
 
 def build_policy(spec: PolicySpec, capacity: int, max_model_len: int, *,
-                 watermark: float = 0.01, eviction_policy: str = "lru") -> MemoryPolicy:
-    """A fresh policy holding ``capacity`` KV token slots."""
+                 watermark: float = 0.01, eviction_policy: str = "lru",
+                 kv_group_windows: tuple[int | None, ...] = (None,)) -> MemoryPolicy:
+    """A fresh policy holding ``capacity`` KV token slots. A hybrid model's (``kv_group_windows``,
+    one entry per KV group) slots each hold one group's layers: paged memory keeps a table per
+    group and releases what leaves a window; the contiguous policies keep every layer of every
+    token, so a token takes one slot per group."""
+    if spec.kind != "paged":
+        capacity //= len(kv_group_windows)
     if spec.kind == "contiguous-max":
         return ReservationPolicy(spec.name, ExtentAllocator(capacity), lambda r: max_model_len)
     if spec.kind == "contiguous-oracle":
@@ -100,7 +106,8 @@ def build_policy(spec: PolicySpec, capacity: int, max_model_len: int, *,
         return ReservationPolicy(spec.name, BuddyAllocator(capacity), _final_len)
     assert spec.block_size is not None
     return PagedPolicy(spec.name, capacity, spec.block_size, prefix_caching=spec.prefix,
-                       cow=spec.cow, watermark=watermark, eviction_policy=eviction_policy)
+                       cow=spec.cow, watermark=watermark, eviction_policy=eviction_policy,
+                       kv_group_windows=kv_group_windows)
 
 
 def _final_len(request: Request) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagedkv.model_shape import ModelShape
+from pagedkv.model_shape import FULL_ATTENTION, SLIDING_ATTENTION, ModelShape
 
 
 def _llama(name: str, model_type: str, layers: int, hidden: int, heads: int, kv_heads: int, inter: int,
@@ -10,6 +10,16 @@ def _llama(name: str, model_type: str, layers: int, hidden: int, heads: int, kv_
     return ModelShape(name=name, model_type=model_type, num_hidden_layers=layers, num_attention_heads=heads,
                       num_key_value_heads=kv_heads, head_dim=hidden // heads, hidden_size=hidden,
                       intermediate_size=inter, vocab_size=vocab, max_position_embeddings=max_len, **extra)
+
+
+def _gemma3(name: str, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int,
+            window: int, max_len: int) -> ModelShape:
+    # five sliding-window layers to one global layer: the KV cache keeps them in groups
+    types = tuple(SLIDING_ATTENTION if (i + 1) % 6 else FULL_ATTENTION for i in range(layers))
+    return ModelShape(name=name, model_type="gemma3", num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, head_dim=head_dim, hidden_size=hidden,
+                      intermediate_size=inter, vocab_size=262144, max_position_embeddings=max_len,
+                      tie_word_embeddings=True, qk_norm=True, sliding_window=window, layer_types=types)
 
 
 PRESETS: dict[str, ModelShape] = {
@@ -23,6 +33,10 @@ PRESETS: dict[str, ModelShape] = {
                          attention_bias=True),
     "smollm2-135m": _llama("SmolLM2-135M", "llama", 30, 576, 9, 3, 1536, 49152, 8192,
                            tie_word_embeddings=True),
+    "gemma-3-1b": _gemma3("Gemma-3-1B", 26, 1152, 4, 1, 256, 6912, 512, 32768),
+    "gemma-3-4b": _gemma3("Gemma-3-4B", 34, 2560, 8, 4, 256, 10240, 1024, 131072),
+    "gemma-3-12b": _gemma3("Gemma-3-12B", 48, 3840, 16, 8, 256, 15360, 1024, 131072),
+    "gemma-3-27b": _gemma3("Gemma-3-27B", 62, 5376, 32, 16, 128, 21504, 1024, 131072),
     # MLA: the cache holds a 512-value latent + a 64-value RoPE key per token per layer.
     "deepseek-v2-lite": ModelShape(
         name="DeepSeek-V2-Lite", model_type="deepseek_v2", num_hidden_layers=27, num_attention_heads=16,

@@ -42,7 +42,8 @@ def size_table(result: SizingResult) -> str:
         ("model", r.model),
         ("KV dtype / block size / TP", f"{r.kv_dtype} / {r.block_size} / {r.tp}"),
         ("KV heads per rank", str(r.kv_heads_per_rank)),
-        ("KV bytes per token", f"{r.kv_bytes_per_token:,} ({format_bytes(r.kv_bytes_per_token)})"),
+        ("KV bytes per token" + (" in one group" if r.kv_groups else ""),
+         f"{r.kv_bytes_per_token:,} ({format_bytes(r.kv_bytes_per_token)})"),
         ("scale bytes per block", f"{r.scale_bytes_per_block:,}"),
         ("block bytes", f"{r.block_bytes:,} ({format_bytes(r.block_bytes)})"),
         ("device memory", "-" if r.device_memory is None else
@@ -51,7 +52,8 @@ def size_table(result: SizingResult) -> str:
          + (" (not subtracted: --kv-memory given)" if r.device_memory is None else "")),
         ("reserved", f"{r.reserved_memory:,} ({format_bytes(r.reserved_memory)})"),
         ("KV memory per rank", f"{r.kv_memory:,} ({format_bytes(r.kv_memory)})"),
-        ("KV blocks", f"{r.num_blocks:,} ({r.token_capacity:,} tokens)"),
+        ("KV blocks", f"{r.num_blocks:,} ({r.token_capacity:,} "
+                      + ("token slots of one group each)" if r.kv_groups else "tokens)")),
         ("max length", f"{r.max_len:,} ({r.blocks_per_max_len_seq:,} blocks)"),
         ("max concurrent at max length", f"{r.max_concurrent_at_max_len:,}"),
         (f"{r.distribution} mean length", f"final {r.mean_final_len:.0f}, live {r.mean_live_len:.0f}"),
@@ -59,6 +61,11 @@ def size_table(result: SizingResult) -> str:
          f"{r.max_concurrent_steady:,} (all at final length: "
          f"{r.max_concurrent_at_mean_final_len:,})"),
         ("internal waste", _pct(r.internal_waste)),
+        *([("KV groups", r.kv_groups),
+           ("KV per max-length sequence", f"{format_bytes(r.seq_bytes_at_max_len)} (a cache keeping every "
+                                          f"layer's history: {format_bytes(r.full_cache_seq_bytes_at_max_len)}, "
+                                          f"{r.full_cache_seq_bytes_at_max_len / r.seq_bytes_at_max_len:.1f}x)")]
+          if r.kv_groups else []),
         ("recommended block size", str(r.recommended_block_size)),
     ]
     width = max(len(k) for k, _ in pairs)

@@ -50,6 +50,7 @@ class SimConfig:
     seed: int = 0
     max_steps: int = 2_000_000
     check_integrity: bool = False
+    kv_group_windows: tuple[int | None, ...] = (None,)  # a hybrid model's KV groups (see build_policy)
 
     def validate(self) -> None:
         checks = [
@@ -127,7 +128,7 @@ def simulate(requests: list[Request], spec: PolicySpec, config: SimConfig,
     """
     config.validate()
     policy = build_policy(spec, config.capacity, config.max_model_len, watermark=config.watermark,
-                          eviction_policy=config.eviction_policy)
+                          eviction_policy=config.eviction_policy, kv_group_windows=config.kv_group_windows)
     run = _Run(policy, config)
     metrics = MetricsAccumulator(policy.capacity)
     fixed = deque(sorted((r for r in requests if r.after is None),

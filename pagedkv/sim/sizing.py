@@ -23,6 +23,13 @@ Under a length distribution, a running sequence of prompt ``p`` and output ``o``
 steps at lengths ``p+1 .. p+o`` and holds on average ``(B-1)/2`` empty slots in its last block, so
 the steady-state footprint is ``mean_live_len + (B-1)/2`` slots and the memory holds
 ``num_blocks * B / footprint`` sequences; the internal waste is ``((B-1)/2) / footprint``.
+
+A hybrid model (Gemma 3: full and sliding-window layers, ``model_shape.kv_groups``) stores each
+group's layers in blocks of their own (a block holds ``group size`` layers) and a sliding group
+keeps only the blocks its window can see: a sequence of n tokens holds
+``kv_blocks_per_sequence(n)`` blocks, each full group ``ceil(n / B)``, each sliding group about
+``window / B + 1``. Its steady footprint adds, per group, the tokens it keeps plus ``(B-1)/2``
+empty slots at the end (and, past the window, the out-of-window part of its first block).
 """
 
 from __future__ import annotations
@@ -36,10 +43,13 @@ from pagedkv.model_shape import (
     MIN_BLOCK_SIZE,
     ModelShape,
     check_block_size,
+    kv_blocks_per_sequence,
     kv_bytes_per_block,
     kv_bytes_per_token,
     kv_dtype_name,
+    kv_groups,
     kv_heads_per_rank,
+    kv_layer_slots,
     scale_bytes_per_block,
 )
 from pagedkv.workloads import WorkloadShape
@@ -120,6 +130,11 @@ class SizingResult:
     recommended_block_size: int
     recommendation: str
     block_size_table: list[dict[str, float | int]] = field(default_factory=list)
+    # hybrid models: how the layers are grouped, and one max-length sequence's KV against a cache
+    # that keeps every layer's history ("" and equal figures otherwise)
+    kv_groups: str = ""
+    seq_bytes_at_max_len: int = 0
+    full_cache_seq_bytes_at_max_len: int = 0
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -167,12 +182,13 @@ def size_kv_cache(spec: ModelShape, inputs: SizingInputs, shape: WorkloadShape) 
                              f"no room for one {block_bytes:,}-byte KV block; raise --tp or "
                              f"--device-memory, or lower --reserved-fraction")
     num_blocks = kv_memory // block_bytes
-    blocks_per_seq = math.ceil(max_len / B)
+    blocks_per_seq = kv_blocks_per_sequence(spec, max_len, B)
     mean_final, mean_live = length_moments(shape, max_len)
     table = [_block_size_row(b, spec, inputs, kv_memory, mean_live)
              for b in sorted({MIN_BLOCK_SIZE, 8, *CANDIDATE_BLOCK_SIZES, B, MAX_BLOCK_SIZE})]
     best, reason = recommend_block_size(table, inputs.max_waste, mean_live, spec)
-    footprint = mean_live + (B - 1) / 2
+    footprint, waste = steady_footprint(spec, B, mean_live)
+    full_cache_block = block_bytes // kv_layer_slots(spec) * spec.num_hidden_layers
     return SizingResult(
         model=spec.name, kv_dtype=inputs.kv_dtype, block_size=B, tp=tp, max_len=max_len,
         kv_heads_per_rank=kv_heads_per_rank(spec, tp),
@@ -182,19 +198,48 @@ def size_kv_cache(spec: ModelShape, inputs: SizingInputs, shape: WorkloadShape) 
         token_capacity=num_blocks * B, blocks_per_max_len_seq=blocks_per_seq,
         max_concurrent_at_max_len=num_blocks // blocks_per_seq, distribution=shape.name,
         mean_final_len=mean_final, mean_live_len=mean_live,
-        max_concurrent_at_mean_final_len=int(num_blocks // math.ceil(mean_final / B)),
+        max_concurrent_at_mean_final_len=int(num_blocks // kv_blocks_per_sequence(spec, math.ceil(mean_final), B)),
         max_concurrent_steady=int(num_blocks * B / footprint),
-        internal_waste=((B - 1) / 2) / footprint,
-        recommended_block_size=best, recommendation=reason, block_size_table=table)
+        internal_waste=waste / footprint,
+        recommended_block_size=best, recommendation=reason, block_size_table=table,
+        kv_groups=describe_groups(spec), seq_bytes_at_max_len=blocks_per_seq * block_bytes,
+        full_cache_seq_bytes_at_max_len=math.ceil(max_len / B) * full_cache_block)
+
+
+def steady_footprint(spec: ModelShape, block_size: int, mean_live: float) -> tuple[float, float]:
+    """``(slots, empty slots)`` one running sequence of mean live length holds, counted in token
+    slots of blocks (a hybrid model's summed over its groups, whose blocks each hold fewer
+    layers; see the module docstring)."""
+    tail = (block_size - 1) / 2
+    if not spec.is_hybrid:
+        return mean_live + tail, tail
+    slots = waste = 0.0
+    for group in kv_groups(spec):
+        if group.window is None or mean_live <= group.window:
+            slots, waste = slots + mean_live + tail, waste + tail
+        else:  # the window, its first block's out-of-window part and the last block's empty slots
+            slots, waste = slots + group.window + 2 * tail, waste + 2 * tail
+    return slots, waste
+
+
+def describe_groups(spec: ModelShape) -> str:
+    """A hybrid model's KV groups in words ("" for one group of every layer)."""
+    groups = kv_groups(spec)
+    if len(groups) == 1:
+        return ""
+    full = sum(1 for g in groups if g.window is None)
+    windows = sorted({g.window for g in groups if g.window is not None})
+    return (f"{full} full + {len(groups) - full} sliding (window {', '.join(map(str, windows))}), "
+            f"{kv_layer_slots(spec)} layers per block")
 
 
 def _block_size_row(b: int, spec: ModelShape, inputs: SizingInputs, kv_memory: int,
                     mean_live: float) -> dict[str, float | int]:
     block_bytes = kv_bytes_per_block(spec, b, inputs.kv_dtype, inputs.tp)
     blocks = kv_memory // block_bytes
-    footprint = mean_live + (b - 1) / 2
+    footprint, waste = steady_footprint(spec, b, mean_live)
     return {"block_size": b, "block_bytes": block_bytes, "num_blocks": blocks,
-            "internal_waste": ((b - 1) / 2) / footprint,
+            "internal_waste": waste / footprint,
             "max_concurrent_steady": int(blocks * b / footprint)}
 
 
