@@ -185,3 +185,44 @@ def test_kv_offloading_size_sizes_the_host_tier(tmp_path):
     on = LLMEngine.from_options(str(folder), block_size=B, num_kv_blocks=24, kv_offloading_size=0.001)
     alias = LLMEngine.from_options(str(folder), block_size=B, num_kv_blocks=24, swap_space=0.001)
     assert on.runner.num_host_blocks == alias.runner.num_host_blocks > 0 and on.kv.host_tier is not None
+
+
+def test_hybrid_groups_offload_and_reload_every_groups_window() -> None:
+    """A hybrid model (group 0 full, group 1 with a window of 3 tokens): evicted blocks of both
+    groups go down under their own keys; the same prompt then hits in the host tier, group 0
+    for the whole prefix and group 1 for the blocks the first uncached token sees, and every
+    reloaded block lands where that group's table expects it (contents tracked per slot)."""
+    kv = KVCacheManager(40, B, num_host_blocks=40, offload_to_host=True, kv_group_windows=(None, 3))
+    device: dict[int, tuple] = {}
+    host: dict[int, tuple] = {}
+    tokens = list(range(10, 30))  # 5 full blocks
+
+    def tables(seq_id):
+        return [kv.block_table(seq_id), *kv.group_tables(seq_id)]
+
+    kv.allocate_prompt("a", tokens)
+    for g, table in enumerate(tables("a")):
+        for i, block in enumerate(table):
+            device[block] = (g, i)  # group g's block i of this prefix
+    kv.mark_computed("a", len(tokens))
+    assert kv.group_tables("a")[0][:4] == [-1] * 4  # out of the window of position 20
+    kv.free("a")
+    assert kv.evict_cached() > 0
+    offloads, _ = _end_step(kv)
+    for d, h in offloads:
+        host[h] = device[d]
+    kv.check_integrity()
+    cached = kv.allocate_prompt("b", tokens + [99])
+    assert cached == 20
+    copies = kv.take_tier_copies()
+    for h, d in copies.reloads:
+        device[d] = host[h]
+    kv.finish_step()
+    kv.check_integrity()
+    table0, table1 = tables("b")
+    assert [device[b] for b in table0[:5]] == [(0, i) for i in range(5)]
+    first = (20 - 3 + 1) // B  # the first block position 20 can see: block 4
+    assert table1[:first] == [-1] * first
+    assert [device[b] for b in table1[first:5]] == [(1, i) for i in range(first, 5)]
+    assert len(copies.reloads) == 5 + (5 - first)
+    assert kv.stats().host_hit_tokens == 20

@@ -25,8 +25,9 @@ class MemoryCoreMachine(RuleBasedStateMachine):
                 num_host_blocks=st.integers(0, 16), policy=st.sampled_from(["lru", "fifo", "lrc"]),
                 caching=st.booleans(), watermark=st.sampled_from([0.0, 0.1]),
                 index=st.sampled_from(["hash", "radix"]),
-                groups=st.sampled_from([(None,), (None,), (None, 2), (None, 3, 3), (None, None, 5), (None, 1)]))
-    def setup(self, block_size, num_blocks, num_host_blocks, policy, caching, watermark, index, groups):
+                groups=st.sampled_from([(None,), (None,), (None, 2), (None, 3, 3), (None, None, 5), (None, 1)]),
+                offload=st.booleans())
+    def setup(self, block_size, num_blocks, num_host_blocks, policy, caching, watermark, index, groups, offload):
         self.B = block_size
         self.windows = groups
         if len(groups) > 1:
@@ -35,7 +36,8 @@ class MemoryCoreMachine(RuleBasedStateMachine):
         # names exactly the blocks the hash chain does.
         self.mgr = KVCacheManager(num_blocks, block_size, num_host_blocks=num_host_blocks,
                                   enable_prefix_caching=caching, eviction_policy=policy,
-                                  watermark=watermark, prefix_index=index, kv_group_windows=groups)
+                                  watermark=watermark, prefix_index=index, kv_group_windows=groups,
+                                  offload_to_host=offload)
         self.device: dict[int, list] = {}  # block id -> slot contents
         self.host: dict[int, list] = {}
         self.ref: dict[int, tuple[list[int], str | None]] = {}  # seq -> (tokens, salt)
@@ -76,6 +78,14 @@ class MemoryCoreMachine(RuleBasedStateMachine):
         for s, d in pairs:
             dst[d] = list(src.get(s, [None] * self.B))
 
+    def _tier_copies(self):
+        """The host tier's copies (evicted blocks down, a prompt's reloaded prefix up), made at
+        once, as the runner makes them before anything else touches those blocks."""
+        copies = self.mgr.take_tier_copies()
+        self._copy(copies.offloads, self.device, self.host)
+        self._copy(copies.reloads, self.host, self.device)
+        self.mgr.finish_step()
+
     def _seqs(self, swapped):
         return sorted(s for s in self.ref if self.mgr.is_swapped(s) == swapped)
 
@@ -88,6 +98,7 @@ class MemoryCoreMachine(RuleBasedStateMachine):
         tokens = list(tokens)  # this sequence's own list: the manager reads it
         try:
             cached = self.mgr.allocate_prompt(seq, tokens, chunk, salt=salt)
+            self._tier_copies()
         except OutOfBlocksError as e:
             assert e.needed > e.available
             assert self.mgr.stats() == before and seq not in self.mgr
@@ -110,6 +121,7 @@ class MemoryCoreMachine(RuleBasedStateMachine):
         tables_before = [list(t) for t in self._tables(seq)]
         try:
             copies = self.mgr.allocate_slots(seq, k)
+            self._tier_copies()
         except OutOfBlocksError:
             assert self._tables(seq) == tables_before
             return
@@ -142,6 +154,7 @@ class MemoryCoreMachine(RuleBasedStateMachine):
         except OutOfBlocksError:
             return
         self._copy(pairs, self.device, self.host)
+        self._tier_copies()
 
     @precondition(lambda self: self._seqs(True))
     @rule(data=st.data())
@@ -151,11 +164,13 @@ class MemoryCoreMachine(RuleBasedStateMachine):
             pairs = self.mgr.swap_in(seqs)
         except OutOfBlocksError:
             return
+        self._tier_copies()  # offloads of blocks evicted to make room first, then the swap-in copies
         self._copy(pairs, self.host, self.device)
 
     @rule()
     def evict(self):
         self.mgr.evict_cached()
+        self._tier_copies()
         assert self.mgr.stats().evictable_blocks == 0
 
     # -- invariants ----------------------------------------------------------------------

@@ -116,6 +116,7 @@ ENGINE_RUNS = {
     "chunked_radix": dict(max_num_batched_tokens=8, prefix_index="radix"),
     "swap": dict(num_kv_blocks=50, max_num_batched_tokens=16, preemption_mode="swap",
                  kv_offloading_size=0.001),
+    "host_tier": dict(num_kv_blocks=50, max_num_batched_tokens=16, kv_offloading_size=0.01),
     "recompute_faults": dict(num_kv_blocks=50, max_num_batched_tokens=16, preemption_mode="recompute",
                              fault_injection="seed=3,rate=0.3"),
 }
@@ -125,7 +126,7 @@ ENGINE_RUNS = {
 def test_engine_releases_window_blocks_and_matches_transformers(run: str, tmp_path_factory: pytest.TempPathFactory,
                                                                 built: dict[str, Any]) -> None:
     """Prompts longer than the window, a shared prefix, chunked prefill, preemption by swap and by
-    recompute, seeded faults: integrity after every step, greedy tokens equal to transformers', the
+    recompute, the host tier, seeded faults: integrity after every step, greedy tokens equal to transformers', the
     second pass served from the prefix cache, and every block back in the pool at the end."""
     folder, ref, _ = _case("pattern3_softcap", tmp_path_factory, built)
     prompts = [_prompt(n, 5 + n) for n in (5, 17, 30, 41)]
@@ -145,6 +146,8 @@ def test_engine_releases_window_blocks_and_matches_transformers(run: str, tmp_pa
             assert engine_stats.preemptions_swap > 0
         if run == "recompute_faults":
             assert engine_stats.preemptions_recompute > 0
+        if run == "host_tier":  # evicted blocks of every group came back from the host tier
+            assert engine_stats.kv.host_hit_tokens > 0 and engine_stats.kv.reloaded_blocks > 0
 
 
 def test_sliding_groups_hold_only_the_window_while_decoding(tmp_path_factory: pytest.TempPathFactory,

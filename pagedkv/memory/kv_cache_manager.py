@@ -38,7 +38,7 @@ from pagedkv.memory.errors import OutOfBlocksError
 from pagedkv.memory.eviction import make_eviction_policy
 from pagedkv.memory.host_tier import HostPrefixTier
 from pagedkv.memory.inspection import check_integrity, kv_stats, pretty_print
-from pagedkv.memory.kv_groups import RELEASED, cache_group_blocks, release_out_of_window, window_hits
+from pagedkv.memory.kv_groups import RELEASED, cache_group_blocks, prefix_hit, release_out_of_window
 from pagedkv.memory.prefix_hash import chain_hashes, root_hash
 from pagedkv.memory.prefix_index import make_prefix_index
 from pagedkv.memory.stats import KVStats
@@ -102,7 +102,7 @@ class KVCacheManager:
         kv_group_windows: one entry per KV group of a hybrid model (``model_shape.kv_groups``):
             its attention window, or None for a group that keeps every block. Group 0 must be
             None (the prefix cache's anchor; the radix index holds group 0's blocks). A hybrid
-            model's host pool serves swapping only (no host or disk prefix tier yet).
+            model has the host tier (every group's evicted blocks) but no disk tier yet.
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, num_host_blocks: int = 0,
@@ -119,7 +119,6 @@ class KVCacheManager:
             if disk is not None:
                 raise ValueError("a hybrid model's KV groups (sliding-window layers) do not go to the disk "
                                  "tier yet: leave kv_offload_dir unset")
-            offload_to_host = False  # its host pool serves swapping only
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
         if num_host_blocks < 0:
@@ -252,22 +251,28 @@ class KVCacheManager:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
         if not token_ids:
             raise ValueError("cannot allocate an empty prompt")
-        B = self.block_size
         seq = SeqState(seq_id, token_ids, root_hash(salt, adapter_id))
+        if self.num_groups > 1:
+            num_cached = self._allocate_groups(seq, num_new_tokens)
+        else:
+            num_cached = self._allocate_prompt(seq, num_new_tokens)
+        self.forget(seq_id)
+        if self.enable_prefix_caching:
+            self.prefix_query_tokens += len(token_ids)
+            self.prefix_hit_tokens += num_cached
+        return num_cached
+
+    def _allocate_prompt(self, seq: SeqState, num_new_tokens: int | None) -> int:
+        B, token_ids = self.block_size, seq.token_ids
         pool = self.pool
         hits: list[Block] = []
         host_hits: list[Block] = []
         found: list[Block] = []
-        groups = self.num_groups
-        group_hits: list[list[Block]] = [[] for _ in range(groups - 1)]
         if self.enable_prefix_caching:
             self._hash_full_blocks(seq, len(token_ids) // B)
             # The block holding the last prompt token is never a hit: it must be computed.
             max_hits = (len(token_ids) - 1) // B
             hits = self.index.match(seq.root, token_ids, seq.block_hashes, max_hits)
-            if groups > 1 and hits:  # every group must serve the hit (memory/kv_groups.py)
-                k, group_hits = window_hits(pool, self.group_windows, seq.block_hashes, len(hits), B)
-                hits = hits[:k]
             if self.host_tier is not None:  # the chain may go on in the host tier
                 found = self.host_tier.match(seq.block_hashes[len(hits):max_hits])
                 if found and self.costs.reload_cheaper("host", len(found), record=False):
@@ -275,37 +280,86 @@ class KVCacheManager:
         num_cached = (len(hits) + len(host_hits)) * B
         remaining = len(token_ids) - num_cached
         num_new = remaining if num_new_tokens is None else max(1, min(num_new_tokens, remaining))
-        per_group = _cdiv(num_cached + num_new, B) - len(hits)  # new blocks in each group
-        need = per_group * groups
-        all_hits = [*hits, *(b for blocks in group_hits for b in blocks)]
-        revived = sum(1 for b in all_hits if b.ref_count == 0)
+        need = _cdiv(num_cached + num_new, B) - len(hits)
+        revived = sum(1 for b in hits if b.ref_count == 0)
         available = pool.num_free - revived - self.watermark_blocks
         if need > available:
             raise OutOfBlocksError(need, max(available, 0))
-        for block in all_hits:
+        for block in hits:
             pool.touch(block)
         if host_hits:  # held until the reload is done, before any allocation could evict them
             self.host_tier.hold(host_hits)  # type: ignore[union-attr]
         fresh = pool.allocate(need)
-        seq.block_table = [b.block_id for b in hits] + [b.block_id for b in fresh[:per_group]]
-        for g, blocks in enumerate(group_hits, start=1):
-            released = len(hits) - len(blocks)  # before the window of the first uncached token
-            seq.group_tables.append([RELEASED] * released + [b.block_id for b in blocks]
-                                    + [b.block_id for b in fresh[g * per_group:(g + 1) * per_group]])
-            seq.released.append(released)
+        seq.block_table = [b.block_id for b in hits] + [b.block_id for b in fresh]
         if host_hits:
             self.host_tier.reload(host_hits, fresh, B)  # type: ignore[union-attr]
         seq.num_computed = num_cached
         seq.num_cached_blocks = len(hits)
-        self.seqs[seq_id] = seq
+        self.seqs[seq.seq_id] = seq
         if host_hits:  # the reloaded blocks are cached prefix blocks again, on the device
             self._cache_full_blocks(seq)
         if found:
             self.costs.record("host", reload=bool(host_hits))
-        self.forget(seq_id)
+        return num_cached
+
+    def _allocate_groups(self, seq: SeqState, num_new_tokens: int | None) -> int:
+        """``allocate_prompt`` for a hybrid model: a table per KV group, the hit served by every
+        group from the device or the host tier (``memory/kv_groups.py``)."""
+        B, G, token_ids, pool = self.block_size, self.num_groups, seq.token_ids, self.pool
+        host = self.host_tier
+        hit = prefix_hit(pool, None, self.group_windows, [], 0, B)
+        reload: bool | None = None  # the reload-or-recompute decision, when the host held some
         if self.enable_prefix_caching:
-            self.prefix_query_tokens += len(token_ids)
-            self.prefix_hit_tokens += num_cached
+            self._hash_full_blocks(seq, len(token_ids) // B)
+            max_hits = (len(token_ids) - 1) // B  # the last prompt token is always computed
+            hit = prefix_hit(pool, host.pool if host is not None else None, self.group_windows,
+                             seq.block_hashes, max_hits, B)
+            if hit.num_host:  # (per block: a hybrid block holds fewer layers, so a cheaper copy)
+                reload = self.costs.reload_cheaper("host", hit.num_host, record=False)
+                if not reload:  # recomputing is cheaper here: what only the host holds is a miss
+                    hit = prefix_hit(pool, None, self.group_windows, seq.block_hashes, max_hits, B)
+        k = hit.k
+        num_cached = k * B
+        remaining = len(token_ids) - num_cached
+        num_new = remaining if num_new_tokens is None else max(1, min(num_new_tokens, remaining))
+        per_group = _cdiv(num_cached + num_new, B) - k  # new blocks in each group
+        pairs = [(b, h) for blocks, flags in zip(hit.blocks, hit.on_host) for b, h in zip(blocks, flags)]
+        on_device = [b for b, h in pairs if not h]
+        on_host = [b for b, h in pairs if h]
+        need = per_group * G + len(on_host)
+        available = pool.num_free - sum(1 for b in on_device if b.ref_count == 0) - self.watermark_blocks
+        if need > available:
+            raise OutOfBlocksError(need, max(available, 0))
+        for block in on_device:
+            pool.touch(block)
+        if on_host:  # held until the reload is done, before any allocation could evict them
+            host.hold(on_host)  # type: ignore[union-attr]
+        fresh = iter(pool.allocate(need))
+        for g, (blocks, flags) in enumerate(zip(hit.blocks, hit.on_host)):
+            released = k - len(blocks)  # before the window of the first uncached token
+            table = [RELEASED] * released
+            reloads: list[tuple[Block, Block]] = []
+            for block, from_host in zip(blocks, flags):
+                if from_host:
+                    reloads.append((block, next(fresh)))
+                    table.append(reloads[-1][1].block_id)
+                else:
+                    table.append(block.block_id)
+            table += [next(fresh).block_id for _ in range(per_group)]
+            if reloads:  # (hit tokens counted once, by group 0)
+                host.reload([s for s, _ in reloads], [d for _, d in reloads], B if g == 0 else 0)  # type: ignore
+            if g == 0:
+                seq.block_table = table
+            else:
+                seq.group_tables.append(table)
+                seq.released.append(released)
+        seq.num_computed = num_cached
+        seq.num_cached_blocks = 0 if on_host else k  # reloaded blocks are cached again below
+        self.seqs[seq.seq_id] = seq
+        if on_host:
+            self._cache_full_blocks(seq)
+        if reload is not None:
+            self.costs.record("host", reload=reload)
         return num_cached
 
     def prefetch(self, seq_id: Hashable, token_ids: list[int], *, salt: str | None = None,

@@ -14,6 +14,8 @@ sequence has a table per group, all as long as the sequence::
 - Prefix caching: each group caches its blocks under its own key (``group_hash``). A prefix of k
   blocks is a hit only when group 0 holds all k and every other group holds the blocks the
   first uncached token can see (the window before position k * B); its earlier entries are -1.
+  Each of those blocks may be on the device or in the host tier (evicted blocks of every group
+  are offloaded under their keys); host ones are reloaded (``prefix_hit``).
 - Copy-on-write, swapping and freeing treat every group's blocks alike (``SeqState.tables``).
 
 The functions here hold that arithmetic; ``KVCacheManager`` calls them.
@@ -22,6 +24,7 @@ The functions here hold that arithmetic; ``KVCacheManager`` calls them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedkv.memory.block import Block
@@ -42,24 +45,45 @@ def first_visible_block(num_tokens: int, window: int | None, block_size: int) ->
     return (num_tokens - window + 1) // block_size
 
 
-def window_hits(pool: BlockPool, windows: Sequence[int | None], block_hashes: Sequence[bytes],
-                num_hits: int, block_size: int) -> tuple[int, list[list[Block]]]:
-    """The longest hit of at most ``num_hits`` blocks (group 0's hits) that every other group
-    can serve too: ``(k, blocks)`` with ``blocks[g - 1]`` = group g's cached blocks
-    ``first_visible_block(k * B) .. k - 1``."""
-    found = [[pool.lookup(group_hash(block_hashes[i], g)) for i in range(num_hits)]
-             for g in range(1, len(windows))]
-    for k in range(num_hits, 0, -1):
-        out = []
-        for g, blocks in enumerate(found, start=1):
-            lo = first_visible_block(k * block_size, windows[g], block_size)
-            hit = blocks[lo:k]
-            if any(b is None for b in hit):
-                break
-            out.append(hit)  # type: ignore[arg-type]
-        else:
-            return k, out
-    return 0, [[] for _ in found]
+@dataclass(slots=True)
+class GroupHit:
+    """A prefix hit of ``k`` blocks for every KV group: ``blocks[g]`` are group g's blocks for
+    positions ``k - len(blocks[g]) .. k - 1`` (group 0: all k), ``on_host[g]`` says which of them
+    are host-tier blocks to reload."""
+
+    k: int
+    blocks: list[list[Block]]
+    on_host: list[list[bool]]
+
+    @property
+    def num_host(self) -> int:
+        return sum(sum(flags) for flags in self.on_host)
+
+
+def prefix_hit(device: BlockPool, host: BlockPool | None, windows: Sequence[int | None],
+               block_hashes: Sequence[bytes], max_hits: int, block_size: int) -> GroupHit:
+    """The longest prefix of at most ``max_hits`` blocks that every group can serve from the
+    device pool or (given ``host``) the host tier: group 0 all its blocks, the others the blocks
+    the first uncached token sees."""
+    def find(g: int, i: int) -> tuple[Block, bool] | None:
+        key = group_hash(block_hashes[i], g)
+        block = device.lookup(key)
+        if block is not None:
+            return block, False
+        block = host.lookup(key) if host is not None else None
+        return (block, True) if block is not None else None
+
+    chain = 0
+    while chain < max_hits and find(0, chain) is not None:
+        chain += 1
+    found = [[find(g, i) for i in range(chain)] for g in range(len(windows))]
+    for k in range(chain, 0, -1):
+        parts = [found[g][first_visible_block(k * block_size, windows[g], block_size):k]
+                 for g in range(len(windows))]
+        if all(entry is not None for part in parts for entry in part):
+            return GroupHit(k, [[e[0] for e in part] for part in parts],  # type: ignore[index]
+                            [[e[1] for e in part] for part in parts])  # type: ignore[index]
+    return GroupHit(0, [[] for _ in windows], [[] for _ in windows])
 
 
 def cache_group_blocks(pool: BlockPool, seq: SeqState, start: int, full: int) -> None:

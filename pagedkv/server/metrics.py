@@ -99,6 +99,8 @@ class EngineStatsCollector(Collector):
         if hasattr(kv, "tier_hit_tokens"):
             yield from self._tier_metrics(s, kv, gauge, counter)
         yield counter("kv_cow_copies", "Copy-on-write block copies.", kv.cow_copies)
+        yield counter("kv_window_released_blocks", "Sliding-window blocks released once out of every "
+                      "query's window (hybrid models).", getattr(kv, "window_released_blocks", 0))
 
         pre = CounterMetricFamily(
             "pagedkv_preemptions", "Sequences preempted, by mode.", labels=["model_name", "mode"]
