@@ -150,6 +150,25 @@ def test_engine_releases_window_blocks_and_matches_transformers(run: str, tmp_pa
             assert engine_stats.kv.host_hit_tokens > 0 and engine_stats.kv.reloaded_blocks > 0
 
 
+def test_disk_tier_keeps_every_group_across_a_restart(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                     built: dict[str, Any]) -> None:
+    """Every group's blocks are written to the disk tier (under their own keys) and persist at
+    close; a new engine on the same directory serves the prefix from disk for every group and
+    still gives transformers' tokens."""
+    folder, ref, _ = _case("pattern3_softcap", tmp_path_factory, built)
+    prompts = [_prompt(n, 40 + n) for n in (30, 41)]
+    want = [hf_greedy(ref, p, 12) for p in prompts]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    options = dict(block_size=4, debug_integrity=True, num_kv_blocks=80, kv_offloading_size=0.0005,
+                   kv_offload_dir=str(tmp_path / "kv"))
+    with LLM(str(folder), **options) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    with LLM(str(folder), **options) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+        kv = llm.engine.kv.stats()
+        assert kv.disk_hit_tokens > 0 and kv.prefix_hit_tokens >= kv.disk_hit_tokens
+
+
 def test_sliding_groups_hold_only_the_window_while_decoding(tmp_path_factory: pytest.TempPathFactory,
                                                             built: dict[str, Any]) -> None:
     """One long sequence: the blocks it holds follow ``kv_blocks_per_sequence`` (window blocks in

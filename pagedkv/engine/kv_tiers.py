@@ -44,7 +44,7 @@ def open_disk_tier(config: EngineConfig, runner, model_name: str,
         "block_size": str(runner.block_size),
         "kv_cache_dtype": fmt.name if fmt is not None else config.kv_cache_dtype,
         "shape": "" if cfg is None else (f"layers={cfg.num_hidden_layers} kv_heads={cfg.num_key_value_heads} "
-                                         f"head_dim={cfg.head_dim}"),
+                                         f"head_dim={cfg.head_dim}" + _group_layout(runner)),
         "payload": PAYLOAD_LAYOUT,
     }
     disk = DiskTier(config.kv_offload_dir, config.disk_tier_bytes, fingerprint)
@@ -54,6 +54,14 @@ def open_disk_tier(config: EngineConfig, runner, model_name: str,
     logger.info("KV disk tier %s: %d blocks (%.1f MiB) of %.1f MiB", config.kv_offload_dir, s.blocks,
                 s.bytes_used / 2**20, s.capacity_bytes / 2**20)
     return tier
+
+
+def _group_layout(runner) -> str:
+    """A hybrid model's KV groups (a block holds one group's layers): part of what a block means."""
+    groups = getattr(getattr(runner, "cache", None), "groups", ())
+    if len(groups) <= 1:
+        return ""
+    return " kv_groups=" + ",".join(f"{g.window or 'full'}:{'+'.join(map(str, g.layers))}" for g in groups)
 
 
 def _model_dtype(runner, config: EngineConfig) -> str:

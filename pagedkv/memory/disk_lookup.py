@@ -34,6 +34,7 @@ class DiskLookup:
         self.to_disk: list[tuple[int, bytes]] = []  # (device block, key) evicted this step
         self._looked_up: set[Hashable] = set()  # waiting sequences whose lookup was counted
         self._load_failed: set[bytes] = set()  # reads of this step the host tier had no room for
+        self._tokens_of: dict[bytes, int] = {}  # prompt tokens a requested key stands for, when not B
 
     def on_evict(self, block: Block) -> None:
         key = block.block_hash
@@ -50,30 +51,43 @@ class DiskLookup:
     def prefetch(self, seq_id: Hashable, hashes: list[bytes], count: bool) -> bool:
         """``hashes``: the prompt's block hashes that could be hits. True while some of the
         blocks its chain continues with on disk are being read (see KVCacheManager.prefetch)."""
-        tier, B = self.host_tier, self.block_size
-        for key, payload in self.disk.poll():
-            if key in self.device.cached:
-                continue
-            if tier.load(key, payload):
-                self.hit_tokens += B
-            else:  # no host block free this step: whoever waits for it recomputes instead
-                self._load_failed.add(key)
+        self.take_reads()
         cached = self.device.cached
         first = next((i for i, h in enumerate(hashes) if h not in cached), len(hashes))
-        first += len(tier.match(hashes[first:]))
+        first += len(self.host_tier.match(hashes[first:]))
         keys = []
         for key in hashes[first:]:
             if key not in self.disk.disk:
                 break
             keys.append(key)
+        return self.request(seq_id, keys, (len(hashes) - first) * self.block_size, count)
+
+    def take_reads(self) -> None:
+        """Take the blocks read since the last call into the host tier."""
+        for key, payload in self.disk.poll():
+            tokens = self._tokens_of.pop(key, self.block_size)
+            if key in self.device.cached:
+                continue
+            if self.host_tier.load(key, payload):
+                self.hit_tokens += tokens
+            else:  # no host block free this step: whoever waits for it recomputes instead
+                self._load_failed.add(key)
+
+    def request(self, seq_id: Hashable, keys: list[bytes], query_tokens: int, count: bool,
+                tokens_of: dict[bytes, int] | None = None) -> bool:
+        """Read ``keys`` (a waiting prompt's blocks only the disk holds) if reloading beats
+        recomputing; True while some are being read. ``query_tokens``: the prompt tokens no
+        faster tier holds; ``tokens_of``: the prompt tokens a key stands for where not the block
+        size (a hybrid model's other KV groups: 0)."""
         cheaper = bool(keys) and self.costs.reload_cheaper("disk", len(keys), record=False)
         if count and seq_id not in self._looked_up:
             self._looked_up.add(seq_id)
-            self.query_tokens += (len(hashes) - first) * B
+            self.query_tokens += query_tokens
             if keys:
                 self.costs.record("disk", reload=cheaper)
         if not cheaper or not self._load_failed.isdisjoint(keys):
             return False  # nothing to read, recomputing is cheaper, or no room in the host tier
+        self._tokens_of.update(tokens_of or {})
         return self.disk.request_reads(keys) > 0
 
     def persistable_blocks(self) -> list[tuple[str, int, bytes]]:

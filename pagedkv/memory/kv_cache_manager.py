@@ -38,7 +38,13 @@ from pagedkv.memory.errors import OutOfBlocksError
 from pagedkv.memory.eviction import make_eviction_policy
 from pagedkv.memory.host_tier import HostPrefixTier
 from pagedkv.memory.inspection import check_integrity, kv_stats, pretty_print
-from pagedkv.memory.kv_groups import RELEASED, cache_group_blocks, prefix_hit, release_out_of_window
+from pagedkv.memory.kv_groups import (
+    RELEASED,
+    cache_group_blocks,
+    disk_reads,
+    prefix_hit,
+    release_out_of_window,
+)
 from pagedkv.memory.prefix_hash import chain_hashes, root_hash
 from pagedkv.memory.prefix_index import make_prefix_index
 from pagedkv.memory.stats import KVStats
@@ -101,8 +107,8 @@ class KVCacheManager:
         costs: the measured costs that decide reload against recompute (``memory/tier_costs.py``).
         kv_group_windows: one entry per KV group of a hybrid model (``model_shape.kv_groups``):
             its attention window, or None for a group that keeps every block. Group 0 must be
-            None (the prefix cache's anchor; the radix index holds group 0's blocks). A hybrid
-            model has the host tier (every group's evicted blocks) but no disk tier yet.
+            None (the prefix cache's anchor; the radix index holds group 0's blocks). The host
+            and disk tiers keep every group's blocks under the group's own keys.
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, num_host_blocks: int = 0,
@@ -115,10 +121,6 @@ class KVCacheManager:
         if not kv_group_windows or kv_group_windows[0] is not None:
             raise ValueError(f"kv_group_windows must start with None (group 0 keeps every block), "
                              f"got {kv_group_windows!r}")
-        if len(kv_group_windows) > 1:
-            if disk is not None:
-                raise ValueError("a hybrid model's KV groups (sliding-window layers) do not go to the disk "
-                                 "tier yet: leave kv_offload_dir unset")
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
         if num_host_blocks < 0:
@@ -375,7 +377,13 @@ class KVCacheManager:
             return False
         max_hits = (len(token_ids) - 1) // self.block_size
         hashes = chain_hashes(root_hash(salt, adapter_id), token_ids, self.block_size, 0, max(max_hits, 0))
-        return lookup.prefetch(seq_id, hashes, count)
+        if self.num_groups == 1:
+            return lookup.prefetch(seq_id, hashes, count)
+        lookup.take_reads()  # a hybrid model: every group's window before the hit (memory/kv_groups.py)
+        disk = lookup.disk
+        query, keys, tokens_of = disk_reads(self.pool, self.host_pool, disk.disk.__contains__, self.group_windows,
+                                            hashes, max(max_hits, 0), self.block_size)
+        return lookup.request(seq_id, keys, query, count, tokens_of)
 
     def prefix_in_flight(self, token_ids: list[int], *, salt: str | None = None,
                          adapter_id: str | None = None) -> bool:

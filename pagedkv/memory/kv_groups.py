@@ -23,7 +23,7 @@ The functions here hold that arithmetic; ``KVCacheManager`` calls them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -84,6 +84,33 @@ def prefix_hit(device: BlockPool, host: BlockPool | None, windows: Sequence[int 
             return GroupHit(k, [[e[0] for e in part] for part in parts],  # type: ignore[index]
                             [[e[1] for e in part] for part in parts])  # type: ignore[index]
     return GroupHit(0, [[] for _ in windows], [[] for _ in windows])
+
+
+def disk_reads(device: BlockPool, host: BlockPool, on_disk: Callable[[bytes], bool],
+               windows: Sequence[int | None], block_hashes: Sequence[bytes], max_hits: int,
+               block_size: int) -> tuple[int, list[bytes], dict[bytes, int]]:
+    """What a waiting prompt of a hybrid model should read from disk: ``(query tokens, keys,
+    tokens of each key)`` for the longest prefix every group can serve from the device, the host
+    tier or the disk, the keys of it only the disk holds (group 0's stand for a block of prompt
+    tokens, the others' for none), and the prompt tokens past what the device and host serve."""
+    def where(g: int, i: int) -> str | None:
+        key = group_hash(block_hashes[i], g)
+        if key in device.cached or key in host.cached:
+            return "mem"
+        return "disk" if on_disk(key) else None
+
+    near = prefix_hit(device, host, windows, block_hashes, max_hits, block_size).k
+    chain = 0
+    while chain < max_hits and where(0, chain) is not None:
+        chain += 1
+    found = [[where(g, i) for i in range(chain)] for g in range(len(windows))]
+    for k in range(chain, near, -1):
+        lows = [first_visible_block(k * block_size, windows[g], block_size) for g in range(len(windows))]
+        if all(found[g][i] is not None for g in range(len(windows)) for i in range(lows[g], k)):
+            keys = {group_hash(block_hashes[i], g): block_size if g == 0 else 0
+                    for g in range(len(windows)) for i in range(lows[g], k) if found[g][i] == "disk"}
+            return (max_hits - near) * block_size, list(keys), keys
+    return (max_hits - near) * block_size, [], {}
 
 
 def cache_group_blocks(pool: BlockPool, seq: SeqState, start: int, full: int) -> None:
