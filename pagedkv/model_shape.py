@@ -66,12 +66,15 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "phi3": {"vocab_size": 32064, "intermediate_size": 8192, "max_position_embeddings": 4096},
     "gemma3": {"vocab_size": 262208, "intermediate_size": 9216, "max_position_embeddings": 131072,
                "sliding_window": 4096, "head_dim": 256},
+    "gemma2": {"vocab_size": 256000, "intermediate_size": 9216, "max_position_embeddings": 8192,
+               "sliding_window": 4096, "head_dim": 256},
     "mixtral": {"vocab_size": 32000, "intermediate_size": 14336, "max_position_embeddings": 131072},
     "deepseek_v2": {"vocab_size": 102400, "intermediate_size": 11008, "max_position_embeddings": 2048},
 }
 _HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                      "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3",
                      "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
+                     "Gemma2ForCausalLM": "gemma2",
                      "MixtralForCausalLM": "mixtral",
                      "DeepseekV2ForCausalLM": "deepseek_v2"}
 _GGUF_MODEL_TYPES = {"deepseek2": "deepseek_v2"}  # llama.cpp architecture -> HF model_type
@@ -80,7 +83,7 @@ _MODEL_TYPE_ALIASES = {"gemma3_text": "gemma3"}  # config.json model_type -> our
 # last ``sliding_window`` of them.
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
-_SLIDING_PATTERN = {"gemma3": 6}  # older configs: every n-th layer global, the others sliding
+_SLIDING_PATTERN = {"gemma3": 6, "gemma2": 2}  # older configs: every n-th layer global, the others sliding
 _REQUIRED = ("hidden_size", "num_attention_heads", "num_hidden_layers")
 
 
@@ -381,7 +384,7 @@ def shape_from_hf_dict(d: dict[str, Any], name: str = "") -> ModelShape:
         num_key_value_heads=int(d.get("num_key_value_heads") or heads),
         head_dim=int(d.get("head_dim") or defaults.get("head_dim") or hidden // heads),
         max_position_embeddings=int(get("max_position_embeddings")),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type == "gemma3")),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type in ("gemma2", "gemma3"))),
         attention_bias=qkv_bias,
         o_proj_bias=o_bias,
         mlp_bias=bool(d.get("mlp_bias", False)),

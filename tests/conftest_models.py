@@ -53,7 +53,8 @@ def make_hf_checkpoint(tmp_path: Path, model_type: str = "llama", seed: int = 0,
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
            "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
            "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
-           "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM)}[model_type]
+           "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+           "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM)}[model_type]
     base = {**BASE, "pad_token_id": 0} if model_type == "phi3" else BASE
     config = cls[0](**{**base, **overrides})
     torch.manual_seed(seed)

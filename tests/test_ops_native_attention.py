@@ -49,6 +49,22 @@ def test_sliding_window(window, block_size, d):
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("d", [40, 64, 128])  # the scalar path and the vector path
+@pytest.mark.parametrize("window", [None, 9])
+def test_soft_capped_scores(d, window):
+    """Gemma 2's cap on the attention scores, c * tanh(s / c), on both kernel paths, with and
+    without a window; a cap of 2 changes the result."""
+    lens, new = [150, 7, 60], [1, 7, 20]
+    q, kc, vc, tables, row_seq, row_len = _case(d, 16, 6, 2, d, lens, new)
+    q = q * 4  # large scores, so that the cap matters
+    meta = NativeMetadata.build(tables, row_seq, row_len)
+    out = native_paged_attention(torch.empty_like(q), q, kc, vc, meta, sliding_window=window, softcap=2.0)
+    expected = reference_paged_attention(q, kc, vc, tables, row_seq, row_len, sliding_window=window, softcap=2.0)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+    uncapped = reference_paged_attention(q, kc, vc, tables, row_seq, row_len, sliding_window=window)
+    assert (uncapped - expected).abs().max() > 1e-2
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_caches_accumulate_in_float32(dtype):
     q, kc, vc, tables, row_seq, row_len = _case(3, 16, 8, 2, 64, [130, 40], [1, 12], dtype)

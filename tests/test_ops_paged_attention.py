@@ -142,3 +142,26 @@ def test_sliding_window_decode_and_prefill(block_size: int, window: int) -> None
                                       torch.tensor(tables[4]), prefix, sliding_window=window)
         torch.testing.assert_close(out, reference_attention(qp, ks[4], vs[4], sliding_window=window),
                                    atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_soft_capped_decode_and_prefill(window: int | None) -> None:
+    """Gemma 2's cap on the scores (c * tanh(s / c)) in the plain decode and prefill paths."""
+    heads, kvh, d, block_size, cap = 6, 2, 16, 4, 1.5
+    gen = torch.Generator().manual_seed(11)
+    lens = [2, 9, 33]
+    k_cache, v_cache, tables, ks, vs = _scatter_contexts(lens, block_size, kvh, d, gen)
+    q = 4 * torch.randn(len(lens), heads, d, generator=gen)
+    meta = DecodeMetadata.build(tables, lens, block_size=block_size, num_heads=heads, kv_heads=kvh,
+                                head_dim=d, dtype=torch.float32, sliding_window=window)
+    got = paged_decode_attention(q, k_cache, v_cache, meta, softcap=cap)
+    for i in range(len(lens)):
+        want = reference_attention(q[i:i + 1], ks[i], vs[i], sliding_window=window, softcap=cap)
+        torch.testing.assert_close(got[i:i + 1], want, atol=2e-5, rtol=1e-4)
+    for prefix in (0, 10):  # a fresh prompt too: torch's SDPA has no cap, so it must not be used
+        qp = 4 * torch.randn(33 - prefix, heads, d, generator=gen)
+        out = paged_prefill_attention(qp, ks[2][prefix:], vs[2][prefix:], k_cache, v_cache,
+                                      torch.tensor(tables[2]), prefix, sliding_window=window, softcap=cap)
+        want = reference_attention(qp, ks[2], vs[2], sliding_window=window, softcap=cap)
+        torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+        assert (reference_attention(qp, ks[2], vs[2], sliding_window=window) - want).abs().max() > 1e-2

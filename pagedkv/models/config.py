@@ -23,6 +23,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",  # its language model; the vision tower is skipped
+    "Gemma2ForCausalLM": "gemma2",
 }
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 _MODEL_TYPE_ALIASES = {"gemma3_text": "gemma3"}
@@ -72,13 +73,14 @@ class ModelConfig(ModelShape):
 
     rms_norm_eps: float = 1e-6
     rope: RopeConfig = RopeConfig()
-    # Gemma 3: the sliding layers' own RoPE (None: ``rope`` for every layer), the MLP activation,
-    # the attention scale 1/sqrt(query_pre_attn_scalar) (None: 1/sqrt(head_dim)), and tanh caps
-    # ``cap * tanh(x / cap)`` on the final logits.
+    # Gemma 2/3: the sliding layers' own RoPE (None: ``rope`` for every layer), the MLP
+    # activation, the attention scale 1/sqrt(query_pre_attn_scalar) (None: 1/sqrt(head_dim)), and
+    # tanh caps ``cap * tanh(x / cap)`` on the final logits and (Gemma 2) the attention scores.
     rope_local: RopeConfig | None = None
     hidden_act: str = "silu"
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         ModelShape.__post_init__(self)  # (slotted dataclasses break zero-argument super())
@@ -112,7 +114,7 @@ class ModelConfig(ModelShape):
     def is_gemma(self) -> bool:
         """Gemma's layout: embeddings scaled by sqrt(hidden), RMSNorm weights applied as
         ``1 + w`` (the loader adds the 1), norms before and after each sublayer ("sandwich")."""
-        return self.model_type == "gemma3"
+        return self.model_type in ("gemma2", "gemma3")
 
     @property
     def attention_scale(self) -> float:
@@ -158,7 +160,11 @@ class ModelConfig(ModelShape):
             out["layer_types"] = list(self.layer_types)
         if self.is_gemma:
             out.update(hidden_activation=self.hidden_act, query_pre_attn_scalar=self.query_pre_attn_scalar,
-                       final_logit_softcapping=self.final_logit_softcapping, attention_bias=self.attention_bias)
+                       final_logit_softcapping=self.final_logit_softcapping, attention_bias=self.attention_bias,
+                       attn_logit_softcapping=self.attn_logit_softcapping)
+        if self.model_type == "gemma2":
+            out["rope_parameters"] = rope_parameters
+            return out
             local = self.rope_local or self.rope
             out["rope_parameters"] = {"full_attention": rope_parameters,
                                       "sliding_attention": {"rope_type": "default", "rope_theta": local.theta}}
@@ -173,16 +179,17 @@ class ModelConfig(ModelShape):
         d = hf_text_config(d)
         shape = shape_from_hf_dict({**d, "model_type": model_type})
         extra: dict[str, Any] = {}
-        if model_type == "gemma3":
-            if d.get("attn_logit_softcapping") is not None:
-                raise UnsupportedModelError("attention logit soft-capping (attn_logit_softcapping) is not supported")
+        if model_type in ("gemma2", "gemma3"):
+            # gemma2 caps by default (transformers' Gemma2Config: 30 on the logits, 50 on the scores)
+            caps = {"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0} if model_type == "gemma2" else {}
             if d.get("use_bidirectional_attention"):
                 raise UnsupportedModelError("gemma3 with use_bidirectional_attention is an encoder; not supported")
-            softcap = d.get("final_logit_softcapping")
-            extra = dict(rope_local=_local_rope_from_hf(d),
+            extra = dict(rope_local=_local_rope_from_hf(d) if model_type == "gemma3" else None,
                          query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
-                         hidden_act=str(d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"),
-                         final_logit_softcapping=float(softcap) if softcap is not None else None)
+                         hidden_act=str(d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"))
+            for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+                cap = d.get(key, caps.get(key))
+                extra[key] = float(cap) if cap is not None else None
         return cls.from_shape(shape, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope=_rope_from_hf(d), **extra)
 
 

@@ -15,6 +15,9 @@ The cache is zero-initialised and only ever holds finite values, so 0 * V stays 
 
 Prefill (``n`` new tokens after ``start_pos`` cached ones): new tokens attend causally to the cached
 prefix and to themselves; key ``j`` is visible to query ``i`` iff ``j <= start_pos + i``.
+
+``softcap`` c (Gemma 2) bounds each scaled score s to ``c * tanh(s / c)`` before the mask and the
+softmax; torch's SDPA has no such step, so capped prefills take an explicit softmax.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ def paged_decode_attention(
     v_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
     meta: DecodeMetadata,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query per sequence against its whole paged context; returns ``[B, heads, head_dim]``."""
     b, heads, d = q.shape
@@ -86,8 +90,13 @@ def paged_decode_attention(
     length = meta.padded_len
     torch.index_select(k_cache.view(-1, d), 0, meta.k_rows, out=meta.k_buf)
     keys = meta.k_buf.view(b * kvh, length, d)  # [B * kv_heads, L, d]
-    scores = torch.baddbmm(meta.mask, q.reshape(b * kvh, heads // kvh, d), keys.transpose(1, 2),
-                           alpha=scale if scale is not None else d ** -0.5)  # [B * kv_heads, group, L]
+    alpha = scale if scale is not None else d ** -0.5
+    if softcap:
+        scores = torch.bmm(q.reshape(b * kvh, heads // kvh, d), keys.transpose(1, 2)).mul_(alpha / softcap)
+        scores = scores.tanh_().mul_(softcap).add_(meta.mask)
+    else:
+        scores = torch.baddbmm(meta.mask, q.reshape(b * kvh, heads // kvh, d), keys.transpose(1, 2),
+                               alpha=alpha)  # [B * kv_heads, group, L]
     probs = torch.softmax(scores, dim=-1).view(b * heads, length)
     out = F.embedding_bag(meta.v_rows, v_cache.view(-1, d), mode="sum", per_sample_weights=probs)
     return out.view(b, heads, d)
@@ -103,6 +112,7 @@ def paged_prefill_attention(
     start_pos: int,
     scale: float | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``n`` new tokens over ``start_pos`` cached tokens plus themselves.
 
@@ -114,7 +124,7 @@ def paged_prefill_attention(
     # 4-D inputs: torch's CPU flash kernel (2-3x faster than the math path 3-D inputs take)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
     windowed = sliding_window is not None and start_pos + n > sliding_window
-    if start_pos == 0 and not windowed:  # no cached prefix: the fresh K/V are the whole context
+    if start_pos == 0 and not windowed and not softcap:  # no cached prefix: the fresh K/V are the whole context
         out = F.scaled_dot_product_attention(qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
                                              is_causal=True, scale=scale, enable_gqa=gqa)
         return out[0].transpose(0, 1)
@@ -128,9 +138,23 @@ def paged_prefill_attention(
     mask = key_pos <= query_pos  # [n, ctx]
     if windowed:
         mask &= key_pos > query_pos - sliding_window
+    if softcap:
+        return _capped_attention(q, keys, values, mask, scale if scale is not None else d ** -0.5, softcap)
     out = F.scaled_dot_product_attention(qh, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
                                          attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out[0].transpose(0, 1)  # [n, heads, d]
+
+
+def _capped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                      scale: float, softcap: float) -> torch.Tensor:
+    """Softmax attention with soft-capped scores: q ``[n, heads, d]``, keys/values ``[ctx, kv_heads,
+    d]``, mask ``[n, ctx]`` (True: visible) -> ``[n, heads, d]``."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, ctx, d]
+    v = values.repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.bmm(q.transpose(0, 1), k.transpose(1, 2)).mul_(scale / softcap).tanh_().mul_(softcap)
+    scores.masked_fill_(~mask, float("-inf"))
+    return torch.bmm(torch.softmax(scores, dim=-1), v).transpose(0, 1)  # [n, heads, d]
 
 
 @dataclass(slots=True)
@@ -161,6 +185,7 @@ def native_paged_attention(
     sliding_window: int | None = None,
     k_scales: torch.Tensor | None = None,  # [num_blocks, kv_heads] float32: 8-bit caches only
     v_scales: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of each row over its sequence's first ``row_len`` cached tokens (the last
     ``sliding_window`` of them), reading K and V blocks in place (``csrc/paged_attention.cpp``;
@@ -174,7 +199,7 @@ def native_paged_attention(
     target = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32)
     torch.ops.pagedkv.paged_attention(target, qf, k_cache, v_cache, meta.block_tables, meta.row_seq,
                                       meta.row_len, scale if scale is not None else d ** -0.5,
-                                      sliding_window or 0, k_scales, v_scales)
+                                      sliding_window or 0, k_scales, v_scales, softcap or 0.0)
     if target is not out:
         rows = meta.row_len > 0
         out[rows] = target[rows].to(out.dtype)

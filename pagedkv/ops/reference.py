@@ -13,8 +13,10 @@ def reference_attention(
     v: torch.Tensor,  # [ctx, kv_heads, d]
     scale: float | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal softmax attention written out in full (float64 inside); returns ``[n, heads, d]``."""
+    """Causal softmax attention written out in full (float64 inside); returns ``[n, heads, d]``.
+    ``softcap`` c: scores become ``c * tanh(score / c)`` before the mask (Gemma 2)."""
     n, heads, d = q.shape
     ctx, kvh, _ = k.shape
     group = heads // kvh
@@ -22,6 +24,8 @@ def reference_attention(
     kd = k.double().repeat_interleave(group, dim=1)  # [ctx, heads, d]
     vd = v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,chd->hnc", qd, kd) * (scale if scale is not None else 1.0 / math.sqrt(d))
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     query_pos = torch.arange(ctx - n, ctx).view(n, 1)
     key_pos = torch.arange(ctx).view(1, ctx)
     hidden = key_pos > query_pos
@@ -36,7 +40,7 @@ def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               block_tables: list[list[int]], row_seq: list[int], row_len: list[int],
                               scale: float | None = None, sliding_window: int | None = None,
                               k_scales: torch.Tensor | None = None,
-                              v_scales: torch.Tensor | None = None) -> torch.Tensor:
+                              v_scales: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """What ``native_paged_attention`` computes, one row at a time: row r's sequence's first
     ``row_len[r]`` cached tokens gathered contiguously (8-bit blocks dequantized with their
     ``[num_blocks, kv_heads]`` scales) and attended by ``reference_attention`` (rows of length 0
@@ -57,5 +61,5 @@ def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         table = torch.tensor(block_tables[row_seq[r]], dtype=torch.long)
         keys = gather(k_cache, k_scales, table, n)
         values = gather(v_cache, v_scales, table, n)
-        out[r] = reference_attention(q[r:r + 1].float(), keys, values, scale, sliding_window)[0]
+        out[r] = reference_attention(q[r:r + 1].float(), keys, values, scale, sliding_window, softcap)[0]
     return out

@@ -46,11 +46,12 @@ class _StepAttention:
         self.head_dim = config.head_dim
         self.config = config
         self.scale = config.attention_scale
+        self.softcap = config.attn_logit_softcapping  # Gemma 2: a tanh cap on the scores
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.cache
         inp = self.inputs.group(cache.group_of[layer_idx])
-        window, scale = self.config.layer_window(layer_idx), self.scale
+        window, scale, softcap = self.config.layer_window(layer_idx), self.scale, self.softcap
         rotation = self.rotation
         if rotation is not None:  # q.k and p.v are unchanged by an orthonormal H; outliers are spread
             q, k, v = q @ rotation, k @ rotation, v @ rotation
@@ -67,21 +68,21 @@ class _StepAttention:
             out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype)
             if inp.native.num_rows:
                 native_paged_attention(out, q, k_cache, v_cache, inp.native, scale, sliding_window=window,
-                                       k_scales=k_scales, v_scales=v_scales)
+                                       k_scales=k_scales, v_scales=v_scales, softcap=softcap)
             if rotation is not None:
                 assert not inp.prefills  # 8-bit blocks: every row goes through the kernel
                 return out @ rotation  # H H = I: back from the rotated V basis
         elif inp.identity_decode:
-            return paged_decode_attention(q, k_cache, v_cache, inp.decode_groups[0].meta, scale)  # [T, H, d]
+            return paged_decode_attention(q, k_cache, v_cache, inp.decode_groups[0].meta, scale, softcap)
         else:
             out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype)  # [T, H, d]
         for group in inp.decode_groups:
             q_dec = q.index_select(0, group.rows)
-            out.index_copy_(0, group.rows, paged_decode_attention(q_dec, k_cache, v_cache, group.meta, scale))
+            out.index_copy_(0, group.rows, paged_decode_attention(q_dec, k_cache, v_cache, group.meta, scale, softcap))
         for p in inp.prefills:
             out[p.start:p.end] = paged_prefill_attention(
                 q[p.start:p.end], k[p.start:p.end], v[p.start:p.end], k_cache, v_cache, p.block_table,
-                p.start_pos, scale, sliding_window=window,
+                p.start_pos, scale, sliding_window=window, softcap=softcap,
             )
         return out
 

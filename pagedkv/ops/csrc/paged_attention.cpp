@@ -2,7 +2,8 @@
 //
 // One kernel serves decode and prefill/extend: every query row r has a sequence (a row of the
 // block tables) and a visible length len[r] (its position + 1, so causality is a length limit);
-// with a sliding window w it sees positions [len - w, len). Rows with len 0 are skipped.
+// with a sliding window w it sees positions [len - w, len). Rows with len 0 are skipped. A
+// soft-cap c > 0 (Gemma 2) bounds each scaled score s to c * tanh(s / c) before the softmax.
 //
 // Work item = (tile of up to TILE consecutive rows of one sequence, KV head). Each key block is
 // read once per tile and used by every query row of the tile and every query head of the KV
@@ -197,7 +198,7 @@ inline float hsum(__m256 v) {
 template <int D, typename S, bool SCALED>
 void attend_vec(const float* qs, const int64_t* row_start, const int64_t* row_end, int64_t nr, int64_t group,
                 const Cache<S>& cache, const int32_t* table, int64_t block_size, int64_t kv_heads, int64_t h,
-                int64_t lo, int64_t hi, float* acc, float* m, float* l, float* conv) {
+                int64_t lo, int64_t hi, float* acc, float* m, float* l, float* conv, float cap) {
   constexpr int NV = D / 8;
   constexpr bool convert = !std::is_same_v<S, float>;
   float* kbuf = conv;  // [CHUNK * D] each, 32-byte aligned (converted formats only)
@@ -253,6 +254,9 @@ void attend_vec(const float* qs, const int64_t* row_start, const int64_t* row_en
           for (int v = 0; v < NV; ++v) s = _mm256_fmadd_ps(_mm256_loadu_ps(qj + 8 * v), _mm256_loadu_ps(kr[t] + 8 * v), s);
           p[t] = hsum(s);
         }
+        if (cap > 0.f) {  // Gemma 2's soft-cap on the scores: cap * tanh(score / cap)
+          for (t = 0; t < n; ++t) p[t] = cap * std::tanh(p[t] / cap);
+        }
         float mb = m[j];
         for (t = 0; t < n; ++t) mb = std::max(mb, p[t]);
         const float corr = std::exp(m[j] - mb);
@@ -291,7 +295,7 @@ template <typename S, bool SCALED>
 void paged_attention_impl(const float* q, const Cache<S>& cache, const int32_t* tables, int64_t max_blocks,
                           const int32_t* row_seq, const int32_t* row_len, float* out, int64_t rows,
                           int64_t heads, int64_t kv_heads, int64_t d, int64_t block_size, float scale,
-                          int64_t window) {
+                          int64_t window, float cap) {
   const int64_t group = heads / kv_heads;
   std::vector<Tile> tiles;
   for (int64_t r = 0; r < rows;) {
@@ -341,7 +345,7 @@ void paged_attention_impl(const float* q, const Cache<S>& cache, const int32_t* 
           }
           auto fn = d == 64 ? attend_vec<64, S, SCALED> : attend_vec<128, S, SCALED>;
           fn(qs.data(), starts, ends, nr, group, cache, table, block_size, kv_heads, h, lo, hi, acc.data(),
-             m.data(), l.data(), conv);
+             m.data(), l.data(), conv, cap);
           done = true;
         }
       }
@@ -367,6 +371,7 @@ void paged_attention_impl(const float* q, const Cache<S>& cache, const int32_t* 
             float mb = m[j];
             for (int64_t t = t0; t < t1; ++t) {
               pj[t] = dot(qj, kb + t * row_stride, static_cast<int>(d)) * k_scale;
+              if (cap > 0.f) pj[t] = cap * std::tanh(pj[t] / cap);
               mb = std::max(mb, pj[t]);
             }
             const float corr = std::exp(m[j] - mb);  // 0 on the first block (m = -inf)
@@ -410,7 +415,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& row_seq, const at::Tensor& row_len, double scale,
                      int64_t sliding_window, const std::optional<at::Tensor>& k_scales,
-                     const std::optional<at::Tensor>& v_scales) {
+                     const std::optional<at::Tensor>& v_scales, double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: [rows, heads, d] float32");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kFloat && out.is_contiguous(), "out like q");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(), "k/v cache layout");
@@ -438,7 +443,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
     auto impl = scaled ? paged_attention_impl<S, true> : paged_attention_impl<S, false>;
     impl(q.data_ptr<float>(), cache, block_tables.data_ptr<int32_t>(), block_tables.size(1),
          row_seq.data_ptr<int32_t>(), row_len.data_ptr<int32_t>(), out.data_ptr<float>(), rows, heads, kv_heads,
-         d, block_size, static_cast<float>(scale), sliding_window);
+         d, block_size, static_cast<float>(scale), sliding_window, static_cast<float>(softcap));
   };
   switch (st) {
     case at::kFloat: run(float{}); break;
@@ -574,7 +579,7 @@ TORCH_LIBRARY(pagedkv, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor row_seq, Tensor row_len, float scale, int sliding_window, Tensor? k_scales=None, "
-        "Tensor? v_scales=None) -> ()");
+        "Tensor? v_scales=None, float softcap=0.0) -> ()");
   m.def("write_kv_scaled(Tensor(a!) cache, Tensor(b!) scales, Tensor x, Tensor slot_mapping, Tensor(c!) err) -> ()");
 }
 

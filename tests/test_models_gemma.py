@@ -1,9 +1,10 @@
-"""Gemma 3 against transformers on tiny random models, and its hybrid KV cache.
+"""Gemma 3 and Gemma 2 against transformers on tiny random models, and their hybrid KV cache.
 
 Gemma 3 mixes sliding-window layers (each with its own RoPE base) and full-attention layers; the
 KV cache keeps them in groups with their own block tables (``model_shape.kv_groups``) and releases
 a sliding group's blocks once no query can see them. Outputs must equal transformers' greedy
 tokens however the sequence is cut into chunks, preempted, forked or served from the prefix cache.
+Gemma 2 adds a tanh soft-cap on the attention scores (native kernel and plain paths).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from pagedkv.models.config import ModelConfig
 from pagedkv.models.errors import UnsupportedModelError
 from pagedkv.runner import ModelRunner, SeqChunk
 
-# name -> constructor overrides of a tiny Gemma3TextConfig (odd head dims, windows and patterns)
+# name -> constructor overrides of a tiny Gemma3TextConfig / Gemma2Config (odd head dims, windows
+# and patterns); "model_type" picks the family (gemma3 when absent)
 CASES: dict[str, dict[str, Any]] = {
     # pattern 3: layers 0, 1 sliding, 2 full, ...; linear-scaled global RoPE, its own local base
     "pattern3_softcap": dict(num_hidden_layers=5, head_dim=24, sliding_window=6, sliding_window_pattern=3,
@@ -51,6 +53,12 @@ CASES: dict[str, dict[str, Any]] = {
     "layer_types_mqa": dict(num_hidden_layers=4, head_dim=40, num_key_value_heads=1, sliding_window=9,
                             layer_types=["sliding_attention", "full_attention", "sliding_attention",
                                          "sliding_attention"], tie_word_embeddings=False, attention_bias=True),
+    # gemma2: alternating sliding/full layers, small soft-caps so that they bite; head_dim 64 takes
+    # the native kernel's vector path, 40 its scalar one
+    "gemma2_caps_d64": dict(model_type="gemma2", num_hidden_layers=4, head_dim=64, sliding_window=7,
+                            query_pre_attn_scalar=48, attn_logit_softcapping=3.0, final_logit_softcapping=5.0),
+    "gemma2_defaults_d40": dict(model_type="gemma2", num_hidden_layers=3, head_dim=40, num_key_value_heads=1,
+                                sliding_window=5),
 }
 
 
@@ -61,7 +69,9 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def _case(name: str, tmp_path_factory: pytest.TempPathFactory, cache: dict[str, Any]) -> Any:
     if name not in cache:
-        folder = make_hf_checkpoint(tmp_path_factory.mktemp(name), "gemma3", seed=len(name), **CASES[name])
+        overrides = dict(CASES[name])
+        model_type = overrides.pop("model_type", "gemma3")
+        folder = make_hf_checkpoint(tmp_path_factory.mktemp(name), model_type, seed=len(name), **overrides)
         cache[name] = (folder, load_hf_reference(folder), load_model(str(folder)))
     return cache[name]
 
@@ -74,7 +84,7 @@ def _prompt(n: int, seed: int, vocab: int = 256) -> list[int]:
 def test_prefill_logits_match_transformers(name: str, tmp_path_factory: pytest.TempPathFactory,
                                            built: dict[str, Any]) -> None:
     _, ref, loaded = _case(name, tmp_path_factory, built)
-    assert loaded.config.model_type == "gemma3" and loaded.config.is_hybrid
+    assert loaded.config.model_type == CASES[name].get("model_type", "gemma3") and loaded.config.is_hybrid
     ids = _prompt(40, 1)
     runner = ModelRunner(loaded, block_size=4, num_blocks=256)
     groups = len(runner.cache.groups)
@@ -240,8 +250,13 @@ def test_config_reading_and_unsupported_variants() -> None:
     assert config.attention_scale == 256 ** -0.5  # query_pre_attn_scalar's default
     assert config.tie_word_embeddings and config.qk_norm and config.hidden_act == "gelu_pytorch_tanh"
     assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config
-    with pytest.raises(UnsupportedModelError, match="soft-capping"):
-        ModelConfig.from_hf_dict({**base, "attn_logit_softcapping": 50.0})
+    with pytest.raises(UnsupportedModelError, match="encoder"):
+        ModelConfig.from_hf_dict({**base, "use_bidirectional_attention": True})
+    gemma2 = ModelConfig.from_hf_dict({**base, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+                                       "sliding_window_pattern": None})
+    assert gemma2.layer_types[:2] == (SLIDING_ATTENTION, FULL_ATTENTION) and not gemma2.qk_norm
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (50.0, 30.0)  # transformers' defaults
+    assert ModelConfig.from_hf_dict(gemma2.to_hf_dict()) == gemma2
     with pytest.raises(ValueError, match="layer_types"):
         ModelConfig.from_hf_dict({**base, "layer_types": ["full_attention"] * 3})
 
