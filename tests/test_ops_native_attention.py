@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16, 64])
 @pytest.mark.parametrize("heads,kvh", [(4, 4), (6, 2), (9, 3), (8, 1)])
-@pytest.mark.parametrize("d", [32, 64, 128])  # 64 and 128: the vector path on AVX2 machines
+@pytest.mark.parametrize("d", [32, 64, 128, 256])  # 64, 128, 256: the vector path on AVX2 machines
 def test_decode_and_extend_rows_match_reference(block_size, heads, kvh, d):
     rng = random.Random(block_size * 100 + heads + d)
     lens = [rng.randint(1, 300) for _ in range(5)] + [1, 17]
@@ -49,7 +49,7 @@ def test_sliding_window(window, block_size, d):
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("d", [40, 64, 128])  # the scalar path and the vector path
+@pytest.mark.parametrize("d", [40, 64, 256])  # the scalar path and the vector path
 @pytest.mark.parametrize("window", [None, 9])
 def test_soft_capped_scores(d, window):
     """Gemma 2's cap on the attention scores, c * tanh(s / c), on both kernel paths, with and

@@ -337,13 +337,14 @@ void paged_attention_impl(const float* q, const Cache<S>& cache, const int32_t* 
       bool done = false;
 #ifdef PAGEDKV_AVX2
       if constexpr (Vec<S>::ok) {
-        if (d == 64 || d == 128) {
+        if (d == 64 || d == 128 || d == 256) {  // 256: Gemma 2/3
           int64_t starts[TILE], ends[TILE];
           for (int64_t i = 0; i < nr; ++i) {
             ends[i] = row_len[tile.first + i];
             starts[i] = window > 0 ? std::max<int64_t>(0, ends[i] - window) : 0;
           }
-          auto fn = d == 64 ? attend_vec<64, S, SCALED> : attend_vec<128, S, SCALED>;
+          auto fn = d == 64 ? attend_vec<64, S, SCALED> : d == 128 ? attend_vec<128, S, SCALED>
+                                                                   : attend_vec<256, S, SCALED>;
           fn(qs.data(), starts, ends, nr, group, cache, table, block_size, kv_heads, h, lo, hi, acc.data(),
              m.data(), l.data(), conv, cap);
           done = true;
