@@ -242,10 +242,10 @@ def test_config_reading_and_unsupported_variants() -> None:
     base = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 64,
             "num_attention_heads": 4, "num_key_value_heads": 1, "num_hidden_layers": 7, "head_dim": 32,
             "intermediate_size": 96, "vocab_size": 300, "sliding_window": 512, "rope_theta": 1e6,
-            "rope_local_base_freq": 1e4, "sliding_window_pattern": 6}
+            "rope_local_base_freq": 2e4, "sliding_window_pattern": 6}
     config = ModelConfig.from_hf_dict(base)
     assert config.layer_types == (SLIDING_ATTENTION,) * 5 + (FULL_ATTENTION, SLIDING_ATTENTION)
-    assert config.rope.theta == 1e6 and config.rope_local is not None and config.rope_local.theta == 1e4
+    assert config.rope.theta == 1e6 and config.rope_local is not None and config.rope_local.theta == 2e4
     assert config.layer_rope(5) is config.rope and config.layer_rope(0) is config.rope_local
     assert config.attention_scale == 256 ** -0.5  # query_pre_attn_scalar's default
     assert config.tie_word_embeddings and config.qk_norm and config.hidden_act == "gelu_pytorch_tanh"

@@ -135,7 +135,9 @@ class ModelConfig(ModelShape):
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json dict (``rope_parameters`` layout) that :meth:`from_hf_dict` reads back."""
-        arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[self.model_type]
+        # the text model's class (gemma3: Gemma3ForCausalLM, whose config.json says "gemma3_text")
+        arch = next(k for k, v in SUPPORTED_ARCHITECTURES.items() if v == self.model_type)
+        model_type = {v: k for k, v in _MODEL_TYPE_ALIASES.items()}.get(self.model_type, self.model_type)
         rope = asdict(self.rope)
         rope_parameters: dict[str, Any] = {"rope_type": rope.pop("rope_type"), "rope_theta": rope.pop("theta")}
         partial = rope.pop("partial_rotary_factor")
@@ -145,7 +147,7 @@ class ModelConfig(ModelShape):
             rope_parameters.update({k: list(v) if isinstance(v, tuple) else v for k, v in rope.items()
                                     if k != "freq_factors" and v is not None})
         out: dict[str, Any] = {
-            "architectures": [arch], "model_type": self.model_type, "vocab_size": self.vocab_size,
+            "architectures": [arch], "model_type": model_type, "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
@@ -159,12 +161,12 @@ class ModelConfig(ModelShape):
         if self.layer_types:
             out["layer_types"] = list(self.layer_types)
         if self.is_gemma:
-            out.update(hidden_activation=self.hidden_act, query_pre_attn_scalar=self.query_pre_attn_scalar,
+            scalar = self.query_pre_attn_scalar  # an int in transformers' configs
+            out.update(hidden_activation=self.hidden_act,
+                       query_pre_attn_scalar=int(scalar) if scalar is not None and scalar.is_integer() else scalar,
                        final_logit_softcapping=self.final_logit_softcapping, attention_bias=self.attention_bias,
                        attn_logit_softcapping=self.attn_logit_softcapping)
-        if self.model_type == "gemma2":
-            out["rope_parameters"] = rope_parameters
-            return out
+        if self.model_type == "gemma3":  # the sliding layers' own RoPE
             local = self.rope_local or self.rope
             out["rope_parameters"] = {"full_attention": rope_parameters,
                                       "sliding_attention": {"rope_type": "default", "rope_theta": local.theta}}
