@@ -1,20 +1,22 @@
-"""Weights kept in Q8_0 (``quantization="q8_0"``) against float32 weights (``"none"``): whole-model
-decode speed at batch 1 and 32, memory, quality, and llama.cpp on the same file.
+"""Weights kept quantized (``quantization="auto"``, the default: a GGUF's types that the 8-bit layout
+holds exactly stay 8-bit, the others are dequantized) against float32 weights (``"none"``):
+whole-model decode speed at batch 1 and 32, memory, quality, and llama.cpp on the same file.
 
-For the default model (a Q4_1 GGUF: Q4_1 weights requantized to Q8_0, the Q8_0 embedding kept
-and used as the tied head) and every ``--gguf`` file:
+For the default model (a Q4_1 GGUF: Q4_1 weights kept exactly as int8 with a scale and an offset
+per 32, the Q8_0 embedding kept and used as the tied head) and every ``--gguf`` file:
 
 - speed: an engine per choice, both resident; B requests of ``--prompt-tokens`` random tokens,
   ``--new-tokens`` each (greedy, ignore_eos), output tokens / wall seconds, prefill included. The
-  choices alternate (none, q8_0, [llama.cpp,] none, ...) ``--repeat`` times; each figure is a
-  median, each ratio the median of the per-repeat ratios;
-- ``q8_0_f32head``: an ablation, Q8_0 layers with the float32 (oneDNN-packed) head and embedding,
-  to show what the Q8_0 head buys;
+  choices alternate (none, auto, auto_f32head, [llama.cpp,] none, ...) ``--repeat`` times; each
+  figure is a median, each ratio the median of the per-repeat ratios;
+- ``auto_f32head``: an ablation, 8-bit layers with the float32 (oneDNN-packed) head and embedding,
+  to show what the 8-bit head buys;
 - memory: bytes of the parameters and buffers, the converted folder on disk, and the peak RSS
   and resident set (after, and at its peak while loading) of a fresh process that loads the
   model and runs one request, minus those of the same on a tiny model (``tests/tiny_model.py``);
 - quality: teacher forcing over ``tests/data/declaration_of_independence.txt`` (as
-  ``bench/kv_quant.py``): top-1 agreement with the float32 model and the perplexity ratio;
+  ``bench/kv_quant.py``): top-1 agreement with the float32 model and the perplexity ratio (1 and 1
+  when every kept type is exact);
 - llama.cpp (``--llamacpp-python``, default the peer venv when present) decodes the same GGUF
   with its own kernels: the same workloads, one context, every request a sequence
   (``bench/throughput.py``'s peer script).
@@ -24,9 +26,9 @@ and used as the tied head) and every ``--gguf`` file:
 
 Last line: one JSON object; per model (``default``, then each file's stem) and choice:
 ``<model>_<choice>_b<B>_tok_s``, ``<model>_<choice>_vs_none_b<B>`` (speed ratio),
-``<model>_llamacpp_b<B>_tok_s``, ``<model>_q8_0_vs_llamacpp_b<B>``, ``<model>_<choice>_weight_mb``,
-``_disk_mb``, ``_rss_mb``, ``_peak_rss_mb``, ``<model>_q8_0_top1``, ``<model>_q8_0_ppl_ratio``; the
-threads and the load average.
+``<model>_llamacpp_b<B>_tok_s``, ``<model>_auto_vs_llamacpp_b<B>``, ``<model>_<choice>_weight_mb``,
+``_disk_mb``, ``_rss_mb``, ``_peak_rss_mb``, ``<model>_auto_top1``, ``<model>_auto_ppl_ratio``; the
+threads and the load average (before and after).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from pagedkv.models.loader import load_model
 from pagedkv.models.quant_linear import weight_bytes
 from pagedkv.runner import ModelRunner
 
-CHOICES = ("none", "q8_0", "q8_0_f32head")
+CHOICES = ("none", "auto", "auto_f32head")
 PEER = Path.home() / ".cache" / "peers" / "llamacpp-venv" / "bin" / "python"
 RSS_SCRIPT = r"""
 import sys
@@ -81,7 +83,7 @@ def engine_for(path: Path, choice: str, max_seqs: int) -> LLMEngine:
     config = EngineConfig(model=str(path), quantization=choice.removesuffix("_f32head"), kv_cache_memory="256MiB",
                           max_num_seqs=max_seqs)
     loaded = load_model(str(path), quantization=config.quantization)
-    if choice == "q8_0_f32head":  # float32 embedding, tied head packed by the runner as for "none"
+    if choice.endswith("_f32head"):  # float32 embedding, tied head packed by the runner as for "none"
         embed = loaded.model.embed_tokens
         loaded.model.embed_tokens = torch.nn.Embedding.from_pretrained(embed.weight, freeze=True)
         loaded.model.lm_head = None
@@ -111,11 +113,11 @@ def disk_mb(folder: Path) -> float:
 
 
 def quality(path: Path, chunk: int = 128) -> tuple[float, float]:
-    """(top-1 agreement, perplexity ratio) of the Q8_0 model against the float32 one."""
+    """(top-1 agreement, perplexity ratio) of the "auto" model against the float32 one."""
     base = load_model(str(path), quantization="none")
     tokens = base.tokenizer.encode(TEXT.read_text())
     want = teacher_forced(base, tokens, "auto", chunk, 16)
-    got = teacher_forced(load_model(str(path), quantization="q8_0"), tokens, "auto", chunk, 16)
+    got = teacher_forced(load_model(str(path), quantization="auto"), tokens, "auto", chunk, 16)
     target = torch.tensor(tokens[1:])
     top1 = (got.argmax(-1) == want.argmax(-1)).double().mean().item()
     nll = [-lp.gather(1, target[:, None]).mean().item() for lp in (want, got)]
@@ -124,10 +126,10 @@ def quality(path: Path, chunk: int = 128) -> tuple[float, float]:
 
 def measure(key: str, path: Path, args: argparse.Namespace, result: dict) -> None:
     batches = [int(b) for b in args.batches.split(",")]
-    for choice in ("none", "q8_0"):
+    for choice in ("none", "auto"):
         loaded = load_model(str(path), quantization=choice)
         result[f"{key}_{choice}_weight_mb"] = round(weight_bytes(loaded.model) / 1e6, 1)
-        result[f"{key}_{choice}_disk_mb"] = disk_mb(converted_folder(path, choice))
+        result[f"{key}_{choice}_disk_mb"] = disk_mb(converted_folder(path, loaded.quantization))
         result[f"{key}_{choice}_rss_mb"], result[f"{key}_{choice}_peak_rss_mb"] = rss_mb(path, choice, args.threads)
         del loaded
     result[f"{key}_gguf_mb"] = round(path.stat().st_size / 1e6, 1)
@@ -157,12 +159,12 @@ def measure(key: str, path: Path, args: argparse.Namespace, result: dict) -> Non
             ratios = [a / b for a, b in zip(tok_s[f"{choice}_{w.name}"], tok_s[f"none_{w.name}"])]
             result[f"{key}_{choice}_vs_none_{w.name}"] = round(statistics.median(ratios), 3)
         if tok_s[f"llamacpp_{w.name}"]:
-            ratios = [a / b for a, b in zip(tok_s[f"q8_0_{w.name}"], tok_s[f"llamacpp_{w.name}"])]
-            result[f"{key}_q8_0_vs_llamacpp_{w.name}"] = round(statistics.median(ratios), 3)
+            ratios = [a / b for a, b in zip(tok_s[f"auto_{w.name}"], tok_s[f"llamacpp_{w.name}"])]
+            result[f"{key}_auto_vs_llamacpp_{w.name}"] = round(statistics.median(ratios), 3)
     for engine in engines.values():
         engine.close()
     if not args.skip_quality:
-        result[f"{key}_q8_0_top1"], result[f"{key}_q8_0_ppl_ratio"] = quality(path)
+        result[f"{key}_auto_top1"], result[f"{key}_auto_ppl_ratio"] = quality(path)
     print(key, {k: v for k, v in result.items() if k.startswith(key)}, flush=True)
 
 
@@ -179,7 +181,7 @@ def main() -> None:
     ap.add_argument("--skip-quality", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    result: dict = {}
+    result: dict = {"load_avg_1m_start": round(os.getloadavg()[0], 2)}
     for key, path in [("default", default_model_path()), *((Path(g).stem, Path(g)) for g in args.gguf)]:
         measure(key, path, args, result)
     result["threads"] = args.threads

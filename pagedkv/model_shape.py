@@ -434,13 +434,16 @@ def shape_from_gguf(reader: Any, name: str = "") -> ModelShape:
     kv_lora, rope_dim = _opt_int(key("attention.kv_lora_rank")), _opt_int(key("rope.dimension_count"))
     head_dim = int(key("attention.key_length", hidden // heads))
     experts = int(key("expert_count", 0) or 0)
+    layers = int(key("block_count"))
+    windowed = model_type == "phi3" or model_type in _SLIDING_PATTERN
+    window = _opt_int(key("attention.sliding_window")) or None if windowed else None
     return ModelShape(
         model_type=model_type,
         vocab_size=int(key("vocab_size") or (len(tokens.data) if tokens is not None else 0)
                        or defaults["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length", defaults["intermediate_size"])),
-        num_hidden_layers=int(key("block_count")),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=int(key("attention.head_count_kv", heads)),
         head_dim=head_dim,
@@ -449,7 +452,8 @@ def shape_from_gguf(reader: Any, name: str = "") -> ModelShape:
         attention_bias=model_type == "qwen2" or "blk.0.attn_q.bias" in names,
         o_proj_bias="blk.0.attn_output.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
-        sliding_window=_opt_int(key("attention.sliding_window")) if model_type == "phi3" else None,
+        sliding_window=window,
+        layer_types=_gguf_layer_types(reader, f"{arch}.attention.sliding_window_pattern", model_type, layers, window),
         kv_lora_rank=kv_lora,
         qk_rope_head_dim=rope_dim if kv_lora is not None else None,
         qk_nope_head_dim=head_dim - (rope_dim or 0) if kv_lora is not None else None,
@@ -463,6 +467,25 @@ def shape_from_gguf(reader: Any, name: str = "") -> ModelShape:
         num_params=sum(int(t.n_elements) for t in reader.tensors),
         weight_bytes=sum(int(t.n_bytes) for t in reader.tensors),
     )
+
+
+def _gguf_layer_types(reader: Any, pattern_key: str, model_type: str, layers: int,
+                      window: int | None) -> tuple[str, ...]:
+    """Per-layer attention kinds of a GGUF, as llama.cpp reads them (gemma3): every layer full without a
+    window; else ``pattern_key``, a period n (every n-th layer full, as in config.json's
+    ``sliding_window_pattern``; 0: none) or one flag per layer (true: sliding), the type's period if absent."""
+    if model_type not in _SLIDING_PATTERN:
+        return ()
+    if not window:
+        return (FULL_ATTENTION,) * layers
+    field_ = reader.fields.get(pattern_key)
+    pattern = _SLIDING_PATTERN[model_type] if field_ is None else field_.contents()
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise ValueError(f"{pattern_key} has {len(pattern)} entries for {layers} layers")
+        return tuple(SLIDING_ATTENTION if flag else FULL_ATTENTION for flag in pattern)
+    n = int(pattern)
+    return tuple(SLIDING_ATTENTION if n == 0 or (i + 1) % n else FULL_ATTENTION for i in range(layers))
 
 
 def _opt_int(value: Any) -> int | None:

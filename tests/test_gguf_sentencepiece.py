@@ -42,6 +42,9 @@ WHITESPACE_PIECES = [f"{SP}{SP}", f"{SP}{SP}{SP}{SP}", f"{SP}{SP}{SP}{SP}{SP}{SP
 # over "γδ", which comes first in the vocabulary; after "μν": "λμν" (longer right part) over "κλ".
 TIE_FIRST = [("αβ", -0.5), ("μν", -0.5)]
 TIED = ["γδ", "αβγ", "κλ", "λμν"]
+GEMMA_CONTROL = ["<start_of_turn>", "<end_of_turn>"]
+# whitespace runs are added tokens in Gemma's tokenizer_config.json: llama.cpp writes them with real spaces
+GEMMA_USER_DEFINED = ["<start_of_image>", "\n\n", "\n\n\n", "\t\t", "  ", "   ", "    "]
 
 
 def _trained_pieces(corpus: str, n_merges: int) -> list[str]:
@@ -94,11 +97,36 @@ def _vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
+def _gemma_vocab() -> tuple[list[str], list[float], list[int]]:
+    """Gemma 3's layout: ``<pad> <eos> <bos> <unk>``, control and user-defined tokens, 256 byte pieces,
+    then pieces whose scores are shuffled: transformers ranks Gemma's merges by the file order alone."""
+    entries = [("<pad>", 0.0, TYPE_CONTROL), ("<eos>", 0.0, TYPE_CONTROL), ("<bos>", 0.0, TYPE_CONTROL),
+               ("<unk>", 0.0, TYPE_UNKNOWN)]
+    entries += [(t, 0.0, TYPE_CONTROL) for t in GEMMA_CONTROL]
+    entries += [(t, 0.0, TYPE_USER_DEFINED) for t in GEMMA_USER_DEFINED]
+    entries += [(f"<0x{b:02X}>", 0.0, TYPE_BYTE) for b in range(256)]
+    chars = sorted(set(CORPUS.replace(" ", SP)) | set("abcdefghijklmnopqrstuvwxyz0123456789")
+                   | set("éïñüß中文日本語αβγδκλμν") | {SP})
+    pieces = _trained_pieces(CORPUS, 300) + UNICODE_PIECES + [p for p, _ in TIE_FIRST] + TIED + chars
+    rng = random.Random(5)
+    scores = [-float(i) for i in range(len(pieces))]
+    rng.shuffle(scores)
+    seen = {t for t, _, _ in entries}
+    for piece, score in zip(pieces, scores):
+        if piece not in seen:
+            seen.add(piece)
+            entries.append((piece, score, TYPE_NORMAL))
+    tokens, scores, types = (list(column) for column in zip(*entries))
+    return tokens, scores, types
+
+
 def _write_gguf(path: Path, arch: str = "llama", *, model: str = "llama", pre: str | None = "default",
                 add_bos: bool | None = None, add_eos: bool | None = None,
                 add_space_prefix: bool | None = None) -> list[str]:
-    """A one-layer ``arch`` model (random weights) with the SentencePiece vocabulary; returns the tokens."""
-    tokens, scores, types = _vocab()
+    """A one-layer ``arch`` model (random weights) with the SentencePiece vocabulary (Gemma's for
+    gemma3); returns the tokens."""
+    gemma = arch == "gemma3"
+    tokens, scores, types = _gemma_vocab() if gemma else _vocab()
     hidden, ff, heads = 16, 32, 2
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(64)
@@ -117,9 +145,11 @@ def _write_gguf(path: Path, arch: str = "llama", *, model: str = "llama", pre: s
     w.add_token_list(tokens)
     w.add_token_scores(scores)
     w.add_token_types(types)
-    w.add_unk_token_id(0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    if gemma:
+        w.add_pad_token_id(0)
+    w.add_unk_token_id(3 if gemma else 0)
+    w.add_bos_token_id(2 if gemma else 1)
+    w.add_eos_token_id(1 if gemma else 2)
     if add_bos is not None:
         w.add_add_bos_token(add_bos)
     if add_eos is not None:
@@ -134,6 +164,9 @@ def _write_gguf(path: Path, arch: str = "llama", *, model: str = "llama", pre: s
     else:
         layer |= {f"attn_{p}.weight": (hidden, hidden) for p in "qkv"}
         layer |= {"ffn_gate.weight": (ff, hidden), "ffn_up.weight": (ff, hidden)}
+    if gemma:
+        layer |= {"post_attention_norm.weight": (hidden,), "post_ffw_norm.weight": (hidden,),
+                  "attn_q_norm.weight": (hidden // heads,), "attn_k_norm.weight": (hidden // heads,)}
     shapes = {"token_embd.weight": (len(tokens), hidden), "output_norm.weight": (hidden,),
               **{f"blk.0.{k}": v for k, v in layer.items()}}
     for name, shape in shapes.items():
@@ -227,6 +260,40 @@ def test_ids_and_decode_match_transformers(tmp_path: Path, monkeypatch: pytest.M
     assert (ids[-1] == 2) == flags.get("add_eos", False)
 
 
+def _gemma_texts() -> list[str]:
+    """The shared texts plus chat turns, Gemma's specials and whitespace runs, alone and mixed."""
+    fixed = ["<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n", "<bos>hello", "hello<eos>", "<pad><unk>",
+             "a  b   c    d     e", "x\n\n\ny\t\tz", " <start_of_image> ", "<start_of_turn", "  the", "the  "]
+    fragments = ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "user\n", "model\n",
+                 "the", "naïve", "中文", "  ", "    ", "\n\n", "\t\t", "\t", "42", "def f(x):", "😀"]
+    rng = random.Random(99)
+    mixed = ["".join(rng.choices(fragments, k=rng.randint(1, 10))) for _ in range(60)]
+    return _texts() + fixed + mixed
+
+
+@pytest.mark.parametrize("flags", [{}, {"add_bos": False, "add_eos": True}])
+def test_gemma3_ids_and_decode_match_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  flags: dict[str, bool]) -> None:
+    """A Gemma 3 SentencePiece GGUF (add_space_prefix false, as llama.cpp writes it) tokenizes like
+    transformers' GemmaTokenizer for it: no "▁" put in front, whitespace runs stored with real spaces
+    respelled, merges ranked by the file order (ranked by the shuffled scores, dozens of these texts
+    get other ids), control and user-defined tokens matched whole."""
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "sp-gemma3.gguf"
+    tokens = _write_gguf(path, "gemma3", add_space_prefix=False, **flags)
+    ours, hf = _load(path), _hf_tokenizer(path)
+    texts = _gemma_texts()
+    assert len(texts) > 350
+    bad = _mismatches(ours, hf, texts)
+    assert not bad, f"{len(bad)} mismatches, first ones:\n" + "\n".join(bad[:20])
+    assert (ours.bos_token_id, ours.eos_token_ids) == (2, {1})
+    ids = ours.encode("a  b<start_of_turn>x\n\n\n", add_special_tokens=False)
+    assert [tokens[i] for i in ids] == ["a", "  ", "b", "<start_of_turn>", "x", "\n\n\n"]
+    ids = ours.encode("the model")
+    assert (ids[0] == 2) == (flags.get("add_bos") is not False) and (ids[-1] == 1) == flags.get("add_eos", False)
+    assert ours.decode(ours.encode(" naïve  café\n")) == " naïve  café\n"  # nothing added in front, nothing lost
+
+
 def test_byte_fallback_and_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "sp.gguf"
@@ -300,7 +367,7 @@ def test_tied_scores_prefer_longer_parts() -> None:
 
 
 def test_gemma_sentencepiece_is_refused() -> None:
-    """transformers rebuilds Gemma vocabularies differently (respelled pieces, merges in file order)."""
+    """Only Gemma 3's SentencePiece GGUFs are rebuilt the way transformers rebuilds Gemma's."""
     tokens, scores, types = _vocab()
     with pytest.raises(UnsupportedModelError, match="'gemma2'"):
         build_gguf_tokenizer(model="llama", pre="default", tokens=tokens, token_types=types, merges=None,

@@ -41,31 +41,44 @@ def test_default_model_config(default: object) -> None:
             cfg.intermediate_size, cfg.vocab_size, cfg.tie_word_embeddings) == (576, 30, 9, 3, 1536, 49152, True)
 
 
-def test_greedy_matches_transformers(default: object, reference: torch.nn.Module) -> None:
+@pytest.fixture(scope="module")
+def transformers_tokens(default: object, reference: torch.nn.Module) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, transformers' 24 greedy tokens for each): PROMPTS and a chat question."""
     tok = default.tokenizer  # type: ignore[attr-defined]
     prompts = [tok.encode(p) for p in PROMPTS]
     chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     prompts.append(tok.encode(chat))
-    want = [hf_greedy(reference, p, 24) for p in prompts]
+    return prompts, [hf_greedy(reference, p, 24) for p in prompts]
+
+
+def test_greedy_matches_transformers(default: object, transformers_tokens: tuple[list, list]) -> None:
+    prompts, want = transformers_tokens
     runner = ModelRunner(default, block_size=16, num_blocks=64)  # type: ignore[arg-type]
     got = paged_greedy(runner, prompts, 24, chunk=9)
     assert got == want
-    assert "Paris" in tok.decode(got[-1])
+    assert "Paris" in default.tokenizer.decode(got[-1])  # type: ignore[attr-defined]
 
 
-def test_q8_0_weights_keep_the_greedy_answer(default: object) -> None:
-    """quantization "auto" keeps the linear weights in Q8_0 (Q4_1 requantized): same answers."""
+def test_auto_keeps_the_files_weights_quantized_and_transformers_answers(
+        default: object, transformers_tokens: tuple[list, list]) -> None:
+    """quantization "auto" (the default) keeps the Q4_1 weights and the Q8_0 embedding in the 8-bit
+    layout, exactly (Q4_1's minimum as the offset): the dequantized ("none") values bit for bit, and
+    transformers' greedy tokens."""
     from pagedkv.models.quant_linear import QuantEmbedding, QuantLinear
 
     quant = load_model(None)
-    assert quant.quantization == "q8_0" and isinstance(quant.model.embed_tokens, QuantEmbedding)
-    assert isinstance(quant.model.layers[0].mlp.down_proj, QuantLinear)
-    tok = default.tokenizer  # type: ignore[attr-defined]
-    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
-    prompts = [tok.encode(PROMPTS[0]), tok.encode(chat)]
-    want = paged_greedy(ModelRunner(default, block_size=16, num_blocks=64), prompts, 24)  # type: ignore[arg-type]
-    got = paged_greedy(ModelRunner(quant, block_size=16, num_blocks=64), prompts, 24)
-    assert got == want and "Paris" in tok.decode(got[-1])
+    assert quant.quantization == "auto" and isinstance(quant.model.embed_tokens, QuantEmbedding)
+    assert isinstance(quant.model.lm_head, QuantLinear)  # tied: over the embedding's tensors
+    ours, theirs = quant.model, default.model  # type: ignore[attr-defined]
+    for i in (0, 17, 29):
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            mod = ours.get_submodule(f"layers.{i}.{name}")
+            assert isinstance(mod, QuantLinear) and mod.offsets is not None, name
+            assert torch.equal(mod.weight, theirs.get_submodule(f"layers.{i}.{name}").weight), name
+    assert torch.equal(ours.embed_tokens.weight, theirs.embed_tokens.weight)
+    prompts, want = transformers_tokens
+    got = paged_greedy(ModelRunner(quant, block_size=16, num_blocks=64), prompts, 24, chunk=9)
+    assert got == want
 
 
 def test_dequantized_weights_match_transformers_gguf_reader(default: object, reference: torch.nn.Module) -> None:

@@ -1,7 +1,12 @@
-"""Weights kept in Q8_0 (``quantization="q8_0"``): QuantLinear / QuantEmbedding against plain PyTorch
-on the dequantized weights (native kernel and fallback), and tiny GGUF files and HF folders loaded
-both ways: module types, exact values where the file's type allows, logits, greedy tokens,
-resident bytes, cache folders, the "auto" choice and bad values."""
+"""Weights kept in Q8_0 (``quantization="q8_0"`` and ``"auto"``): QuantLinear / QuantEmbedding, with
+and without offsets, against plain PyTorch on the dequantized weights (native kernel and fallback),
+and tiny GGUF files and HF folders loaded each way: module types, exact values where the file's type
+allows (all of them under "auto"), logits, greedy tokens, resident bytes, cache folders, the "auto"
+choice and bad values.
+
+The gguf package quantizes only Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 in Python; the K-quant tensors
+(Q4_K, Q5_K, Q6_K) are random blocks (any bytes are a valid block) with their fp16 scales set so
+the values have the wanted spread. ``tests/test_gguf_quants.py`` checks every type's exactness."""
 
 from __future__ import annotations
 
@@ -28,46 +33,68 @@ from pagedkv.runner import ModelRunner, SeqChunk
 from pagedkv.sampling_params import SamplingParams
 
 gguf = pytest.importorskip("gguf")
-from gguf.quants import quantize  # noqa: E402
+from gguf.quants import dequantize, quantize  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB = 64, 2, 4, 2, 96, 128
 NEEDS_NATIVE = pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
 
 
-def _write_gguf(path: Path, types: dict[str, gguf.GGMLQuantizationType], tied: bool = True, seed: int = 0) -> None:
+# fp16 fields of K-quant blocks (byte offset -> value before scaling): d, and dmin balancing the mean
+_K_FIELDS = {Q.Q4_K: {0: 1.0, 2: 7.5}, Q.Q5_K: {0: 1.0, 2: 15.5}, Q.Q6_K: {208: 1.0}}
+
+
+def _random_k_quant(shape: tuple[int, int], qtype: gguf.GGMLQuantizationType, std: float,
+                    rng: np.random.Generator) -> np.ndarray:
+    """Random ``qtype`` blocks for a ``shape`` tensor, values of about ``std``: uint8 ``[rows, row bytes]``."""
+    block, width = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (shape[0] * shape[1] // block, width), dtype=np.uint8)
+
+    def put(c: float) -> None:
+        for at, v in _K_FIELDS[qtype].items():
+            raw[:, at:at + 2] = np.full(len(raw), c * v, dtype=np.float16).view(np.uint8).reshape(-1, 2)
+    put(1.0)
+    put(std / float(dequantize(raw, qtype).std()))
+    return raw.reshape(shape[0], -1)
+
+
+def _write_gguf(path: Path, types: dict[str, gguf.GGMLQuantizationType], tied: bool = True, seed: int = 0,
+                hidden: int = HIDDEN, ffn: int = FFN) -> None:
     """A tiny llama GGUF (no tokenizer); ``types`` maps a tensor-name suffix (``attn_q.weight``,
-    ``token_embd.weight``, ...) to its type, F32 for the rest."""
+    ``token_embd.weight``, ...) to its type, F32 for the rest (K-quants need inputs of 256)."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_context_length(128)
-    w.add_embedding_length(HIDDEN)
+    w.add_embedding_length(hidden)
     w.add_block_count(LAYERS)
-    w.add_feed_forward_length(FFN)
+    w.add_feed_forward_length(ffn)
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(VOCAB)
-    head_dim = HIDDEN // HEADS
-    shapes = {"token_embd.weight": (VOCAB, HIDDEN), "output_norm.weight": (HIDDEN,)}
+    head_dim = hidden // HEADS
+    shapes = {"token_embd.weight": (VOCAB, hidden), "output_norm.weight": (hidden,)}
     if not tied:
-        shapes["output.weight"] = (VOCAB, HIDDEN)
+        shapes["output.weight"] = (VOCAB, hidden)
     for i in range(LAYERS):
         shapes |= {f"blk.{i}.{k}": v for k, v in {
-            "attn_norm.weight": (HIDDEN,), "ffn_norm.weight": (HIDDEN,),
-            "attn_q.weight": (HEADS * head_dim, HIDDEN), "attn_k.weight": (KV_HEADS * head_dim, HIDDEN),
-            "attn_v.weight": (KV_HEADS * head_dim, HIDDEN), "attn_output.weight": (HIDDEN, HEADS * head_dim),
-            "ffn_gate.weight": (FFN, HIDDEN), "ffn_up.weight": (FFN, HIDDEN), "ffn_down.weight": (HIDDEN, FFN),
+            "attn_norm.weight": (hidden,), "ffn_norm.weight": (hidden,),
+            "attn_q.weight": (HEADS * head_dim, hidden), "attn_k.weight": (KV_HEADS * head_dim, hidden),
+            "attn_v.weight": (KV_HEADS * head_dim, hidden), "attn_output.weight": (hidden, HEADS * head_dim),
+            "ffn_gate.weight": (ffn, hidden), "ffn_up.weight": (ffn, hidden), "ffn_down.weight": (hidden, ffn),
         }.items()}
     for name, shape in shapes.items():
         if len(shape) == 1:
             w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
             continue
-        arr = (rng.standard_normal(shape) / (1.0 if "token_embd" in name else np.sqrt(shape[1]))).astype(np.float32)
+        std = 1.0 if "token_embd" in name else 1 / np.sqrt(shape[1])
+        arr = (rng.standard_normal(shape) * std).astype(np.float32)
         qtype = next((t for suffix, t in types.items() if name.endswith(suffix)), Q.F32)
         if qtype == Q.F32:
             w.add_tensor(name, arr)
+        elif qtype in _K_FIELDS:
+            w.add_tensor(name, _random_k_quant(shape, qtype, std, rng), raw_dtype=qtype)
         else:
             w.add_tensor(name, quantize(arr, qtype), raw_dtype=qtype)
     w.write_header_to_file()
@@ -117,6 +144,16 @@ def test_quant_linear_matches_pytorch_on_the_dequantized_weights(use_native: boo
     torch.testing.assert_close(layer(x), want, atol=1e-4, rtol=1e-5)
     assert (layer.weight - weight).abs().max() <= weight.abs().max() / 254 + 1e-6  # half a step of 127
     assert layer(x.to(torch.bfloat16)).dtype == torch.bfloat16
+    # with offsets (Q4_1-like: q in 0..15, offset about -8 scales)
+    with_offsets = QuantLinear(96, 300, bias=True, offsets=True)
+    with_offsets.native = use_native
+    with_offsets.qweight.copy_(torch.randint(0, 16, (300, 96), generator=gen))
+    with_offsets.scales.copy_(torch.rand(300, 3, generator=gen) / 16)
+    with_offsets.offsets.copy_(-8 * with_offsets.scales + 0.01 * torch.randn(300, 3, generator=gen))
+    with_offsets.bias.copy_(bias)
+    want = torch.nn.functional.linear(x, with_offsets.weight, bias)
+    torch.testing.assert_close(with_offsets(x), want, atol=1e-4, rtol=1e-5)
+    assert "offsets" in repr(with_offsets) and "offsets" not in repr(layer)
 
 
 def test_fused_rows_concatenate_and_embedding_gathers_dequantized_rows() -> None:
@@ -130,6 +167,15 @@ def test_fused_rows_concatenate_and_embedding_gathers_dequantized_rows() -> None
     torch.testing.assert_close(emb(ids), emb.weight[ids], atol=0, rtol=0)
     head = QuantLinear.sharing(emb)
     assert head.qweight.data_ptr() == emb.qweight.data_ptr() and head.out_features == 50
+    emb = QuantEmbedding(50, 64, offsets=True)  # offsets gathered with their rows
+    emb.qweight.copy_(torch.randint(0, 16, (50, 64), generator=gen))
+    emb.scales.copy_(torch.rand(50, 2, generator=gen))
+    emb.offsets.copy_(torch.randn(50, 2, generator=gen))
+    torch.testing.assert_close(emb(ids), emb.weight[ids], atol=0, rtol=0)
+    head = QuantLinear.sharing(emb)
+    assert head.offsets is not None and head.offsets.data_ptr() == emb.offsets.data_ptr()
+    x = torch.randn(3, 64, generator=gen)
+    torch.testing.assert_close(head(x), x @ emb.weight.t(), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -175,26 +221,83 @@ def test_q8_0_gguf_matches_its_dequantized_float_model(cache: Path, tmp_path: Pa
     assert len(list((cache / "gguf").glob("*/.complete"))) == 2
 
 
-def test_other_types_are_requantized_and_auto_follows_the_file(cache: Path, tmp_path: Path) -> None:
-    path = tmp_path / "q4_1.gguf"
-    _write_gguf(path, {"attn_q.weight": Q.Q4_1, "attn_k.weight": Q.Q4_1, "attn_v.weight": Q.F32,
-                       "attn_output.weight": Q.Q4_1, "ffn_gate.weight": Q.Q4_1, "ffn_up.weight": Q.Q4_1,
-                       "ffn_down.weight": Q.Q5_0, "token_embd.weight": Q.Q5_1})
-    quant = load_model(str(path))  # auto: the file's linear weights are quantized
+# Every exact type with offsets or without, and two without an exact form, in one tiny model (K-quants
+# need inputs of 256): q/k/v fuse Q4_K, Q4_1 (offsets) and Q5_0 (none: its rows get zero offsets);
+# gate/up fuse Q5_1 and Q6_K, so "auto" keeps that module in float; an untied head is Q6_K too.
+MIXED = {"attn_q.weight": Q.Q4_K, "attn_k.weight": Q.Q4_1, "attn_v.weight": Q.Q5_0, "attn_output.weight": Q.Q5_K,
+         "ffn_gate.weight": Q.Q5_1, "ffn_up.weight": Q.Q6_K, "ffn_down.weight": Q.Q4_K, "token_embd.weight": Q.Q4_1,
+         "output.weight": Q.Q6_K}
+K_HIDDEN, K_FFN = 256, 512
+MODULES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_auto_keeps_exact_types_quantized_and_the_files_values(cache: Path, tmp_path: Path, tied: bool) -> None:
+    path = tmp_path / "mixed.gguf"
+    _write_gguf(path, MIXED, tied=tied, hidden=K_HIDDEN, ffn=K_FFN)
+    auto = load_model(str(path))  # the default
     plain = load_model(str(path), quantization="none")
-    assert quant.quantization == "q8_0" and isinstance(quant.model.layers[0].mlp.down_proj, QuantLinear)
-    for name in ("self_attn.qkv_proj", "mlp.gate_up_proj", "mlp.down_proj"):
-        a, b = plain.model.get_submodule(f"layers.0.{name}").weight, quant.model.get_submodule(f"layers.0.{name}")
-        step = a.view(a.shape[0], -1, 32).abs().amax(-1, keepdim=True) / 127  # per 32 values
-        assert ((b.weight - a).view_as(step.expand(-1, -1, 32)).abs() <= step / 2 + 1e-6).all(), name
+    assert auto.quantization == "auto" and resolve_quantization("auto", path) == "auto"
+    layer, cfg = auto.model.layers[0], auto.config
+    qkv = layer.self_attn.qkv_proj
+    assert isinstance(qkv, QuantLinear) and qkv.offsets is not None
+    assert not qkv.offsets[cfg.q_size + cfg.kv_size:].any() and qkv.offsets[:cfg.q_size].any()
+    assert isinstance(layer.self_attn.o_proj, QuantLinear) and isinstance(layer.mlp.down_proj, QuantLinear)
+    assert type(layer.mlp.gate_up_proj) is torch.nn.Linear  # its up part is Q6_K: dequantized
+    assert isinstance(auto.model.embed_tokens, QuantEmbedding) and auto.model.embed_tokens.offsets is not None
+    assert isinstance(auto.model.lm_head, QuantLinear) if tied else type(auto.model.lm_head) is torch.nn.Linear
+    # the values are the file's: "none"'s, bit for bit
+    for i in range(LAYERS):
+        for name in MODULES:
+            a, b = plain.model.get_submodule(f"layers.{i}.{name}"), auto.model.get_submodule(f"layers.{i}.{name}")
+            assert torch.equal(a.weight, b.weight), name
+    assert torch.equal(plain.model.embed_tokens.weight, auto.model.embed_tokens.weight)
+    if not tied:
+        assert torch.equal(plain.model.lm_head.weight, auto.model.lm_head.weight)
+    # so the same greedy tokens and logits within float rounding, native kernel and plain-PyTorch path
+    prompt = [5, 40, 77, 120, 9, 100, 33, 64, 3]
+    want, want_logits = _greedy(ModelRunner(plain, block_size=4, num_blocks=32), prompt, 16)
+    for use_native in ([True] if native.available() else []) + [False]:
+        _set_native(auto.model, use_native)
+        got, got_logits = _greedy(ModelRunner(auto, block_size=4, num_blocks=32), prompt, 16)
+        assert got == want
+        torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_q8_0_requantizes_only_what_has_no_exact_form(cache: Path, tmp_path: Path) -> None:
+    path = tmp_path / "mixed.gguf"
+    _write_gguf(path, MIXED, tied=False, hidden=K_HIDDEN, ffn=K_FFN)
+    quant = load_model(str(path), quantization="q8_0")
+    plain = load_model(str(path), quantization="none")
+    inter = quant.config.intermediate_size
+    for i in range(LAYERS):
+        for name in MODULES:
+            mod = quant.model.get_submodule(f"layers.{i}.{name}")
+            want = plain.model.get_submodule(f"layers.{i}.{name}").weight
+            assert isinstance(mod, QuantLinear), name
+            exact = slice(0, inter) if name == "mlp.gate_up_proj" else slice(None)  # up (Q6_K) is not
+            assert torch.equal(mod.weight[exact], want[exact]), name
+    gate_up = quant.model.layers[0].mlp.gate_up_proj
+    assert gate_up.offsets is not None and not gate_up.offsets[inter:].any()  # requantized: no offsets
+    for got, want in ((gate_up.weight[inter:], plain.model.layers[0].mlp.gate_up_proj.weight[inter:]),
+                      (quant.model.lm_head.weight, plain.model.lm_head.weight)):
+        step = want.view(want.shape[0], -1, 32).abs().amax(-1, keepdim=True) / 127  # per 32 values
+        assert ((got - want).view_as(step.expand(-1, -1, 32)).abs() <= step / 2 + 1e-6).all()
+    assert quant.model.lm_head.offsets is None
     prompt = [5, 40, 77, 120, 9]
-    _, want = _greedy(ModelRunner(plain, block_size=4, num_blocks=32), prompt, 0)
-    _, got = _greedy(ModelRunner(quant, block_size=4, num_blocks=32), prompt, 0)
-    assert torch.nn.functional.cosine_similarity(got, want).item() > 0.999
-    float_file = tmp_path / "f32.gguf"
+    _, want_logits = _greedy(ModelRunner(plain, block_size=4, num_blocks=32), prompt, 0)
+    _, got_logits = _greedy(ModelRunner(quant, block_size=4, num_blocks=32), prompt, 0)
+    assert torch.nn.functional.cosine_similarity(got_logits, want_logits).item() > 0.999
+
+
+def test_auto_is_none_without_an_exact_quantized_matrix(cache: Path, tmp_path: Path) -> None:
+    float_file, q6_k_file = tmp_path / "f32.gguf", tmp_path / "q6_k.gguf"
     _write_gguf(float_file, {})
+    _write_gguf(q6_k_file, {"weight": Q.Q6_K}, hidden=K_HIDDEN, ffn=K_FFN)
     assert resolve_quantization("auto", float_file) == "none"  # a float GGUF keeps its precision
-    assert resolve_quantization("auto", path) == "q8_0"
+    assert resolve_quantization("auto", q6_k_file) == "none"  # dequantized: nothing to keep
+    loaded = load_model(str(q6_k_file))
+    assert loaded.quantization == "none" and type(loaded.model.layers[0].mlp.down_proj) is torch.nn.Linear
 
 
 def test_hf_folder_quantizes_at_load_and_the_engine_threads_the_option(cache: Path, tmp_path: Path) -> None:

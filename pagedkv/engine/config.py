@@ -43,8 +43,9 @@ class EngineConfig:
     "auto" (the model dtype), a float dtype, or 8-bit blocks with one scale per block, layer, K/V
     and KV head ("int8", "fp8" = "fp8_e4m3", "fp8_e5m2"; see docs/kv_quantization.md).
     ``quantization`` is the format of the linear weights: "none" (the model dtype), "q8_0" (int8
-    with a scale per 32 values), "auto" (default: "q8_0" for a GGUF with quantized linear weights,
-    else "none"; see ``pagedkv/weight_quant.py``).
+    with a scale, and an offset where needed, per 32 values; other GGUF types requantized), "auto"
+    (default: a GGUF's weights kept 8-bit where that is exact, the rest dequantized, so the values
+    are the file's; else "none"; see ``pagedkv/weight_quant.py``).
     """
 
     model: str | None = None

@@ -50,8 +50,9 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
               {"choices": DTYPES}),
     "kv_cache_dtype": ("KV block format: auto (the model dtype), a float dtype, or 8-bit blocks with "
                        "per-block scales: int8, fp8 (= fp8_e4m3), fp8_e5m2", {"choices": KV_CACHE_DTYPES}),
-    "quantization": ("linear weights: none (the model dtype), q8_0 (int8 + a scale per 32 values), auto: "
-                     "q8_0 for a GGUF whose linear weights are quantized, else none", {"choices": QUANTIZATIONS}),
+    "quantization": ("linear weights: none (the model dtype), q8_0 (int8 + a scale and offset per 32 values; "
+                     "GGUF types it cannot hold exactly are requantized), auto: a GGUF's weights kept 8-bit where "
+                     "exact (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K), the rest dequantized", {"choices": QUANTIZATIONS}),
     "seed": ("global random seed", {"type": int}),
     "debug_integrity": ("check KV-cache integrity after every step",
                         {"action": argparse.BooleanOptionalAction}),

@@ -1,15 +1,21 @@
 """Convert a GGUF file into a cached Hugging Face-style folder, then load that folder.
 
 Conversion (first load only) reads the metadata into a config.json, renames llama.cpp tensors to
-Hugging Face names, undoes llama.cpp's q/k row permutation (llama architecture) and writes::
+Hugging Face names, undoes llama.cpp's q/k row permutation (llama architecture) and the 1 it adds to
+every gemma3 norm weight (the model adds it back: ``models/weights.py``), and writes::
 
     <cache>/gguf/<stem>-<quantization>-<key>/  config.json  model.safetensors  tokenizer.json  tokenizer_config.json
 
-With quantization "none" every tensor is dequantized to float32 (``gguf.quants.dequantize``); with
-"q8_0" the linear weights, the LM head and the embedding are written as Q8_0 pairs (int8 values and
-float32 scales, ``models/weights.py`` names them; Q8_0 tensors kept bit for bit, Q4_0 exactly,
-other types requantized) and the rest as float32. ``key`` hashes (path, size, mtime, converter
-version, quantization), so an edited file converts again and the two choices never share a folder.
+With quantization "none" every tensor is dequantized to float32 (``gguf.quants.dequantize``). The
+matrices (linear weights, LM head, embedding) can be written in pagedkv's 8-bit layout instead: int8
+values, float32 scales and, for types with a minimum, float32 offsets per 32 values
+(``models/weights.py`` names them). The types in ``gguf_quants.EXACT_TYPES`` (Q8_0, Q4_0, Q5_0, Q4_1,
+Q5_1, Q4_K, Q5_K) go there bit for bit. "auto" writes those and dequantizes every other matrix
+(Q6_K, Q2_K, Q3_K, IQ*, floats), so its values are the file's, as "none"'s; a fused module (q/k/v,
+gate/up) is 8-bit only when all its parts are. "q8_0" writes every matrix in the 8-bit layout,
+requantizing the others (absmax / 127 per 32, lossy). The rest is float32. ``key`` hashes (path,
+size, mtime, converter version, quantization), so an edited file converts again and the choices
+never share a folder.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,16 +35,18 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from pagedkv.model_shape import shape_from_gguf
+from pagedkv.model_shape import ModelShape, shape_from_gguf
 from pagedkv.models.cache_dir import cache_root, file_key
 from pagedkv.models.config import ModelConfig, RopeConfig
 from pagedkv.models.errors import ModelLoadError, UnsupportedModelError
+from pagedkv.models.gguf_quants import EXACT_TYPES, unpack
 from pagedkv.models.gguf_tokenizer import build_gguf_tokenizer
 from pagedkv.models.quant_linear import quantize_q8_0
+from pagedkv.models.weights import map_name
 from pagedkv.weight_quant import Q8_0_GROUP, check_quantization
 
-CONVERTER_VERSION = "3"
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")  # mistral GGUFs use the llama architecture
+CONVERTER_VERSION = "4"
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")  # mistral GGUFs use the llama architecture
 _DONE = ".complete"
 
 _GGUF_TO_HF_LAYER = {
@@ -64,7 +72,17 @@ _GGUF_TO_HF_TOP = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# Gemma's sandwich norms: its ffn_norm is the norm before the MLP, not the one after the attention.
+_GGUF_TO_HF_GEMMA3_LAYER = {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+# llama.cpp's hardcoded Gemma 3 values for what its GGUFs may leave out: the sliding layers' RoPE base,
+# and the layer count of the 27B, whose attention scale is 1/sqrt(hidden / heads) instead of 1/sqrt(head_dim).
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+_GEMMA3_27B_LAYERS = 62
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
@@ -72,6 +90,8 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if gguf_name in _GGUF_TO_HF_TOP:
         return _GGUF_TO_HF_TOP[gguf_name]
     m = _BLK.match(gguf_name)
+    if m and arch == "gemma3" and m.group(2) in _GGUF_TO_HF_GEMMA3_LAYER:
+        return f"model.layers.{m.group(1)}.{_GGUF_TO_HF_GEMMA3_LAYER[m.group(2)]}"
     if m and m.group(2) in _GGUF_TO_HF_LAYER:
         suffix = _GGUF_TO_HF_LAYER[m.group(2)]
         if arch == "phi3" and m.group(2) == "ffn_up.weight":  # phi3's ffn_up holds gate and up, fused
@@ -128,7 +148,8 @@ def gguf_config(reader: Any) -> tuple[ModelConfig, dict[str, Any]]:
         partial_rotary_factor=int(rope_dim) / shape.head_dim if rope_dim and arch == "phi3" else 1.0,
     )
     config = ModelConfig.from_shape(shape, rope=rope,
-                                    rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)))
+                                    rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+                                    **(_gemma3_fields(shape, key) if arch == "gemma3" else {}))
     extra: dict[str, Any] = {}
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eos = {int(v) for k in ("eos_token_id", "eot_token_id", "eom_token_id")
@@ -138,6 +159,19 @@ def gguf_config(reader: Any) -> tuple[ModelConfig, dict[str, Any]]:
     if eos:
         extra["eos_token_id"] = sorted(eos)
     return config, extra
+
+
+def _gemma3_fields(shape: ModelShape, key: Callable[..., Any]) -> dict[str, Any]:
+    """Gemma 3's own ModelConfig fields, as llama.cpp reads them: the sliding layers' unscaled RoPE
+    (``rope.freq_base_swa``, else llama.cpp's 10000), GELU (tanh), the attention scale llama.cpp derives
+    (query_pre_attn_scalar is not stored: hidden / heads for the 27B, else head_dim) and the final
+    logit soft-cap when the file has one."""
+    softcap = key("final_logit_softcapping")
+    scalar = (shape.hidden_size // shape.num_attention_heads if shape.num_hidden_layers == _GEMMA3_27B_LAYERS
+              else shape.head_dim)
+    return dict(rope_local=RopeConfig(theta=float(key("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_THETA))),
+                hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=float(scalar),
+                final_logit_softcapping=float(softcap) if softcap else None)
 
 
 def _tensor_values(reader: Any, name: str) -> tuple[float, ...] | None:
@@ -161,28 +195,37 @@ def _float32(t: Any) -> np.ndarray:
         raise UnsupportedModelError(f"GGUF tensor {t.name}: {e}") from e
 
 
-def _q8_0(t: Any, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
-    """(int8 ``[rows, cols]``, float32 scales ``[rows, cols / 32]``) of GGUF tensor ``t``."""
-    from gguf import GGMLQuantizationType as T
-
-    if t.tensor_type in (T.Q8_0, T.Q4_0):
-        # Q8_0 block: fp16 scale, 32 int8; Q4_0 block: fp16 scale, 16 bytes whose low nibbles
-        # are values 0..15 and high nibbles values 16..31, each minus 8. Both are Q8_0 as they are.
-        width = 34 if t.tensor_type == T.Q8_0 else 18
-        blocks = np.asarray(t.data).reshape(-1, width)
-        scales = blocks[:, :2].view(np.float16).astype(np.float32).reshape(rows, cols // Q8_0_GROUP)
-        if t.tensor_type == T.Q8_0:
-            values = blocks[:, 2:].view(np.int8)
-        else:
-            nibbles = blocks[:, 2:]
-            values = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=1).astype(np.int8) - np.int8(8)
-        return np.ascontiguousarray(values).reshape(rows, cols), scales
+def _q8_0(t: Any, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(int8 ``[rows, cols]``, float32 scales ``[rows, cols / 32]``, float32 offsets ``[rows, cols / 32]``
+    or None) of GGUF tensor ``t``: its own blocks for an exact type, else requantized (no offsets)."""
+    if t.tensor_type.name in EXACT_TYPES:
+        q, scales, offsets = unpack(np.asarray(t.data), t.tensor_type.name)
+        groups = (rows, cols // Q8_0_GROUP)
+        return q.reshape(rows, cols), scales.reshape(groups), None if offsets is None else offsets.reshape(groups)
     q, d = quantize_q8_0(torch.from_numpy(np.require(_float32(t).reshape(rows, cols), requirements="W")))
-    return q.numpy(), d.numpy()
+    return q.numpy(), d.numpy(), None
+
+
+def _kept_quantized(reader: Any, config: ModelConfig, arch: str, quantization: str) -> set[str]:
+    """The GGUF names of the matrices to write in the 8-bit layout (the module docstring): every one
+    whose input is a multiple of 32 for "q8_0"; for "auto" those of the modules (a fused q/k/v or
+    gate/up counts as one) whose parts all have an exact type; none for "none"."""
+    if quantization == "none":
+        return set()
+    modules: dict[str, list[Any]] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name, arch)
+        if name is None or not _is_matrix(name) or len(t.shape) != 2 or int(t.shape[0]) % Q8_0_GROUP:
+            continue  # GGML lists dims innermost first: shape[0] is the input
+        target = map_name(config, name)
+        modules.setdefault(name if target is None else target.param, []).append(t)
+    return {t.name for parts in modules.values()
+            if quantization == "q8_0" or all(t.tensor_type.name in EXACT_TYPES for t in parts) for t in parts}
 
 
 def _iter_tensors(reader: Any, config: ModelConfig, arch: str, quantization: str = "none"
                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    kept = _kept_quantized(reader, config, arch, quantization)
     for t in tqdm(reader.tensors, desc="pagedkv: converting GGUF", unit="tensor", leave=False):
         name = hf_name(t.name, arch)
         if name is None:
@@ -194,11 +237,11 @@ def _iter_tensors(reader: Any, config: ModelConfig, arch: str, quantization: str
             heads = config.num_key_value_heads
         else:
             heads = None
-        if quantization == "q8_0" and _is_matrix(name) and len(shape) == 2 and shape[1] % Q8_0_GROUP == 0:
-            pair = _q8_0(t, *shape)
-            for suffix, arr in zip(("_q8_0", "_q8_0_scales"), pair):
-                arr = arr if heads is None else unpermute_rows(arr, heads)
-                yield name + suffix, torch.from_numpy(np.ascontiguousarray(arr))
+        if t.name in kept:
+            for suffix, arr in zip(("_q8_0", "_q8_0_scales", "_q8_0_offsets"), _q8_0(t, *shape)):
+                if arr is not None:
+                    arr = arr if heads is None else unpermute_rows(arr, heads)
+                    yield name + suffix, torch.from_numpy(np.ascontiguousarray(arr))
             continue
         arr = _float32(t).reshape(shape)
         if heads is not None:
@@ -206,29 +249,27 @@ def _iter_tensors(reader: Any, config: ModelConfig, arch: str, quantization: str
         yield name, torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
 
 
-_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
-
-
-def has_quantized_linears(path: Path) -> bool:
-    """Whether GGUF ``path`` holds any linear weight in a quantized type (not F32/F16/BF16/F64).
+def has_exact_quantized_matrices(path: Path) -> bool:
+    """Whether GGUF ``path`` holds any matrix (linear weight, LM head, embedding) in a type the 8-bit
+    layout keeps exactly (``gguf_quants.EXACT_TYPES``), i.e. whether "auto" keeps any quantized.
 
     Reading a GGUF's header takes seconds (its vocabulary), so the answer is remembered in the
     cache, keyed by the file's (path, size, mtime)."""
-    stamp = cache_root() / "gguf" / f"{path.stem}-{file_key(path, 'quantized-linears')}.json"
+    stamp = cache_root() / "gguf" / f"{path.stem}-{file_key(path, 'matrix-types')}.json"
     try:
-        return bool(json.loads(stamp.read_text())["quantized_linears"])
+        return bool(json.loads(stamp.read_text())["exact_quantized"])
     except (OSError, ValueError, KeyError):
         pass
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
     arch = _field(reader, "general.architecture")
-    types = {t.tensor_type.name for t in reader.tensors
-             if (name := hf_name(t.name, arch)) is not None and name.endswith("_proj.weight")}
-    answer = bool(types - set(_FLOAT_TYPES))
+    types = {t.tensor_type.name for t in reader.tensors if (name := hf_name(t.name, arch)) is not None
+             and _is_matrix(name)}
+    answer = bool(types & EXACT_TYPES)
     try:
         stamp.parent.mkdir(parents=True, exist_ok=True)
-        stamp.write_text(json.dumps({"path": str(path), "linear_types": sorted(types), "quantized_linears": answer}))
+        stamp.write_text(json.dumps({"path": str(path), "matrix_types": sorted(types), "exact_quantized": answer}))
     except OSError:
         pass  # a read-only cache only costs a reread next time
     return answer
@@ -236,7 +277,7 @@ def has_quantized_linears(path: Path) -> bool:
 
 def convert_gguf(path: Path, out_dir: Path, quantization: str = "none") -> None:
     """Write the HF-style folder for GGUF ``path`` into ``out_dir`` (created); ``quantization`` is
-    "none" or "q8_0" (the module docstring)."""
+    "none", "auto" or "q8_0" (the module docstring)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
@@ -249,6 +290,8 @@ def convert_gguf(path: Path, out_dir: Path, quantization: str = "none") -> None:
         config = _with_freq_factors(config, tuple(float(x) for x in factors))
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = dict(_iter_tensors(reader, config, arch, quantization))
+    if arch == "gemma3":  # llama.cpp stores gemma's (1 + w) norm weights as one weight
+        tensors.update({name: t - 1.0 for name, t in tensors.items() if name.endswith("norm.weight")})
     save_file(tensors, str(out_dir / "model.safetensors"))
     config_json = {**config.to_hf_dict(), **extra}
     (out_dir / "config.json").write_text(json.dumps(config_json, indent=2))
@@ -297,12 +340,12 @@ def _write_tokenizer(reader: Any, out_dir: Path, tokens: list[str], extra: dict[
 
 
 def converted_folder(path: Path, quantization: str = "none") -> Path:
-    """The cached HF-style folder for GGUF ``path`` with linear weights dequantized ("none") or in
-    Q8_0 ("q8_0"), converting it on first use (atomically)."""
+    """The cached HF-style folder for GGUF ``path`` with its matrices dequantized ("none"), in the
+    8-bit layout where exact, else dequantized ("auto"), or all in the 8-bit layout ("q8_0"),
+    converting it on first use (atomically). Raises ValueError for another ``quantization``."""
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {path} does not exist")
-    if check_quantization(quantization) == "auto":
-        raise ValueError("converted_folder needs a resolved quantization ('none' or 'q8_0'), not 'auto'")
+    check_quantization(quantization)
     key = file_key(path, f"{CONVERTER_VERSION}|{quantization}")
     folder = cache_root() / "gguf" / f"{path.stem}-{quantization}-{key}"
     if (folder / _DONE).exists():
@@ -324,4 +367,5 @@ def converted_folder(path: Path, quantization: str = "none") -> Path:
     return folder
 
 
-__all__ = ["converted_folder", "convert_gguf", "gguf_config", "has_quantized_linears", "hf_name", "unpermute_rows"]
+__all__ = ["converted_folder", "convert_gguf", "gguf_config", "has_exact_quantized_matrices", "hf_name",
+           "unpermute_rows"]

@@ -8,7 +8,8 @@ rebuilt here, each so that its ids equal what ``transformers`` produces for the 
   ``tokenizer.ggml.pre`` names so ids match the model's own tokenizer.json (e.g. "smollm": one digit
   per token, then GPT-2 byte-level).
 * ``tokenizer.ggml.model == "llama"``: SentencePiece BPE with byte fallback (Llama 2, Mistral,
-  Phi-3). The file lists pieces and scores but usually no merges; they are recovered from the scores.
+  Phi-3, Gemma 3). The file lists pieces and scores but usually no merges; they are recovered from the
+  scores (Gemma 3: from the order of the pieces).
 
 Any other model or pre-tokenizer name is an error: splitting text the wrong way would give ids the
 model never saw in training, without any sign that something is off.
@@ -24,6 +25,7 @@ from tokenizers.models import BPE
 
 from pagedkv.models.errors import UnsupportedModelError
 
+TOKEN_TYPE_NORMAL = 1
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 SENTENCEPIECE_SPACE = "\u2581"  # "▁": how SentencePiece spells a space inside a piece
@@ -46,7 +48,7 @@ _BYTE_LEVEL_PRE = _DIGITS_THEN_GPT2 | _LLAMA3_PRE | _QWEN2_PRE | _GPT2_PRE
 _SENTENCEPIECE_PRE = frozenset({"default", ""})
 # Architectures whose SentencePiece GGUFs transformers rebuilds differently (respelled pieces, merges in
 # file order); they are not implemented here, so they must not pass as the plain Llama kind.
-_SENTENCEPIECE_UNSUPPORTED_ARCHS = frozenset({"gemma", "gemma2", "gemma3", "gemma4"})
+_SENTENCEPIECE_UNSUPPORTED_ARCHS = frozenset({"gemma", "gemma2", "gemma4"})
 
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
@@ -166,6 +168,10 @@ def _sentencepiece(*, pre: str, architecture: str, tokens: Sequence[str], token_
     ``tokenizer.ggml.add_space_prefix`` is not consulted because transformers does not consult it
     either: honoring it would part from transformers' ids. (It is true for Llama 2, Mistral and Phi-3;
     a file that sets it false gets a "▁" here that llama.cpp would not add.)
+
+    Gemma 3 (add_space_prefix false in its files) follows transformers' ``GemmaTokenizer`` instead: no
+    "▁" in front, spaces spelled "▁" by a normalizer, pieces respelled and merges ranked by the order
+    of the pieces (:func:`_gemma_pieces`).
     """
     if architecture in _SENTENCEPIECE_UNSUPPORTED_ARCHS:
         raise UnsupportedModelError(
@@ -176,6 +182,10 @@ def _sentencepiece(*, pre: str, architecture: str, tokens: Sequence[str], token_
             f"GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported for a 'llama' "
             "SentencePiece vocabulary (supported: 'default')"
         )
+    gemma = architecture == "gemma3"
+    if gemma:
+        tokens, token_types = _gemma_pieces(tokens, token_types)
+        scores = [-float(i) for i in range(len(tokens))]  # Gemma's scores do not follow its merge order
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if merges is not None:
         pairs = [tuple(m.split(" ")) for m in merges]
@@ -186,7 +196,9 @@ def _sentencepiece(*, pre: str, architecture: str, tokens: Sequence[str], token_
             "GGUF 'llama' tokenizer has neither tokenizer.ggml.merges nor tokenizer.ggml.scores"
         )
     tok = HFTokenizer(BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True))  # type: ignore[arg-type]
-    if architecture == "phi3":
+    if gemma:
+        tok.normalizer = normalizers.Replace(" ", SENTENCEPIECE_SPACE)
+    elif architecture == "phi3":
         tok.normalizer = normalizers.Sequence([
             normalizers.Prepend(SENTENCEPIECE_SPACE), normalizers.Replace(" ", SENTENCEPIECE_SPACE),
         ])
@@ -194,11 +206,9 @@ def _sentencepiece(*, pre: str, architecture: str, tokens: Sequence[str], token_
         tok.pre_tokenizer = pre_tokenizers.Metaspace(
             replacement=SENTENCEPIECE_SPACE, prepend_scheme="first", split=False
         )
+    strip = [] if gemma else [decoders.Strip(content=" ", left=1, right=0)]  # the "▁" added in front of the text
     tok.decoder = decoders.Sequence([
-        decoders.Replace(SENTENCEPIECE_SPACE, " "),
-        decoders.ByteFallback(),
-        decoders.Fuse(),
-        decoders.Strip(content=" ", left=1, right=0),  # the "▁" added in front of the text
+        decoders.Replace(SENTENCEPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(), *strip,
     ])
     _add_marked_tokens(tok, tokens, token_types, [i for i in special_ids if i is not None])
     single, pair, used = "$A:0", "$B:1", []
@@ -213,6 +223,19 @@ def _sentencepiece(*, pre: str, architecture: str, tokens: Sequence[str], token_
     tok.post_processor = processors.TemplateProcessing(single=single, pair=f"{single} {pair}",
                                                        special_tokens=used)
     return tok
+
+
+def _gemma_pieces(tokens: Sequence[str], token_types: Sequence[int] | None) -> tuple[list[str], list[int] | None]:
+    """Gemma's pieces as transformers reads them: llama.cpp's converter writes the whitespace runs of
+    Gemma's vocabulary (added tokens there) with real spaces, which transformers spells back as one "▁"
+    per character of every piece made only of whitespace holding a space, so that merges reach them;
+    those respelled pieces are not matched whole in the text (not added tokens), so they become normal."""
+    spelled = [SENTENCEPIECE_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    if token_types is None:
+        return spelled, None
+    types = [TOKEN_TYPE_NORMAL if t == TOKEN_TYPE_USER_DEFINED and new != old else t
+             for t, new, old in zip(token_types, spelled, tokens)]
+    return spelled, types
 
 
 def _merges_from_scores(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:

@@ -11,7 +11,7 @@ import torch
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.default_model import DEFAULT_MODEL_NAME, default_model_path
 from pagedkv.models.errors import ModelLoadError
-from pagedkv.models.gguf_loader import converted_folder, has_quantized_linears
+from pagedkv.models.gguf_loader import converted_folder, has_exact_quantized_matrices
 from pagedkv.models.hf_loader import load_hf_folder
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.quant_linear import quantize_model
@@ -22,7 +22,7 @@ from pagedkv.weight_quant import check_quantization
 @dataclass(slots=True)
 class LoadedModel:
     """A ready model: ``model`` (eval mode), its frozen ``config``, ``tokenizer``, a display ``name``
-    and the resolved ``quantization`` of its weights ("none" or "q8_0")."""
+    and the resolved ``quantization`` of its weights (:func:`resolve_quantization`)."""
 
     model: LlamaForCausalLM
     config: ModelConfig
@@ -95,12 +95,12 @@ def hf_cache_snapshot(repo_id: str, revision: str = "main") -> Path | None:
 
 
 def resolve_quantization(requested: str, path: Path) -> str:
-    """"none" or "q8_0": ``requested`` unless it is "auto", which is "q8_0" for a GGUF file whose
-    linear weights are quantized and "none" otherwise (``pagedkv/weight_quant.py``). Raises
-    ValueError for an unknown value."""
+    """``requested`` unless it is "auto", which stays "auto" for a GGUF file with matrices in a type
+    the 8-bit layout holds exactly (those kept 8-bit, the others dequantized) and is "none"
+    otherwise (``pagedkv/weight_quant.py``). Raises ValueError for an unknown value."""
     if check_quantization(requested) != "auto":
         return requested
-    return "q8_0" if path.is_file() and has_quantized_linears(path) else "none"
+    return "auto" if path.is_file() and has_exact_quantized_matrices(path) else "none"
 
 
 def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float32,
@@ -108,7 +108,7 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
     """Load ``model`` (see :func:`resolve_model_path`) with weights in ``dtype``, the linear ones
     in Q8_0 where ``quantization`` (:func:`resolve_quantization`) says so.
 
-    GGUF files are converted once (dequantized to float32, or to Q8_0 pairs) into the pagedkv cache
+    GGUF files are converted once (dequantized to float32, or to Q8_0 tensors) into the pagedkv cache
     directory and loaded from there afterwards; a float folder asked for "q8_0" is quantized as
     it loads. Raises ModelLoadError (or a subclass) with a clear message, ValueError for an
     unknown ``quantization``.

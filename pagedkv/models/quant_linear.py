@@ -1,11 +1,15 @@
 """Linear layers and the token embedding over Q8_0 weights kept quantized (weight-only: activations
 stay float32).
 
-A Q8_0 weight ``W [N, K]`` is ``qweight [N, K]`` int8 and ``scales [N, K / 32]`` float32, with
-``W[n, k] = scales[n, k // 32] * qweight[n, k]``::
+A Q8_0 weight ``W [N, K]`` is ``qweight [N, K]`` int8, ``scales [N, K / 32]`` float32 and, optionally,
+``offsets [N, K / 32]`` float32, with ``W[n, k] = scales[n, k // 32] * qweight[n, k] (+ offsets[n, k // 32])``::
 
     qweight row n:  | q0 .. q31 | q32 .. q63 | ...   int8, K values
     scales row n:   |    d0     |    d1     | ...   float32, one per 32 values
+    offsets row n:  |    o0     |    o1     | ...   float32, one per 32 values (or no tensor: all 0)
+
+The offsets make GGUF's Q4_1, Q5_1, Q4_K and Q5_K exact in this layout (``models/gguf_quants.py``);
+without them it is GGUF's Q8_0 (and Q4_0, Q5_0) with the fp16 scales widened.
 
 Rows are output features, so fused layers (q/k/v, gate/up) are the shards' rows concatenated, as
 for float weights. ``QuantLinear`` runs ``torch.ops.pagedkv.q8_0_linear`` (``ops/csrc/quant_matmul.cpp``)
@@ -40,23 +44,38 @@ def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(n, k).contiguous(), scales.contiguous()
 
 
-def dequantize_q8_0(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
-                    ) -> torch.Tensor:
-    """The float weight ``[N, K]`` of a Q8_0 pair (any leading rows: a slice or a gather)."""
+def dequantize_q8_0(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None = None,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float weight ``[N, K]`` of a Q8_0 weight (any leading rows: a slice or a gather), computed
+    as ``scale * q + offset`` in float32, which is bit for bit GGUF's own dequantization of the
+    types kept exactly (``models/gguf_quants.py``)."""
     n, k = qweight.shape
     w = qweight.to(torch.float32).view(n, k // Q8_0_GROUP, Q8_0_GROUP) * scales[..., None]
+    if offsets is not None:
+        w += offsets[..., None]
     return w.view(n, k).to(dtype)
 
 
-def q8_0_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def q8_0_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                          offsets: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ W^T`` in plain PyTorch, dequantizing ``_FALLBACK_TILE`` weight rows at a time
     (a bounded temporary, never the whole float weight)."""
     n = qweight.shape[0]
     out = x.new_empty(x.shape[0], n)  # [M, N]
     for n0 in range(0, n, _FALLBACK_TILE):
         n1 = min(n, n0 + _FALLBACK_TILE)
-        out[:, n0:n1] = x @ dequantize_q8_0(qweight[n0:n1], scales[n0:n1]).t()
+        rows = dequantize_q8_0(qweight[n0:n1], scales[n0:n1], None if offsets is None else offsets[n0:n1])
+        out[:, n0:n1] = x @ rows.t()
     return out
+
+
+def _register(module: nn.Module, rows: int, cols: int, offsets: bool) -> None:
+    """The ``qweight``, ``scales`` and (None unless ``offsets``) ``offsets`` buffers of a Q8_0 module."""
+    if cols % Q8_0_GROUP:
+        raise ValueError(f"Q8_0 needs in_features to be a multiple of {Q8_0_GROUP}, got {cols}")
+    module.register_buffer("qweight", torch.zeros(rows, cols, dtype=torch.int8))
+    module.register_buffer("scales", torch.zeros(rows, cols // Q8_0_GROUP))
+    module.register_buffer("offsets", torch.zeros(rows, cols // Q8_0_GROUP) if offsets else None)
 
 
 def _native_ok() -> bool:
@@ -65,7 +84,8 @@ def _native_ok() -> bool:
 
 
 class QuantLinear(nn.Module):
-    """``y = x W^T + b`` with ``W`` in Q8_0 (buffers ``qweight``, ``scales``; see the module docstring).
+    """``y = x W^T + b`` with ``W`` in Q8_0 (buffers ``qweight``, ``scales`` and ``offsets``, None
+    unless ``offsets``; see the module docstring).
 
     ``x`` may be any float dtype and shape ``[..., in_features]``; it is computed in float32 and
     the result returned in ``x``'s dtype. ``native`` None (default) uses the native kernel where it
@@ -73,13 +93,10 @@ class QuantLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 bias_dtype: torch.dtype = torch.float32) -> None:
+                 bias_dtype: torch.dtype = torch.float32, offsets: bool = False) -> None:
         super().__init__()
-        if in_features % Q8_0_GROUP:
-            raise ValueError(f"Q8_0 needs in_features to be a multiple of {Q8_0_GROUP}, got {in_features}")
         self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
-        self.register_buffer("scales", torch.zeros(out_features, in_features // Q8_0_GROUP))
+        _register(self, out_features, in_features, offsets)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=bias_dtype), requires_grad=False) if bias else None
         self.native: bool | None = None
 
@@ -98,13 +115,13 @@ class QuantLinear(nn.Module):
     def sharing(cls, embedding: QuantEmbedding) -> QuantLinear:
         """The tied LM head: a QuantLinear over ``embedding``'s own tensors (no copy)."""
         head = cls(embedding.embedding_dim, embedding.num_embeddings)
-        head.qweight, head.scales = embedding.qweight, embedding.scales
+        head.qweight, head.scales, head.offsets = embedding.qweight, embedding.scales, embedding.offsets
         return head
 
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized float32 weight ``[out, in]``: a fresh copy, for inspection only."""
-        return dequantize_q8_0(self.qweight, self.scales)
+        return dequantize_q8_0(self.qweight, self.scales, self.offsets)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -113,29 +130,27 @@ class QuantLinear(nn.Module):
             self.native = _native_ok()
         if self.native:
             out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)  # [M, N]
-            torch.ops.pagedkv.q8_0_linear(out, x2, self.qweight, self.scales)
+            torch.ops.pagedkv.q8_0_linear(out, x2, self.qweight, self.scales, self.offsets)
         else:
-            out = q8_0_linear_reference(x2, self.qweight, self.scales)
+            out = q8_0_linear_reference(x2, self.qweight, self.scales, self.offsets)
         if self.bias is not None:
             out += self.bias
         return out.view(*lead, self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, format=q8_0")
+                f"bias={self.bias is not None}, format=q8_0{'+offsets' if self.offsets is not None else ''}")
 
 
 class QuantEmbedding(nn.Module):
-    """A token embedding ``[num_embeddings, embedding_dim]`` in Q8_0; a lookup dequantizes only the
-    gathered rows, into ``dtype`` (the model's)."""
+    """A token embedding ``[num_embeddings, embedding_dim]`` in Q8_0 (with ``offsets`` or not, as
+    ``QuantLinear``); a lookup dequantizes only the gathered rows, into ``dtype`` (the model's)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype = torch.float32,
+                 offsets: bool = False) -> None:
         super().__init__()
-        if embedding_dim % Q8_0_GROUP:
-            raise ValueError(f"Q8_0 needs embedding_dim to be a multiple of {Q8_0_GROUP}, got {embedding_dim}")
         self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
-        self.register_buffer("qweight", torch.zeros(num_embeddings, embedding_dim, dtype=torch.int8))
-        self.register_buffer("scales", torch.zeros(num_embeddings, embedding_dim // Q8_0_GROUP))
+        _register(self, num_embeddings, embedding_dim, offsets)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> QuantEmbedding:
@@ -146,15 +161,18 @@ class QuantEmbedding(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized weight in ``dtype``: a fresh copy, for inspection only."""
-        return dequantize_q8_0(self.qweight, self.scales, self.dtype)
+        return dequantize_q8_0(self.qweight, self.scales, self.offsets, self.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, embedding_dim]
         flat = input_ids.reshape(-1)
-        rows = dequantize_q8_0(self.qweight.index_select(0, flat), self.scales.index_select(0, flat), self.dtype)
+        offsets = None if self.offsets is None else self.offsets.index_select(0, flat)
+        rows = dequantize_q8_0(self.qweight.index_select(0, flat), self.scales.index_select(0, flat), offsets,
+                               self.dtype)
         return rows.view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, format=q8_0"
+        offsets = "+offsets" if self.offsets is not None else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}, format=q8_0{offsets}"
 
 
 def quantize_model(model: nn.Module) -> int:

@@ -2,16 +2,18 @@
 
 Checkpoint names are Hugging Face's (``model.layers.3.self_attn.q_proj.weight``); the GGUF loader
 renames llama.cpp tensors to them first, so this is the single place that knows the module layout.
-A weight kept in Q8_0 (``models/quant_linear.py``) is two checkpoint tensors, ``<name>.weight_q8_0``
-(int8) and ``<name>.weight_q8_0_scales`` (float32), filling the module's ``qweight`` and ``scales``
-rows exactly as ``<name>.weight`` fills ``weight``.
+A weight kept in Q8_0 (``models/quant_linear.py``) is two or three checkpoint tensors,
+``<name>.weight_q8_0`` (int8), ``<name>.weight_q8_0_scales`` (float32) and, where its values have an
+offset per 32, ``<name>.weight_q8_0_offsets`` (float32), filling the module's ``qweight``, ``scales``
+and ``offsets`` rows exactly as ``<name>.weight`` fills ``weight``. A fused module (q/k/v, gate/up)
+gets offsets when any of its parts has them; the rows of parts without stay 0.
 """
 
 from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 import torch
@@ -58,7 +60,7 @@ _TOP_MAP: dict[str, str] = {
 }
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
 # Q8_0 checkpoint suffix -> the QuantLinear / QuantEmbedding buffer it fills
-_Q8_0_SUFFIXES = {".weight_q8_0": "qweight", ".weight_q8_0_scales": "scales"}
+_Q8_0_SUFFIXES = {".weight_q8_0": "qweight", ".weight_q8_0_scales": "scales", ".weight_q8_0_offsets": "offsets"}
 # Multimodal checkpoints (Gemma3ForConditionalGeneration) keep the language model under a prefix,
 # old and new layouts; their vision tower and projector are not used.
 _LANGUAGE_MODEL = re.compile(r"^(?:language_model\.model\.|model\.language_model\.)")
@@ -115,46 +117,50 @@ def map_name(config: ModelConfig, name: str) -> Target | None:
     return None
 
 
-def quantized_modules(config: ModelConfig, names: Iterable[str]) -> frozenset[str]:
+def quantized_modules(config: ModelConfig, names: Iterable[str]) -> dict[str, bool]:
     """The modules (``layers.3.self_attn.qkv_proj``, ``embed_tokens``, ``lm_head``) whose weight the
-    checkpoint tensor ``names`` hold in Q8_0."""
-    found = set()
+    checkpoint tensor ``names`` hold in Q8_0, each with whether it has offsets (any part has)."""
+    found: dict[str, bool] = {}
     for name in names:
         if _q8_0_split(name) is not None and (target := map_name(config, name)) is not None:
-            found.add(target.param.rpartition(".")[0])
-    return frozenset(found)
+            module, _, buffer = target.param.rpartition(".")
+            found[module] = found.get(module, False) or buffer == "offsets"
+    return found
 
 
-def _put_quantized(model: LlamaForCausalLM, module: str, dtype: torch.dtype) -> None:
+def _put_quantized(model: LlamaForCausalLM, module: str, dtype: torch.dtype, offsets: bool) -> None:
     parent_name, _, child_name = module.rpartition(".")
     parent = model.get_submodule(parent_name)
     old = getattr(parent, child_name)
     if isinstance(old, nn.Embedding):
-        new: nn.Module = QuantEmbedding(old.num_embeddings, old.embedding_dim, dtype=dtype)
+        new: nn.Module = QuantEmbedding(old.num_embeddings, old.embedding_dim, dtype=dtype, offsets=offsets)
     elif isinstance(old, nn.Linear):
-        new = QuantLinear(old.in_features, old.out_features, bias=old.bias is not None, bias_dtype=dtype)
+        new = QuantLinear(old.in_features, old.out_features, bias=old.bias is not None, bias_dtype=dtype,
+                          offsets=offsets)
     else:
         raise ModelLoadError(f"checkpoint holds a Q8_0 weight for {module}, which is no linear layer or embedding")
     setattr(parent, child_name, new)
 
 
 def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]],
-                dtype: torch.dtype = torch.float32, quantized: Collection[str] = ()) -> LlamaForCausalLM:
+                dtype: torch.dtype = torch.float32, quantized: Mapping[str, bool] | None = None) -> LlamaForCausalLM:
     """Build the model without random init and fill every parameter from ``tensors``.
 
-    ``quantized`` names the modules built as Q8_0 (:func:`quantized_modules` of the checkpoint's
-    names); a tied model whose embedding is Q8_0 gets a Q8_0 head over the same tensors. Raises
+    ``quantized`` maps the modules built as Q8_0 to whether they have offsets (:func:`quantized_modules`
+    of the checkpoint's names); offsets no tensor fills stay 0. A tied model whose embedding is Q8_0
+    gets a Q8_0 head over the same tensors. Raises
     MissingTensorError naming the first missing checkpoint tensors, ModelLoadError on a shape
     mismatch. Unknown checkpoint names are reported with a warning and skipped.
     """
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to_empty(device="cpu").to(dtype)
-    for module in sorted(quantized):
-        _put_quantized(model, module, dtype)
+    for module, offsets in sorted((quantized or {}).items()):
+        _put_quantized(model, module, dtype, offsets)
     params = dict(model.named_parameters())
     params.update((f"{name}.{b}", getattr(m, b)) for name, m in model.named_modules()
-                  if isinstance(m, (QuantLinear, QuantEmbedding)) for b in ("qweight", "scales"))
+                  if isinstance(m, (QuantLinear, QuantEmbedding)) for b in ("qweight", "scales", "offsets")
+                  if getattr(m, b) is not None)
     filled: dict[str, int] = {name: 0 for name in params}  # rows written per parameter
     unknown: list[str] = []
     for name, tensor in tensors:
@@ -176,7 +182,8 @@ def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]
             tensor = tensor.float() + 1.0  # gemma scales by (1 + w): stored as one weight
         dest.copy_(tensor)
         filled[target.param] += dest.shape[0] if dest.dim() else 1
-    missing = [p for p, rows in filled.items() if rows < (params[p].shape[0] if params[p].dim() else 1)]
+    missing = [p for p, rows in filled.items()
+               if rows < (params[p].shape[0] if params[p].dim() else 1) and not p.endswith(".offsets")]
     if missing:
         raise MissingTensorError(
             f"checkpoint lacks tensors for {len(missing)} parameters, e.g. {', '.join(missing[:4])} "

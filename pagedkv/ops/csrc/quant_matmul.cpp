@@ -1,11 +1,21 @@
-// Linear layers over GGUF Q8_0 weights kept quantized: out [M, N] = x [M, K] @ W^T, where
-// W [N, K] is stored as int8 values q [N, K] and one float32 scale d per run of 32 values along K
-// (W[n, k] = d[n, k / 32] * q[n, k], exactly GGUF's Q8_0 with its fp16 scales widened).
+// Linear layers over 8-bit weights kept quantized: out [M, N] = x [M, K] @ W^T, where W [N, K] is
+// stored as int8 values q [N, K], one float32 scale d per run of 32 values along K and, optionally,
+// one float32 offset o per run:
+//
+//     W[n, k] = d[n, k / 32] * q[n, k] (+ o[n, k / 32])
+//
+// Without offsets this is GGUF's Q8_0 (and Q4_0, Q5_0) with the fp16 scales widened; with them,
+// Q4_1, Q5_1 (o = m) and the K-quants Q4_K, Q5_K (d = d * sc, o = -dmin * m per 32 values).
+// The offset needs no work per weight: per block of 32,
+//
+//     sum_k W[n, k] x[m, k] = d[n, b] * dot(q[n, b], x[m, b]) + o[n, b] * sum(x[m, b])
+//
+// so the block sums of x are taken once per call and the offsets add one multiply-add per block.
 //
 // Few rows (M <= 32, decode): the weights are streamed once per group of up to 4 rows and
 // dequantized in registers: 32 int8 values become four vectors of 8 floats, multiplied with the
-// rows' activations and scaled once per block. The weights take 1.125 bytes per value against 4
-// for float32, and at batch 1 a linear layer is bound by reading them.
+// rows' activations and scaled once per block. The weights take 1.125 bytes per value (1.25 with
+// offsets) against 4 for float32, and at batch 1 a linear layer is bound by reading them.
 // Many rows (prefill, large batches): tiles of 256 weight rows are dequantized into a float32
 // buffer and multiplied by the BLAS matmul, which is compute-bound there.
 
@@ -13,7 +23,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <optional>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -27,6 +40,27 @@ constexpr int64_t QK = 32;        // values per scale (GGUF Q8_0 block)
 // (SmolLM2's layer shapes), streaming is 10-20% faster at 24 and 32 rows, 10% slower at 64.
 constexpr int64_t GEMV_ROWS = 32;
 constexpr int64_t TILE_N = 256;   // weight rows dequantized per BLAS tile
+
+// One call's operands (the streaming path); o and xs are null without offsets.
+struct Gemv {
+  const float* x;    // [M, K]
+  const int8_t* q;   // [N, K]
+  const float* d;    // [N, K / 32]
+  const float* o;    // [N, K / 32] or null
+  const float* xs;   // [M, K / 32] block sums of x, or null
+  float* out;        // [M, N]
+  int64_t M, K, N;
+};
+
+// xs [M, K / 32] = the sums of x's runs of 32
+void block_sums(const float* x, float* xs, int64_t M, int64_t K) {
+  for (int64_t j = 0; j < M * (K / QK); ++j) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < QK; ++i) s += x[j * QK + i];
+    xs[j] = s;
+  }
+}
 
 #ifdef PAGEDKV_Q8_AVX2
 inline __m256 load8_i8(const int8_t* p) {
@@ -42,12 +76,11 @@ inline float hsum(__m256 v) {
 
 // out[m, n] for rows m0 .. m0 + MR - 1 and weight rows n0 .. n1 - 1
 template <int MR>
-void gemv_rows(const float* x, const int8_t* q, const float* d, float* out, int64_t K, int64_t N, int64_t m0,
-               int64_t n0, int64_t n1) {
-  const int64_t nb = K / QK;
+void gemv_rows(const Gemv& g, int64_t m0, int64_t n0, int64_t n1) {
+  const int64_t K = g.K, nb = K / QK;
   for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* qn = q + n * K;
-    const float* dn = d + n * nb;
+    const int8_t* qn = g.q + n * K;
+    const float* dn = g.d + n * nb;
     __m256 acc[MR];
     for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
@@ -55,7 +88,7 @@ void gemv_rows(const float* x, const int8_t* q, const float* d, float* out, int6
       const __m256 w0 = load8_i8(qb), w1 = load8_i8(qb + 8), w2 = load8_i8(qb + 16), w3 = load8_i8(qb + 24);
       const __m256 db = _mm256_broadcast_ss(dn + b);
       for (int r = 0; r < MR; ++r) {
-        const float* xb = x + (m0 + r) * K + b * QK;
+        const float* xb = g.x + (m0 + r) * K + b * QK;
         __m256 s = _mm256_mul_ps(w0, _mm256_loadu_ps(xb));
         s = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), s);
         s = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), s);
@@ -63,60 +96,73 @@ void gemv_rows(const float* x, const int8_t* q, const float* d, float* out, int6
         acc[r] = _mm256_fmadd_ps(s, db, acc[r]);
       }
     }
-    for (int r = 0; r < MR; ++r) out[(m0 + r) * N + n] = hsum(acc[r]);
+    if (g.o != nullptr) {  // + sum_b o[n, b] * xs[m, b], 8 blocks at a time into the same lanes
+      const float* on = g.o + n * nb;
+      const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      for (int64_t b = 0; b < nb; b += 8) {
+        const int left = static_cast<int>(std::min<int64_t>(8, nb - b));
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(left), lane);  // lanes < left
+        const __m256 ov = _mm256_maskload_ps(on + b, mask);
+        for (int r = 0; r < MR; ++r)
+          acc[r] = _mm256_fmadd_ps(ov, _mm256_maskload_ps(g.xs + (m0 + r) * nb + b, mask), acc[r]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) g.out[(m0 + r) * g.N + n] = hsum(acc[r]);
   }
 }
 #endif
 
-void gemv_portable(const float* x, const int8_t* q, const float* d, float* out, int64_t K, int64_t N, int64_t m0,
-                   int64_t m1, int64_t n0, int64_t n1) {
-  const int64_t nb = K / QK;
+void gemv_portable(const Gemv& g, int64_t n0, int64_t n1) {
+  const int64_t K = g.K, nb = K / QK;
   for (int64_t n = n0; n < n1; ++n) {
-    for (int64_t m = m0; m < m1; ++m) {
+    for (int64_t m = 0; m < g.M; ++m) {
       float total = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
         float s = 0.f;
-        for (int64_t i = 0; i < QK; ++i) s += static_cast<float>(q[n * K + b * QK + i]) * x[m * K + b * QK + i];
-        total += s * d[n * nb + b];
+        for (int64_t i = 0; i < QK; ++i) s += static_cast<float>(g.q[n * K + b * QK + i]) * g.x[m * K + b * QK + i];
+        total += s * g.d[n * nb + b];
+        if (g.o != nullptr) total += g.o[n * nb + b] * g.xs[m * nb + b];
       }
-      out[m * N + n] = total;
+      g.out[m * g.N + n] = total;
     }
   }
 }
 
-void gemv(const float* x, const int8_t* q, const float* d, float* out, int64_t M, int64_t K, int64_t N) {
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+void gemv(const Gemv& g) {
+  at::parallel_for(0, g.N, 16, [&](int64_t n0, int64_t n1) {
 #ifdef PAGEDKV_Q8_AVX2
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      switch (std::min<int64_t>(4, M - m0)) {
-        case 1: gemv_rows<1>(x, q, d, out, K, N, m0, n0, n1); break;
-        case 2: gemv_rows<2>(x, q, d, out, K, N, m0, n0, n1); break;
-        case 3: gemv_rows<3>(x, q, d, out, K, N, m0, n0, n1); break;
-        default: gemv_rows<4>(x, q, d, out, K, N, m0, n0, n1); break;
+    for (int64_t m0 = 0; m0 < g.M; m0 += 4) {
+      switch (std::min<int64_t>(4, g.M - m0)) {
+        case 1: gemv_rows<1>(g, m0, n0, n1); break;
+        case 2: gemv_rows<2>(g, m0, n0, n1); break;
+        case 3: gemv_rows<3>(g, m0, n0, n1); break;
+        default: gemv_rows<4>(g, m0, n0, n1); break;
       }
     }
 #else
-    gemv_portable(x, q, d, out, K, N, 0, M, n0, n1);
+    gemv_portable(g, n0, n1);
 #endif
   });
 }
 
-void dequantize_rows(const int8_t* q, const float* d, float* buf, int64_t K, int64_t n0, int64_t n1) {
+// buf [n1 - n0, K] = the float weight rows n0 .. n1 - 1 (o null: no offsets)
+void dequantize_rows(const int8_t* q, const float* d, const float* o, float* buf, int64_t K, int64_t n0, int64_t n1) {
   const int64_t nb = K / QK;
   at::parallel_for(n0, n1, 8, [&](int64_t a, int64_t e) {
     for (int64_t n = a; n < e; ++n) {
       float* row = buf + (n - n0) * K;
       for (int64_t b = 0; b < nb; ++b) {
-        const float scale = d[n * nb + b];
+        const float scale = d[n * nb + b], offset = o != nullptr ? o[n * nb + b] : 0.f;
         const int8_t* qb = q + n * K + b * QK;
 #pragma omp simd
-        for (int64_t i = 0; i < QK; ++i) row[b * QK + i] = scale * static_cast<float>(qb[i]);
+        for (int64_t i = 0; i < QK; ++i) row[b * QK + i] = scale * static_cast<float>(qb[i]) + offset;
       }
     }
   });
 }
 
-void q8_0_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
+void q8_0_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                 const std::optional<at::Tensor>& offsets) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: [M, K] float32, contiguous");
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar && qweight.is_contiguous(),
               "qweight: [N, K] int8, contiguous");
@@ -124,20 +170,26 @@ void q8_0_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& q
   TORCH_CHECK(qweight.size(1) == K && K % QK == 0, "qweight: [N, K] with K = x.size(1), a multiple of 32");
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / QK &&
               scales.scalar_type() == at::kFloat && scales.is_contiguous(), "scales: [N, K / 32] float32");
+  TORCH_CHECK(!offsets.has_value() ||
+              (offsets->dim() == 2 && offsets->size(0) == N && offsets->size(1) == K / QK &&
+               offsets->scalar_type() == at::kFloat && offsets->is_contiguous()),
+              "offsets: [N, K / 32] float32, contiguous");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && out.scalar_type() == at::kFloat &&
               out.is_contiguous(), "out: [M, N] float32, contiguous");
   const float* xp = x.data_ptr<float>();
   const int8_t* qp = qweight.data_ptr<int8_t>();
   const float* dp = scales.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const float* op = offsets.has_value() ? offsets->data_ptr<float>() : nullptr;
   if (M <= GEMV_ROWS) {
-    gemv(xp, qp, dp, op, M, K, N);
+    std::vector<float> xs(op != nullptr ? M * (K / QK) : 0);  // block sums of x, for the offsets
+    if (op != nullptr) block_sums(xp, xs.data(), M, K);
+    gemv({xp, qp, dp, op, op != nullptr ? xs.data() : nullptr, out.data_ptr<float>(), M, K, N});
     return;
   }
   at::Tensor buf = at::empty({std::min(TILE_N, N), K}, x.options());
   for (int64_t n0 = 0; n0 < N; n0 += TILE_N) {
     const int64_t n1 = std::min(N, n0 + TILE_N);
-    dequantize_rows(qp, dp, buf.data_ptr<float>(), K, n0, n1);
+    dequantize_rows(qp, dp, op, buf.data_ptr<float>(), K, n0, n1);
     out.narrow(1, n0, n1 - n0).copy_(at::mm(x, buf.narrow(0, 0, n1 - n0).t()));
   }
 }
@@ -145,7 +197,7 @@ void q8_0_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& q
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedkv, m) {
-  m.def("q8_0_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales) -> ()");
+  m.def("q8_0_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor? offsets=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
