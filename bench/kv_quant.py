@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.engine import LLMEngine
+from pagedkv.model_shape import kv_groups
 from pagedkv.models.loader import load_model
 from pagedkv.ops.kv_format import kv_format
 from pagedkv.ops.paged_attention import NativeMetadata, native_paged_attention
@@ -49,12 +50,13 @@ TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "declaration_
 def teacher_forced(loaded, tokens: list[int], kind: str, chunk: int, block_size: int) -> torch.Tensor:
     """Log-probabilities ``[len(tokens) - 1, vocab]`` of every next token, the text fed in chunks."""
     blocks = -(-len(tokens) // block_size)
-    runner = ModelRunner(loaded, block_size=block_size, num_blocks=blocks + 1, kv_cache_dtype=kind)
-    table = list(range(blocks))
+    groups = len(kv_groups(loaded.config))  # a hybrid model's KV groups each have a table
+    runner = ModelRunner(loaded, block_size=block_size, num_blocks=groups * blocks + 1, kv_cache_dtype=kind)
+    tables = [list(range(g * blocks, (g + 1) * blocks)) for g in range(groups)]
     out = []
     for start in range(0, len(tokens) - 1, chunk):
         piece = tokens[start:min(start + chunk, len(tokens) - 1)]
-        logits = runner.execute([SeqChunk(piece, start, table, all_logits=True)])
+        logits = runner.execute([SeqChunk(piece, start, tables[0], all_logits=True, group_tables=tuple(tables[1:]))])
         out.append(torch.log_softmax(logits.double(), dim=-1))
     return torch.cat(out)
 
