@@ -27,7 +27,8 @@ class LLM:
     ``kv_cache_memory`` / ``num_kv_blocks``, ``kv_offloading_size`` (``swap_space``), ``kv_offload_dir``,
     ``kv_offload_disk_size``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``max_model_len``, ``preemption_mode``, ``eviction_policy``,
-    ``dtype``, ``quantization``, ``seed``, ``fault_injection``, ``debug_integrity``, ``threads``); see
+    ``dtype``, ``quantization``, ``seed``, ``fault_injection``, ``debug_integrity``, ``threads``,
+    ``generation_config``); see
     ``pagedkv.engine.EngineConfig``.
     """
 
@@ -51,6 +52,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams ``generate`` and ``chat`` use when given none: the model's
+        generation_config.json defaults (``generation_config`` option, as vLLM's), else SamplingParams()."""
+        return SamplingParams(**self.engine.generation_defaults)
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = False, cache_salt: str | None = None,
@@ -60,7 +66,7 @@ class LLM:
         A prompt the engine rejects raises before any request runs (all are validated first).
         """
         prompts = _as_prompt_list(prompts)
-        params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        params = _per_prompt(sampling_params or self.get_default_sampling_params(), len(prompts), "sampling_params")
         prios = list(priority) if priority is not None else [0] * len(prompts)
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         self.engine.add_requests(list(zip(ids, prompts, params)), cache_salt=cache_salt,
@@ -69,13 +75,15 @@ class LLM:
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             use_tqdm: bool = False, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = False, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or to
-        a list of conversations, using the model's chat template."""
+        a list of conversations, using the model's chat template (``Tokenizer.encode_chat``, the
+        server's path too)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
-        prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
-                              add_special_tokens=False) for c in conversations]
+        prompts = [tok.encode_chat(c, add_generation_prompt, continue_final_message=continue_final_message,
+                                   chat_template_kwargs=chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], beam_width: int, max_tokens: int, *,

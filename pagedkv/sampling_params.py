@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,6 +16,11 @@ class SamplingParams:
     (copy-on-write forks). ``logprobs=k`` returns the chosen token's log-probability and the top
     ``k`` alternatives at every step; ``prompt_logprobs=k`` does the same for every prompt token
     after the first (such a request computes its whole prompt: it takes no prefix-cache hits).
+    ``repetition_penalty`` (> 0; HF's and vLLM's rule) divides the positive logits of every token
+    in the prompt or the output by it and multiplies the negative ones; ``presence_penalty`` and
+    ``frequency_penalty`` (in [-2, 2], OpenAI's rule over the output only) subtract
+    ``presence * (count > 0) + frequency * count``; ``logit_bias`` ({token id: bias in [-100, 100]})
+    is added first. They change greedy choices too; logprobs stay the model's (vLLM's default).
     Invalid values (NaN and infinities included) raise ``ValueError`` naming the field.
     """
 
@@ -32,6 +38,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # in the output text (the token ids keep them)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = field(default=None, hash=False)  # a dict: not hashed
 
     def __post_init__(self) -> None:
         # Accept lists and single strings for convenience, store tuples (hashable, immutable).
@@ -64,6 +75,35 @@ class SamplingParams:
                 raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, low=0)
+        _check_number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _check_number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        _check_number("repetition_penalty", self.repetition_penalty, low=0.0)
+        if self.repetition_penalty == 0.0:
+            raise ValueError("repetition_penalty must be > 0, got 0")
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
+
+    @property
+    def uses_penalties(self) -> bool:
+        """True when the sampler must process this request's logits (a penalty or a bias is set)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0 or bool(self.logit_bias))
+
+
+def _checked_logit_bias(bias: object) -> dict[int, float]:
+    """A copy of ``bias`` with int token ids >= 0 (decimal strings, as OpenAI sends them, are
+    read as ints) and finite biases in [-100, 100]; ValueError naming ``logit_bias`` otherwise."""
+    if not isinstance(bias, Mapping):
+        raise ValueError(f"logit_bias must be a mapping of token ids to biases, got {bias!r}")
+    out: dict[int, float] = {}
+    for token, value in bias.items():
+        if isinstance(token, str) and token.isascii() and token.isdigit():
+            token = int(token)
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+        _check_number("logit_bias", value, low=-100.0, high=100.0)
+        out[token] = float(value)
+    return out
 
 
 def _check_int(name: str, value: object, *, low: int | None, high: int | None = None) -> None:

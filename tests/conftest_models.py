@@ -110,6 +110,24 @@ class TinyAllocator:
         return out
 
 
+def check_greedy_both_ways(loaded: Any, prompts: list[list[int]], want: list[list[int]], *, native: bool,
+                           num_blocks: int, chunk: int) -> None:
+    """``loaded``'s greedy tokens equal ``want`` with whole prompts batched (block size 4) and with
+    prompts cut into ``chunk``-token prefill chunks mixed with the others' decodes (block size 3),
+    on the native kernel or the plain PyTorch path (skipped where the kernel cannot be built)."""
+    import pytest
+
+    from pagedkv.ops import native as native_ops
+
+    if native and not native_ops.available():
+        pytest.skip("native kernels unavailable")
+    n = len(want[0])
+    runner = ModelRunner(loaded, block_size=4, num_blocks=num_blocks, native_attention=native)
+    assert paged_greedy(runner, prompts, n) == want
+    runner = ModelRunner(loaded, block_size=3, num_blocks=num_blocks, native_attention=native)
+    assert paged_greedy(runner, prompts, n, chunk=chunk) == want
+
+
 def paged_greedy(runner: ModelRunner, prompts: list[list[int]], n: int, *, chunk: int | None = None,
                  alloc: TinyAllocator | None = None, shared_prefix: tuple[list[int], int] | None = None
                  ) -> list[list[int]]:

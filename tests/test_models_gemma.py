@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest_models import (
     TinyAllocator,
+    check_greedy_both_ways,
     hf_greedy,
     hf_logits,
     load_hf_reference,
@@ -99,16 +100,10 @@ def test_prefill_logits_match_transformers(name: str, tmp_path_factory: pytest.T
 @pytest.mark.parametrize("name", list(CASES))
 def test_greedy_matches_transformers_in_chunks(name: str, tmp_path_factory: pytest.TempPathFactory,
                                                built: dict[str, Any], native: bool) -> None:
-    from pagedkv.ops import native as native_ops
-    if native and not native_ops.available():
-        pytest.skip("native kernels unavailable")
     _, ref, loaded = _case(name, tmp_path_factory, built)
     prompts = [_prompt(n, 10 + n) for n in (13, 21, 5)]
-    want = [hf_greedy(ref, p, 24) for p in prompts]
-    runner = ModelRunner(loaded, block_size=4, num_blocks=512, native_attention=native)
-    assert paged_greedy(runner, prompts, 24) == want
-    runner = ModelRunner(loaded, block_size=3, num_blocks=512, native_attention=native)
-    assert paged_greedy(runner, prompts, 24, chunk=4) == want
+    check_greedy_both_ways(loaded, prompts, [hf_greedy(ref, p, 24) for p in prompts], native=native,
+                           num_blocks=512, chunk=4)
 
 
 def test_runner_refuses_chunks_without_group_tables(tmp_path_factory: pytest.TempPathFactory,

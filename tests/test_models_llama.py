@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest_models import (
     TinyAllocator,
+    check_greedy_both_ways,
     hf_greedy,
     hf_logits,
     load_hf_reference,
@@ -91,20 +92,13 @@ def test_prefill_logits_match_transformers(name: str, tmp_path_factory: pytest.T
 @pytest.mark.parametrize("name", list(CASES))
 def test_greedy_32_tokens_match_transformers(name: str, tmp_path_factory: pytest.TempPathFactory,
                                              built: dict[str, Any], native: bool) -> None:
-    """Both attention paths: the native kernel (where it builds) and plain PyTorch."""
-    from pagedkv.ops import native as native_ops
-    if native and not native_ops.available():
-        pytest.skip("native kernels unavailable")
+    """Both attention paths: the native kernel (where it builds) and plain PyTorch; whole prompts
+    batched (ragged decode) and prompts in 6-token prefill chunks mixed with the others' decodes."""
     ref, loaded = _case(name, tmp_path_factory, built)
     vocab = loaded.config.vocab_size
     prompts = [_prompt(n, vocab, 10 + n) for n in (13, 21, 5)]
-    want = [hf_greedy(ref, p, 32) for p in prompts]
-    runner = ModelRunner(loaded, block_size=4, num_blocks=128, native_attention=native)
-    # whole prompts at once, all three sequences batched (ragged decode)
-    assert paged_greedy(runner, prompts, 32) == want
-    # prompts split into prefill chunks of 6 tokens, mixed with the other sequences' decodes
-    runner = ModelRunner(loaded, block_size=3, num_blocks=128, native_attention=native)
-    assert paged_greedy(runner, prompts, 32, chunk=6) == want
+    check_greedy_both_ways(loaded, prompts, [hf_greedy(ref, p, 32) for p in prompts], native=native,
+                           num_blocks=128, chunk=6)
 
 
 @pytest.mark.parametrize("name", ["llama_gqa", "qwen2_bias", "head_dim_not_hidden_over_heads"])

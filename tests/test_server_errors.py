@@ -71,7 +71,8 @@ BAD_COMPLETIONS = [
     pytest.param(json.dumps({**GOOD, "prompt": []}).encode(), "prompt", id="empty-prompt-list"),
     pytest.param(json.dumps({**GOOD, "stop": 3}).encode(), "stop", id="int-stop"),
     pytest.param(json.dumps({**GOOD, "logprobs": 50}).encode(), "logprobs", id="too-many-logprobs"),
-    pytest.param(json.dumps({**GOOD, "presence_penalty": 0.5}).encode(), "presence_penalty", id="unsupported"),
+    pytest.param(json.dumps({**GOOD, "presence_penalty": 5}).encode(), "presence_penalty", id="penalty-range"),
+    pytest.param(json.dumps({**GOOD, "tools": [{"type": "function"}]}).encode(), "tools", id="unsupported"),
 ]
 
 

@@ -103,3 +103,36 @@ def test_the_default_models_tokenizer_has_a_sound_bound() -> None:
     assert bound is not None and bound < 1000
     for text in ["hello world", " " * 5000, "=" * 3000, "\n" * 999, "de\u0301ja\u0300 " * 300, "😀" * 100]:
         assert len(text) <= len(tok.encode(text, add_special_tokens=False)) * bound
+
+
+def test_incremental_detokenization_equals_decoding_everything_at_once() -> None:
+    """The output text grown a token at a time (OutputProcessor.decode) is, at every step, a
+    prefix of the final text, never ends in half a character, and ends as a decode of all the
+    tokens at once: byte-level BPE (the default model) and SentencePiece with byte fallback,
+    random token streams including multi-byte characters split across tokens and special tokens."""
+    import random
+
+    from pagedkv.engine.output_processor import OutputProcessor
+    from pagedkv.engine.sequence import Sequence
+    from pagedkv.models import load_model
+
+    tok = load_model(None).tokenizer
+    rng = random.Random(3)
+    vocab = tok.vocab_size
+    texts = ["naïve café — ünïcödé ✓ 日本語 🤖", "def f(x):\n\treturn x**2", "  spaces   and\n\nlines"]
+    streams = [tok.encode(t, add_special_tokens=False) for t in texts]
+    streams += [[rng.randrange(vocab) for _ in range(60)] for _ in range(20)]
+    for skip in (True, False):
+        for ids in streams:
+            proc = OutputProcessor(tok, 4096)
+            seq = Sequence("s", 0, 1, [1])
+            seen = []
+            for i, t in enumerate(ids):
+                seq.token_ids.append(t)
+                if i == len(ids) - 1:
+                    seq.finish_reason = "length"
+                seen.append(proc.decode(seq, skip))
+            final = tok.decode(ids, skip_special_tokens=skip)
+            assert seen[-1] == final, (ids, seen[-1], final)
+            for text in seen[:-1]:
+                assert final.startswith(text) and not text.endswith("\ufffd"), (ids, text)

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
+from typing import Any
 
 from pagedkv.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from pagedkv.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 def build_runner(config: EngineConfig):
     """Load the model and size its KV pools: returns (runner, tokenizer, model name,
-    max_position_embeddings, model identity). The identity (``models/identity.py``) is computed only
-    for the disk tier's fingerprint, else None."""
+    max_position_embeddings, model identity, sampling defaults). The identity
+    (``models/identity.py``) is computed only for the disk tier's fingerprint, else None; the
+    defaults are :func:`generation_defaults`'."""
     import torch
 
     from pagedkv.models import load_model
@@ -42,4 +46,35 @@ def build_runner(config: EngineConfig):
     if config.kv_offload_dir is not None:
         from pagedkv.models.identity import model_identity
         identity = model_identity(loaded.path)
-    return runner, loaded.tokenizer, loaded.name, loaded.config.max_position_embeddings, identity
+    defaults = generation_defaults(config.generation_config, loaded.generation_defaults)
+    return runner, loaded.tokenizer, loaded.name, loaded.config.max_position_embeddings, identity, defaults
+
+
+def generation_defaults(setting: str, model_defaults: dict[str, Any]) -> dict[str, Any]:
+    """The sampling defaults ``EngineConfig.generation_config`` names: "auto" the model's
+    (``LoadedModel.generation_defaults``), "vllm" none, else those of the folder ``setting``'s
+    generation_config.json (ValueError if it has none). A value SamplingParams refuses is
+    dropped with a warning, so a bad file cannot fail every request."""
+    from pagedkv.models.hf_loader import read_generation_defaults
+
+    if setting == "vllm":
+        return {}
+    if setting == "auto":
+        found = model_defaults
+    else:
+        folder = Path(setting).expanduser()
+        if not (folder / "generation_config.json").is_file():
+            raise ValueError(f"generation_config {setting!r} is not a folder holding a generation_config.json "
+                             f"(give 'auto', 'vllm' or such a folder)")
+        found = read_generation_defaults(folder)
+    defaults: dict[str, Any] = {}
+    for name, value in found.items():
+        try:
+            SamplingParams(**{name: value})
+        except (ValueError, TypeError) as exc:
+            logger.warning("generation_config: ignoring the default %s=%r: %s", name, value, exc)
+        else:
+            defaults[name] = value
+    if defaults:
+        logger.info("sampling defaults from generation_config: %s", defaults)
+    return defaults

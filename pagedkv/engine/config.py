@@ -46,6 +46,10 @@ class EngineConfig:
     with a scale, and an offset where needed, per 32 values; other GGUF types requantized), "auto"
     (default: a GGUF's weights kept 8-bit where that is exact, the rest dequantized, so the values
     are the file's; else "none"; see ``pagedkv/weight_quant.py``).
+    ``generation_config`` (vLLM's ``--generation-config``) gives the sampling defaults for fields a
+    request leaves out: "auto" (default) the model folder's generation_config.json (temperature,
+    top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens; a GGUF file has none),
+    "vllm" the neutral defaults of SamplingParams, or a folder holding a generation_config.json.
     """
 
     model: str | None = None
@@ -71,6 +75,7 @@ class EngineConfig:
     debug_integrity: bool = False
     fault_injection: str | None = None
     threads: int | None = None
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -122,6 +127,9 @@ class EngineConfig:
         _one_of("quantization", self.quantization, QUANTIZATIONS)
         if self.fault_injection:
             FaultSpec.parse(self.fault_injection)
+        if not isinstance(self.generation_config, str) or not self.generation_config.strip():
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder holding a "
+                             f"generation_config.json, got {self.generation_config!r}")
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: object) -> EngineConfig:

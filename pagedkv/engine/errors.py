@@ -4,7 +4,12 @@ from pagedkv.errors import PagedKVError
 
 
 class RequestRejectedError(PagedKVError, ValueError):
-    """The request can never be served as given; nothing else was disturbed."""
+    """The request can never be served as given; nothing else was disturbed. ``param`` names the
+    request field at fault when it is not the prompt (e.g. "logit_bias")."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class RequestTooLongError(RequestRejectedError):

@@ -59,6 +59,9 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "fault_injection": ("inject faults, e.g. seed=7,rate=0.05 (also env PAGEDKV_FAULT_INJECTION)",
                         {"type": str}),
     "threads": ("torch CPU threads (default: torch's choice)", {"type": int}),
+    "generation_config": ("sampling defaults for fields a request leaves out: auto (the model folder's "
+                          "generation_config.json), vllm (neutral defaults), or a folder holding a "
+                          "generation_config.json", {"type": str}),
 }
 
 

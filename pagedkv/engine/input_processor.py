@@ -78,6 +78,16 @@ class InputProcessor:
                 f"{L - 1} prompt tokens so that at least one token can be generated")
         return TokenizedPrompt(text, ids)
 
+    def check_logit_bias(self, params: SamplingParams) -> None:
+        """RequestRejectedError (``param`` "logit_bias") if ``params.logit_bias`` names a token id
+        outside the vocabulary (when the vocabulary size is known)."""
+        vocab = self.vocab_size
+        if vocab and params.logit_bias:
+            bad = sorted(t for t in params.logit_bias if t >= vocab)
+            if bad:
+                raise RequestRejectedError(f"logit_bias names token id {bad[0]}, which is not in the vocabulary "
+                                           f"(0..{vocab - 1})", param="logit_bias")
+
     def max_new_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """New tokens a request may generate: ``max_tokens``, or the rest of the context."""
         room = max(self.max_model_len - num_prompt_tokens, 0)

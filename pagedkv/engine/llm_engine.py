@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from typing import Any
 
 from pagedkv.engine.beam_search import select_beams
 from pagedkv.engine.build import build_runner
@@ -51,12 +52,17 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, *, runner=None, tokenizer=None, model_name: str | None = None,
-                 max_position_embeddings: int | None = None, model_identity: dict[str, str] | None = None) -> None:
+                 max_position_embeddings: int | None = None, model_identity: dict[str, str] | None = None,
+                 generation_defaults: dict[str, Any] | None = None) -> None:
         if runner is None:
-            runner, tokenizer, model_name, max_position_embeddings, model_identity = build_runner(config)
+            (runner, tokenizer, model_name, max_position_embeddings, model_identity,
+             generation_defaults) = build_runner(config)
         self.runner = runner
         self.tokenizer = tokenizer
         self.model_name = model_name or "pagedkv-model"
+        # Sampling defaults for fields a request leaves out (EngineConfig.generation_config), by
+        # SamplingParams' names; the server and LLM apply them, the engine never does. Read only.
+        self.generation_defaults: dict[str, Any] = dict(generation_defaults or {})
         B = runner.block_size
         model_len = config.max_model_len or max_position_embeddings or runner.num_blocks * B
         self.config = config.with_max_model_len(model_len)
@@ -106,6 +112,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.scheduler.groups:
             raise RequestRejectedError(f"request id {request_id!r} is already in use")
+        self.inputs.check_logit_bias(params)
         text, ids = self.inputs.tokenize(prompt)
         max_tokens = self.inputs.check_fits(len(ids), params, beam_width or params.n)
         salt = cache_salt
@@ -160,6 +167,10 @@ class LLMEngine:
         out = self.scheduler.schedule()
         step = StepResult()
         chunks = [self._chunk(s) for s in out.scheduled]
+        now = time.time()
+        for s in out.scheduled:  # (queue time ends when a request is first computed)
+            if "first_scheduled_time" not in s.group.metrics:
+                s.group.metrics["first_scheduled_time"] = now
         try:
             logits = self._execute(out, chunks)
         except Exception as exc:  # noqa: BLE001 - fail this plan's requests, keep the engine
@@ -276,7 +287,7 @@ class LLMEngine:
                     self._fail_requests([group], "forking", exc, step)
                     continue
             for q in seqs:
-                rows.append(SampleRow(i, group.params, q.rng))
+                rows.append(SampleRow(i, group.params, q.rng, q.token_ids, q.prompt_len))
                 targets.append((group, q))
         if rows:
             try:
@@ -315,8 +326,10 @@ class LLMEngine:
         if sampled.top is not None:
             seq.logprobs.append(sampled.top)  # type: ignore[union-attr]
             seq.cumulative_logprob += sampled.logprob  # type: ignore[operator]
+        now = time.time()
         if "first_token_time" not in group.metrics:
-            group.metrics["first_token_time"] = time.time()
+            group.metrics["first_token_time"] = now
+        group.metrics["last_token_time"] = now
         self.outputs.check_stop(group, seq, sampled.token)
         if seq.finish_reason is not None:
             step.finished.append((group, seq))

@@ -29,15 +29,15 @@ class OutputProcessor:
                 seq.finish_reason, seq.stop_reason = "stop", token
                 return
             if p.stop and self.tokenizer is not None:
-                self._check_stop_strings(seq, p.stop, p.include_stop_str_in_output)
+                self._check_stop_strings(seq, p.stop, p.include_stop_str_in_output, p.skip_special_tokens)
                 if seq.finish_reason:
                     return
         if n_out >= group.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
 
-    def _check_stop_strings(self, seq: Sequence, stops: tuple[str, ...], keep: bool) -> None:
+    def _check_stop_strings(self, seq: Sequence, stops: tuple[str, ...], keep: bool, skip_special: bool) -> None:
         old_len = len(seq.output_text)
-        text = self.decode(seq)
+        text = self.decode(seq, skip_special)
         start = max(0, old_len - max(len(s) for s in stops))
         best = None
         for s in stops:
@@ -48,12 +48,28 @@ class OutputProcessor:
             idx, s = best
             seq.output_text = text[:idx + len(s)] if keep else text[:idx]
             seq.finish_reason, seq.stop_reason = "stop", s
+            seq.prefix_offset = seq.read_offset = seq.num_output_tokens  # the cut text is final
 
-    def decode(self, seq: Sequence) -> str:
-        """The sequence's output text, decoded again only when tokens were added."""
-        if seq.text_tokens != seq.num_output_tokens and self.tokenizer is not None:
-            seq.output_text = self.tokenizer.decode(seq.output_token_ids)
-            seq.text_tokens = seq.num_output_tokens
+    def decode(self, seq: Sequence, skip_special_tokens: bool = True) -> str:
+        """The sequence's output text, extended by the tokens added since the last call
+        (incrementally, as vLLM does: each step decodes a few tokens, not the whole output).
+
+        The tokens from ``prefix_offset`` are decoded twice, up to ``read_offset`` and to the
+        end; what the second has beyond the first is the new text. While it ends in an incomplete
+        UTF-8 character (U+FFFD) it waits for the next token, unless the sequence has finished.
+        The text equals a decode of all the output tokens at once (a test checks it)."""
+        n = seq.num_output_tokens
+        pending = seq.finish_reason is not None and seq.read_offset < n  # held back: flush it now
+        if (seq.text_tokens == n and not pending) or self.tokenizer is None:
+            return seq.output_text
+        ids = seq.output_token_ids
+        decode = self.tokenizer.decode
+        prefix = decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip_special_tokens)
+        full = decode(ids[seq.prefix_offset:], skip_special_tokens=skip_special_tokens)
+        if len(full) > len(prefix) and (not full.endswith("\ufffd") or seq.finish_reason is not None):
+            seq.output_text += full[len(prefix):]
+            seq.prefix_offset, seq.read_offset = seq.read_offset, n
+        seq.text_tokens = n
         return seq.output_text
 
     def make_output(self, group: SequenceGroup) -> RequestOutput:
@@ -66,7 +82,7 @@ class OutputProcessor:
         for k, seq in enumerate(seqs):
             # A stop string already cut the text (not redone); a failed request is not decoded
             # again, as decoding may be what failed.
-            text = seq.output_text if group.error else self.decode(seq)
+            text = seq.output_text if group.error else self.decode(seq, group.params.skip_special_tokens)
             if seq.finish_reason is None and text.endswith("\ufffd"):
                 text = text.rstrip("\ufffd")  # an incomplete UTF-8 character: wait for the rest
             outs.append(CompletionOutput(

@@ -1,7 +1,15 @@
-"""Token sampling from logits: greedy, temperature, top-k, top-p, min-p, seeds and logprobs.
+"""Token sampling from logits: penalties and logit_bias, greedy, temperature, top-k, top-p, min-p,
+seeds and logprobs.
 
 Each row to sample names its logits row, its SamplingParams and its own random generator (for
-seeded requests), so a seeded request draws the same tokens whatever else is in the batch.
+seeded requests), so a seeded request draws the same tokens whatever else is in the batch, and
+its sequence's token ids (prompt + output) for the penalties.
+
+Penalties (vLLM v1's order): ``logit_bias`` is added, then ``repetition_penalty``, then
+``frequency_penalty`` and ``presence_penalty`` (:func:`apply_penalties`), for all the rows that
+use one at once; rows that use none are not touched (nor copied). Greedy rows are penalized too.
+Log-probabilities are those of the model's own logits, before penalties and temperature (vLLM
+v1's default ``logprobs_mode="raw_logprobs"``).
 
 Numeric guards, for every valid parameter and any logits a model can produce:
 
@@ -17,7 +25,8 @@ Numeric guards, for every valid parameter and any logits a model can produce:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +46,8 @@ class SampleRow:
     row: int                       # index into the logits
     params: SamplingParams
     generator: torch.Generator | None
+    token_ids: Sequence[int] = ()  # the sequence's prompt + output so far (read for penalties only)
+    prompt_len: int = 0            # token_ids[:prompt_len] is the prompt
 
 
 @dataclass(slots=True)
@@ -58,15 +69,24 @@ class Sampler:
 
     @torch.inference_mode()
     def prepare(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleBatch:
-        """Sanitize ``logits`` (float32 ``[num_rows_in_step, vocab]``) once and take every greedy
+        """Sanitize ``logits`` (float32 ``[num_rows_in_step, vocab]``) once, apply the penalties of
+        the rows that use them (one batched pass over a copy of their rows) and take every greedy
         row's argmax in one call; then :meth:`SampleBatch.sample` draws one row at a time."""
         logits = sanitize_logits(logits)
-        greedy_rows = sorted({r.row for r in rows if r.params.temperature == 0.0})
+        penalized = [r for r in rows if r.params.uses_penalties]
+        processed = None
+        if penalized:
+            mine = logits.index_select(0, torch.tensor([r.row for r in penalized]))  # a copy
+            processed = sanitize_logits(apply_penalties(mine, penalized))  # a tiny penalty can make +inf
+        greedy_rows = sorted({r.row for r in rows if r.params.temperature == 0.0 and not r.params.uses_penalties})
         greedy: dict[int, int] = {}
         if greedy_rows:
             idx = torch.tensor(greedy_rows)
             greedy = dict(zip(greedy_rows, logits.index_select(0, idx).argmax(-1).tolist()))
-        return SampleBatch(logits, greedy, self.default_generator)
+        batch = SampleBatch(logits, greedy, self.default_generator, processed, penalized)
+        if processed is not None:
+            batch.processed_greedy = processed.argmax(-1).tolist()
+        return batch
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
         """One token per row; raises SamplingError for the first row that cannot be sampled."""
@@ -76,26 +96,98 @@ class Sampler:
 
 @dataclass(slots=True)
 class SampleBatch:
-    logits: torch.Tensor              # sanitized: no NaN, no +inf
-    greedy: dict[int, int]            # row -> argmax, for rows sampled greedily
+    logits: torch.Tensor              # sanitized: no NaN, no +inf (the model's: logprobs come from it)
+    greedy: dict[int, int]            # row -> argmax, for rows sampled greedily without penalties
     default_generator: torch.Generator
+    processed: torch.Tensor | None = None  # [len(penalized), vocab]: their logits after penalties
+    penalized: list[SampleRow] = field(default_factory=list)  # the rows that use penalties
+    processed_greedy: list[int] = field(default_factory=list)  # argmax of each processed row
+    _index: dict[int, int] = field(init=False, default_factory=dict)  # id(row) -> index in processed
+
+    def __post_init__(self) -> None:
+        # By identity: two SampleRows may share a logits row (the n forks of a prompt) yet not a
+        # history. ``penalized`` keeps the rows alive, so their ids stay theirs.
+        self._index = {id(r): j for j, r in enumerate(self.penalized)}
+
+    def row_logits(self, r: SampleRow) -> torch.Tensor:
+        """The logits ``r`` samples from: the model's row, or its row after penalties."""
+        j = self._index.get(id(r))
+        return self.logits[r.row] if j is None else self.processed[j]  # type: ignore[index]
 
     @torch.inference_mode()
     def sample(self, r: SampleRow) -> Sampled:
         """Draw the token of one row; raises SamplingError if the row has no candidate."""
-        row = self.logits[r.row]
+        raw = self.logits[r.row]
+        j = self._index.get(id(r))
+        row = raw if j is None else self.processed[j]  # type: ignore[index]
         p = r.params
         if p.temperature == 0.0:
-            token = self.greedy[r.row]
+            token = self.greedy[r.row] if j is None else self.processed_greedy[j]
             if row[token] == float("-inf"):
                 raise SamplingError(NO_CANDIDATE)
         else:
             probs = filtered_probs(row, p)
             token = int(torch.multinomial(probs, 1, generator=r.generator or self.default_generator).item())
-        return _with_logprobs(row, token, p.logprobs) if p.logprobs is not None else Sampled(token)
+        return _with_logprobs(raw, token, p.logprobs) if p.logprobs is not None else Sampled(token)
 
 
 NO_CANDIDATE = "the model produced no finite logits for this request (all NaN or -inf)"
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Row i of ``logits`` (float32 ``[len(rows), vocab]``, modified in place) after ``rows[i]``'s
+    ``logit_bias``, ``repetition_penalty``, ``frequency_penalty`` and ``presence_penalty``, in
+    that order (vLLM v1's):
+
+        x += bias[t]
+        x = x / rep if x > 0 else x * rep              for t in the prompt or the output
+        x -= frequency * count[t] + presence * (count[t] > 0)   (two steps; count: in the output)
+
+    Batched: one scatter of every row's token ids builds the ``[rows, vocab]`` output counts.
+    Token ids outside the vocabulary are ignored here (the engine refuses such a logit_bias and
+    such prompt ids at admission).
+    """
+    m, vocab = logits.shape
+    bias = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items() if t < vocab]
+    if bias:
+        bi, bt, bv = zip(*bias)
+        logits.index_put_((torch.tensor(bi), torch.tensor(bt)), torch.tensor(bv, dtype=logits.dtype),
+                          accumulate=True)
+    rep = [r.params.repetition_penalty for r in rows]
+    freq = [r.params.frequency_penalty for r in rows]
+    pres = [r.params.presence_penalty for r in rows]
+    use_rep, use_counts = any(x != 1.0 for x in rep), any(x != 0.0 for x in freq + pres)
+    if not (use_rep or use_counts):
+        return logits
+    ids = [torch.as_tensor(r.token_ids, dtype=torch.long) if use_rep or _uses_counts(r.params)
+           else torch.empty(0, dtype=torch.long) for r in rows]
+    outputs = [t[r.prompt_len:] for t, r in zip(ids, rows)]
+    counts = _bin_counts(outputs, m, vocab, logits.dtype)  # [m, vocab]
+    if use_rep:
+        seen = counts > 0
+        prompts = [t[:r.prompt_len] for t, r in zip(ids, rows)]
+        seen |= _bin_counts(prompts, m, vocab, logits.dtype) > 0
+        factor = torch.where(seen, torch.tensor(rep, dtype=logits.dtype)[:, None], 1.0)
+        logits = torch.where(logits > 0, logits / factor, logits * factor)
+    if use_counts:
+        logits -= torch.tensor(freq, dtype=logits.dtype)[:, None] * counts
+        logits -= torch.tensor(pres, dtype=logits.dtype)[:, None] * (counts > 0)
+    return logits
+
+
+def _uses_counts(p: SamplingParams) -> bool:
+    return p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _bin_counts(ids: list[torch.Tensor], m: int, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[m, vocab]``: how often each token occurs in ``ids[i]`` (ids outside the vocabulary skipped)."""
+    counts = torch.zeros(m, vocab, dtype=dtype)
+    flat = torch.cat(ids)
+    if flat.numel():
+        row = torch.repeat_interleave(torch.arange(m), torch.tensor([len(t) for t in ids]))
+        ok = (flat >= 0) & (flat < vocab)
+        counts.view(-1).index_add_(0, (row * vocab + flat)[ok], torch.ones(int(ok.sum()), dtype=dtype))
+    return counts
 
 
 def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:

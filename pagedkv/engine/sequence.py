@@ -36,6 +36,11 @@ class Sequence:
     stop_reason: int | str | None = None
     output_text: str = ""
     text_tokens: int = -1     # output tokens that output_text was decoded from
+    # incremental detokenization (OutputProcessor.decode): output_text ends with the text of the
+    # output tokens before read_offset; the tokens from prefix_offset on are decoded again to
+    # extend it (their first token gives the context that spacing and multi-byte characters need)
+    prefix_offset: int = 0
+    read_offset: int = 0
     logprobs: list | None = None
     cumulative_logprob: float = 0.0
     rng: object | None = None  # per-sequence random generator for seeded sampling (runner side)

@@ -105,6 +105,22 @@ def load_hf_tokenizer(folder: Path, config_json: dict[str, Any] | None = None) -
                      add_bos_token=bool(tcfg.get("add_bos_token", False)))
 
 
+# generation_config.json keys that become sampling defaults, by vLLM's names (vLLM's list:
+# ModelConfig.get_diff_sampling_param; max_new_tokens is max_tokens). Others (do_sample, ...) are ignored.
+GENERATION_DEFAULT_KEYS = {"repetition_penalty": "repetition_penalty", "temperature": "temperature",
+                           "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "max_new_tokens": "max_tokens"}
+
+
+def read_generation_defaults(folder: Path) -> dict[str, Any]:
+    """The sampling defaults of ``folder/generation_config.json`` ({} without one), values as
+    written (null skipped); the engine checks them (``engine/build.py``)."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return {}
+    gen = read_json(path)
+    return {name: gen[key] for key, name in GENERATION_DEFAULT_KEYS.items() if gen.get(key) is not None}
+
+
 def load_hf_folder(folder: Path, dtype: torch.dtype = torch.float32
                    ) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer | None]:
     """Model, config and tokenizer (None when the folder has no tokenizer.json) of an HF folder.

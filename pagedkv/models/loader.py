@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -12,7 +13,7 @@ from pagedkv.models.config import ModelConfig
 from pagedkv.models.default_model import DEFAULT_MODEL_NAME, default_model_path
 from pagedkv.models.errors import ModelLoadError
 from pagedkv.models.gguf_loader import converted_folder, has_exact_quantized_matrices
-from pagedkv.models.hf_loader import load_hf_folder
+from pagedkv.models.hf_loader import load_hf_folder, read_generation_defaults
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.quant_linear import quantize_model
 from pagedkv.models.tokenizer import Tokenizer
@@ -21,8 +22,10 @@ from pagedkv.weight_quant import check_quantization
 
 @dataclass(slots=True)
 class LoadedModel:
-    """A ready model: ``model`` (eval mode), its frozen ``config``, ``tokenizer``, a display ``name``
-    and the resolved ``quantization`` of its weights (:func:`resolve_quantization`)."""
+    """A ready model: ``model`` (eval mode), its frozen ``config``, ``tokenizer``, a display ``name``,
+    the resolved ``quantization`` of its weights (:func:`resolve_quantization`) and the sampling
+    defaults of its generation_config.json (``generation_defaults``, vLLM's names: temperature,
+    top_p, top_k, min_p, repetition_penalty, max_tokens; a GGUF file has none: {})."""
 
     model: LlamaForCausalLM
     config: ModelConfig
@@ -30,6 +33,7 @@ class LoadedModel:
     name: str
     path: Path
     quantization: str = "none"
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 def resolve_model_path(model: str | Path | None) -> tuple[Path, str]:
@@ -121,4 +125,6 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
         net, config, tokenizer = load_hf_folder(folder, dtype=dtype)
         if quant == "q8_0":
             quantize_model(net)  # float linear layers left (an HF folder); none after a GGUF conversion
-    return LoadedModel(model=net, config=config, tokenizer=tokenizer, name=name, path=path, quantization=quant)
+    defaults = read_generation_defaults(path) if path.is_dir() else {}  # GGUF: no generation config
+    return LoadedModel(model=net, config=config, tokenizer=tokenizer, name=name, path=path, quantization=quant,
+                       generation_defaults=defaults)

@@ -97,6 +97,41 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, *,
+                    continue_final_message: bool = False,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The prompt tokens of a conversation: the chat template's text, tokenized WITHOUT the
+        tokenizer's own special tokens (the template writes its BOS itself; a Llama 3 style
+        post-processor would add a second one), as transformers' ``apply_chat_template`` does.
+        The one path for ``LLM.chat`` and the server. ``continue_final_message``: the text ends
+        with the last message's content, open for the model to continue (no end-of-turn after
+        it, no generation prompt). ``chat_template_kwargs``: extra template variables."""
+        return self.encode(self.render_chat(messages, add_generation_prompt,
+                                            continue_final_message=continue_final_message,
+                                            chat_template_kwargs=chat_template_kwargs), add_special_tokens=False)
+
+    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, *,
+                    continue_final_message: bool = False,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> str:
+        """The chat template's text for ``encode_chat``."""
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true")
+            if not messages:
+                raise ChatTemplateError("continue_final_message needs a final message to continue")
+        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(chat_template_kwargs or {})
+        if reserved:
+            raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
+        text = self.apply_chat_template(messages, add_generation_prompt, **(chat_template_kwargs or {}))
+        if continue_final_message:  # cut after the final message's content, as transformers does
+            final = str(messages[-1].get("content") or "").strip()
+            end = text.rfind(final) if final else -1
+            if end < 0:
+                raise ChatTemplateError("continue_final_message: the final message's content is not "
+                                        "in the rendered template")
+            text = text[:end + len(final)]
+        return text
+
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
         """Render ``messages`` ([{"role", "content"}]) with the model's jinja2 chat template."""

@@ -1,7 +1,8 @@
 """The FastAPI app: OpenAI-compatible routes, API-key check, errors in OpenAI's format.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (all behind the
-API key when one is set), ``GET /health`` and ``GET /metrics`` (open, for probes and scrapers).
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``POST
+/tokenize`` and ``POST /detokenize`` (vLLM's; all behind the API key when one is set), ``GET
+/health``, ``GET /metrics`` and ``GET /version`` (open, for probes and scrapers).
 
 Error statuses: 400 malformed JSON, invalid or mistyped fields (validation errors are 400, not
 FastAPI's 422), lone surrogates, prompt too long (message names the limit), too much work asked
@@ -26,6 +27,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pagedkv import __version__
 from pagedkv.server.async_engine import AsyncEngine
 from pagedkv.server.limits import MAX_CHOICES, RequestLimits
 from pagedkv.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -33,6 +35,8 @@ from pagedkv.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     bad_request,
     parse_body,
 )
@@ -72,12 +76,13 @@ def create_app(
     app = FastAPI(title="pagedkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     app.include_router(_api_router(state))
+    app.include_router(_tokenizer_router(state))
     app.include_router(_ops_router(state))
     _install_error_handlers(app, state)
     return app
 
 
-def _api_router(state: ServerState) -> APIRouter:
+def _key_check(state: ServerState) -> Callable[[Request], Any]:
     async def require_api_key(request: Request) -> None:
         if state.api_key is None:
             return
@@ -86,8 +91,57 @@ def _api_router(state: ServerState) -> APIRouter:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
             raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                            type="authentication_error", code="invalid_api_key")
+    return require_api_key
 
-    router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+
+def _tokenizer_router(state: ServerState) -> APIRouter:
+    """vLLM's ``/tokenize`` and ``/detokenize`` (request and response shapes as vLLM's)."""
+    router = APIRouter(dependencies=[Depends(_key_check(state))])
+
+    @router.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = parse_body(await read_body(request, state.limits.max_request_bytes), TokenizeRequest)
+        state.check_model(body.model)
+        body.check()
+        tokenizer = state.engine.engine.tokenizer
+
+        def run() -> list[int]:
+            try:
+                if body.messages is not None:  # the chat path; add_special_tokens (vLLM's): specials too
+                    text = tokenizer.render_chat([{"role": m.role, "content": m.text()} for m in body.messages],
+                                                 body.add_generation_prompt,
+                                                 continue_final_message=body.continue_final_message,
+                                                 chat_template_kwargs=body.chat_template_kwargs)
+                    return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+                return tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens is not False)
+            except APIError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the text or template is the request's fault
+                raise bad_request(f"cannot tokenize: {exc}", param="messages" if body.messages else "prompt") from exc
+
+        ids = await asyncio.to_thread(run)
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": state.engine.engine.config.max_model_len,
+                               "tokens": ids, "token_strs": None}
+        if body.return_token_strs:
+            out["token_strs"] = [tokenizer.id_to_token(i) for i in ids]
+        return out
+
+    @router.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = parse_body(await read_body(request, state.limits.max_request_bytes), DetokenizeRequest)
+        state.check_model(body.model)
+        tokenizer = state.engine.engine.tokenizer
+        vocab = tokenizer.vocab_size
+        bad = next((t for t in body.tokens if t >= vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is not in the vocabulary (0..{vocab - 1})", param="tokens")
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens, False)}
+
+    return router
+
+
+def _api_router(state: ServerState) -> APIRouter:
+    router = APIRouter(prefix="/v1", dependencies=[Depends(_key_check(state))])
 
     @router.get("/models")
     async def models() -> dict[str, Any]:
@@ -100,7 +154,7 @@ def _api_router(state: ServerState) -> APIRouter:
     async def completions(request: Request) -> Response:
         body = parse_body(await read_body(request, state.limits.max_request_bytes), CompletionRequest)
         state.check_model(body.model)
-        params = body.to_sampling_params()
+        params = body.to_sampling_params(state.engine.engine.generation_defaults)  # generation_config's
         gen = Generation(
             prompts=body.prompts(), params=params, fmt=CompletionFormat(body.logprobs or 0),
             stream=body.stream, include_usage=body.include_usage_in_stream, echo=body.echo,
@@ -114,13 +168,14 @@ def _api_router(state: ServerState) -> APIRouter:
     async def chat_completions(request: Request) -> Response:
         body = parse_body(await read_body(request, state.limits.max_request_bytes), ChatCompletionRequest)
         state.check_model(body.model)
-        params = body.to_sampling_params()
+        params = body.to_sampling_params(state.engine.engine.generation_defaults)  # generation_config's
         tokenizer = state.engine.engine.tokenizer
 
-        def render() -> str:
+        def render() -> list[int]:  # LLM.chat's path: the template's text, no special tokens added
             try:
-                return tokenizer.apply_chat_template(body.chat_messages(),
-                                                     add_generation_prompt=body.add_generation_prompt)
+                return tokenizer.encode_chat(body.chat_messages(), body.add_generation_prompt,
+                                             continue_final_message=body.continue_final_message,
+                                             chat_template_kwargs=body.chat_template_kwargs)
             except APIError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
@@ -169,9 +224,17 @@ def _ops_router(state: ServerState) -> APIRouter:
                            code="server_draining", headers={"Retry-After": "5"})
         return JSONResponse({"status": "ok"})
 
+    @router.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
     @router.get("/metrics")
     async def metrics() -> Response:
-        stats = await state.engine.call(lambda engine: engine.stats())
+        # Idle: ask the engine (answered at once). Busy: the snapshot of its last step (at most
+        # STATS_INTERVAL_S old), so a scrape never waits for a long step.
+        stats = state.engine.latest_stats() if state.engine.num_in_flight else None
+        if stats is None:
+            stats = await state.engine.call(lambda engine: engine.stats())
         return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
 
     return router

@@ -16,6 +16,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from pagedkv.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+STATS_INTERVAL_S = 0.5  # how stale /metrics may be while the engine is busy
 
 
 @dataclass(slots=True)
@@ -108,6 +110,8 @@ class AsyncEngine:
         self._num_in_flight = 0  # requests added and not finished; read by handlers for admission
         self._stopping = False
         self._dead: BaseException | None = None
+        self._stats: Any | None = None  # the last engine stats snapshot (latest_stats)
+        self._stats_at = float("-inf")
         self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
 
     # ----------------------------------------------------------------- lifecycle
@@ -212,6 +216,7 @@ class AsyncEngine:
                     self._execute(command)
                 if self._has_work():
                     self._step()
+                self._refresh_stats(force=not self._has_work())
         except BaseException as exc:  # noqa: BLE001 - the thread must report, not vanish
             logger.exception("engine thread failed")
             self._die(exc)
@@ -230,6 +235,19 @@ class AsyncEngine:
 
     def _has_work(self) -> bool:
         return self.engine.has_unfinished_requests()
+
+    def latest_stats(self) -> Any | None:
+        """The engine's stats as of the last step (taken at most every ``STATS_INTERVAL_S`` while
+        it runs): ``/metrics`` reads it without waiting for the step in progress."""
+        return self._stats
+
+    def _refresh_stats(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._stats_at >= STATS_INTERVAL_S:
+            try:
+                self._stats, self._stats_at = self.engine.stats(), now
+            except Exception:  # noqa: BLE001 - a metrics snapshot must never stop the engine
+                logger.exception("engine stats failed")
 
     def _execute(self, command: _Command) -> None:
         try:

@@ -17,7 +17,10 @@ from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+# Up to two hours: a long generation on a CPU takes minutes, and +Inf says nothing.
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0,
+                    640.0, 1280.0, 2560.0, 3600.0, 7200.0)
+_TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -64,6 +67,12 @@ class EngineStatsCollector(Collector):
         if hasattr(kv, "host_blocks"):
             yield gauge("kv_host_blocks_total", "Blocks in the host (swap) tier.", kv.host_blocks)
             yield gauge("kv_host_blocks_used", "Host-tier blocks holding swapped-out KV.", kv.host_used_blocks)
+        cache = GaugeMetricFamily("pagedkv_cache_config_info", "The KV cache's configuration (value 1; "
+                                  "vLLM's cache_config_info).", labels=["model_name", "block_size", "num_blocks",
+                                                                        "num_host_blocks", "cache_dtype"])
+        cache.add_metric([self._model, str(kv.block_size), str(kv.num_blocks), str(getattr(kv, "host_blocks", 0)),
+                          str(getattr(s, "kv_cache_dtype", ""))], 1.0)
+        yield cache
         if getattr(s, "kv_bytes_per_block", 0):
             info = GaugeMetricFamily("pagedkv_kv_cache_dtype_info", "The KV block format (value 1).",
                                      labels=["model_name", "kv_cache_dtype"])
@@ -196,6 +205,20 @@ class ServerMetrics:
             "pagedkv_e2e_request_latency_seconds", "Time from request arrival to its last token.",
             labels, buckets=_LATENCY_BUCKETS, registry=self.registry,
         )
+        # vLLM's request phases, from the engine's timestamps (RequestOutput.metrics)
+        self.phases = {phase: Histogram(
+            f"pagedkv_request_{phase}_time_seconds", doc, labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+            for phase, doc in (
+                ("queue", "Time from arrival until the request is first computed (waiting in the queue)."),
+                ("prefill", "Time from the request's first computation to its first token."),
+                ("decode", "Time from the request's first token to its last."),
+                ("inference", "Time from the request's first computation to its last token."))}
+        self.prompt_tokens = Histogram(
+            "pagedkv_request_prompt_tokens", "Prompt tokens per request.", labels,
+            buckets=_TOKEN_COUNT_BUCKETS, registry=self.registry)
+        self.generation_tokens = Histogram(
+            "pagedkv_request_generation_tokens", "Generated tokens per request (all its completions).", labels,
+            buckets=_TOKEN_COUNT_BUCKETS, registry=self.registry)
         self.requests_finished = Counter(
             "pagedkv_requests_finished", "Completions finished, by finish reason (stop, length, abort).",
             ["model_name", "finish_reason"], registry=self.registry,
@@ -212,6 +235,18 @@ class ServerMetrics:
                 tpot = (e2e - ttft) / (num_output_tokens - 1)
                 self.time_per_output_token.labels(self._model).observe(tpot)
         self.e2e_latency.labels(self._model).observe(e2e)
+
+    def observe_phases(self, times: dict[str, float], prompt_tokens: int, generation_tokens: int) -> None:
+        """A finished request's phases from its engine timestamps (``RequestOutput.metrics``)."""
+        spans = {"queue": ("arrival_time", "first_scheduled_time"),
+                 "prefill": ("first_scheduled_time", "first_token_time"),
+                 "decode": ("first_token_time", "last_token_time"),
+                 "inference": ("first_scheduled_time", "last_token_time")}
+        for phase, (start, end) in spans.items():
+            if start in times and end in times:
+                self.phases[phase].labels(self._model).observe(max(times[end] - times[start], 0.0))
+        self.prompt_tokens.labels(self._model).observe(prompt_tokens)
+        self.generation_tokens.labels(self._model).observe(generation_tokens)
 
     def count_finish(self, reason: str | None) -> None:
         self.requests_finished.labels(self._model, reason or "abort").inc()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -61,6 +62,9 @@ class _Body(BaseModel):
 
 
 NonNegInt = Annotated[int, Field(ge=0)]
+# Sampling fields that are None when a request leaves them out: the engine's defaults fill them.
+_DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                "frequency_penalty")
 Stop = str | list[str] | None
 
 
@@ -86,23 +90,19 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(default=None, min_length=1)
     priority: int = 0
+    include_stop_str_in_output: bool = False  # vLLM's extras
+    skip_special_tokens: bool = True
     user: str | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}, keys as OpenAI sends them
     # Accepted at their neutral values only, so that a client relying on them hears it is not served.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
 
     def _reject_unsupported(self) -> None:
-        neutral = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
-        for name, value in neutral.items():
-            if getattr(self, name) != value:
-                raise bad_request(f"{name} is not supported (leave it at {value})", param=name)
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", param="logit_bias")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of is not supported (use n)", param="best_of")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -111,17 +111,23 @@ class _SamplingFields(_Body):
             raise bad_request("tools are not supported", param="tools")
 
     def _params(self, max_tokens: int | None, logprobs: int | None,
-                prompt_logprobs: int | None = None) -> SamplingParams:
+                prompt_logprobs: int | None = None, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """``defaults`` (the engine's generation_config defaults, SamplingParams' names) fill the
+        sampling fields the request left out; SamplingParams' own defaults fill the rest."""
         self._reject_unsupported()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        chosen: dict[str, Any] = {}
+        for name in _DEFAULTABLE:
+            value = getattr(self, name)
+            value = (defaults or {}).get(name) if value is None else value
+            if value is not None:
+                chosen[name] = value
         try:
             return SamplingParams(
                 n=self.n,
                 max_tokens=max_tokens,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=0 if self.top_k is None else self.top_k,
-                min_p=0.0 if self.min_p is None else self.min_p,
+                **chosen,
+                logit_bias=self.logit_bias,
                 seed=self.seed,
                 stop=tuple(stop),
                 stop_token_ids=tuple(self.stop_token_ids or ()),
@@ -129,6 +135,8 @@ class _SamplingFields(_Body):
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 min_tokens=self.min_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens,
             )
         except ValueError as exc:
             # SamplingParams names the field first: "top_p must be in ...".
@@ -159,12 +167,15 @@ class CompletionRequest(_SamplingFields):
             return [list(p)]  # one token-id prompt
         return list(p)
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """``defaults``: see ``_params`` (its max_tokens replaces 16 when the request has none)."""
         if self.suffix:
             raise bad_request("suffix is not supported", param="suffix")
         # echo + logprobs: the prompt tokens' logprobs come first, as OpenAI's legacy API does.
         prompt_logprobs = self.logprobs if self.echo else None
-        return self._params(self.max_tokens, self.logprobs, prompt_logprobs)
+        max_tokens = (self.max_tokens if "max_tokens" in self.model_fields_set
+                      else (defaults or {}).get("max_tokens", self.max_tokens))
+        return self._params(max_tokens, self.logprobs, prompt_logprobs, defaults)
 
 
 class ChatMessage(_Body):
@@ -193,16 +204,47 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's extras
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """``defaults``: see ``_params`` (its max_tokens replaces "the rest of the context")."""
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if max_tokens is None:
+            max_tokens = (defaults or {}).get("max_tokens")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._params(max_tokens, logprobs)
+        return self._params(max_tokens, logprobs, defaults=defaults)
+
+
+class TokenizeRequest(_Body):
+    """``POST /tokenize`` (vLLM's shape): a ``prompt`` (with the tokenizer's special tokens unless
+    ``add_special_tokens`` is false), or chat ``messages`` (the chat path: the template's text,
+    no special tokens added, unless ``add_special_tokens`` is true)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("give exactly one of prompt and messages", param="prompt")
+
+
+class DetokenizeRequest(_Body):
+    """``POST /detokenize`` (vLLM's shape)."""
+
+    model: str | None = None
+    tokens: list[NonNegInt]
 
 
 Body = TypeVar("Body", bound=BaseModel)

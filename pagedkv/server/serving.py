@@ -104,6 +104,8 @@ class _Tracker:
             ntok = max((len(c.token_ids) for c in out.outputs), default=0)
             metrics.observe_request(ttft=None if first is None else first - self.arrival,
                                     e2e=now - self.arrival, num_output_tokens=ntok)
+            metrics.observe_phases(out.metrics or {}, len(out.prompt_token_ids),
+                                   sum(len(c.token_ids) for c in out.outputs))
             for c in out.outputs:
                 metrics.count_finish(c.finish_reason)
 
@@ -139,7 +141,8 @@ async def serve_generation(state: ServerState, request: Request, gen: Generation
     except ValueError as exc:  # RequestRejectedError, RequestTooLongError, bad token ids
         release()
         code = "context_length_exceeded" if isinstance(exc, RequestTooLongError) else "invalid_prompt"
-        raise bad_request(str(exc), param=gen.fmt.prompt_param, code=code) from exc
+        param = getattr(exc, "param", None)  # a field other than the prompt (logit_bias)
+        raise bad_request(str(exc), param=param or gen.fmt.prompt_param, code=None if param else code) from exc
     except BaseException:
         release()
         raise

@@ -1,0 +1,176 @@
+"""vLLM's extras on the OpenAI server: one chat prompt path (no second BOS), ``continue_final_message``,
+``chat_template_kwargs``, ``include_stop_str_in_output``, ``skip_special_tokens``, and the
+``/tokenize``, ``/detokenize`` and ``/version`` endpoints, through raw HTTP and the openai client."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from server_helpers import ServerThread, tiny_engine
+from tiny_model import write_tiny_model
+
+from pagedkv import LLM, __version__
+from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
+
+pytestmark = pytest.mark.timeout(120)
+
+TEMPLATE = ("{{ bos_token }}{% if system_hint %}[{{ system_hint }}]{% endif %}"
+            "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module", params=["add_bos_token", "post_processor"])
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a template that writes BOS itself and a tokenizer that also adds one:
+    through ``add_bos_token`` (Llama 2 style) or its post-processor (Llama 3 style)."""
+    folder = write_tiny_model(tmp_path_factory.mktemp(request.param))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = TEMPLATE
+    if request.param == "post_processor":
+        config["add_bos_token"] = False
+        tok = json.loads((folder / "tokenizer.json").read_text())
+        bos = next(t["id"] for t in tok["added_tokens"] if t["content"] == "<s>")
+        tok["post_processor"] = {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [bos], "tokens": ["<s>"]}},
+        }
+        (folder / "tokenizer.json").write_text(json.dumps(tok))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path) -> Iterator[ServerThread]:
+    engine = tiny_engine(model_dir, block_size=16, num_kv_blocks=256, max_model_len=256, seed=0)
+    with ServerThread(engine, served_model_names=["tiny"], api_key="sekrit") as s:
+        yield s
+
+
+def _post(server: ServerThread, path: str, body: dict, key: str | None = "sekrit") -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=60)
+
+
+MESSAGES = [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "the quick"}]
+
+
+def test_chat_prompt_has_one_bos_and_equals_llm_chat(server: ServerThread, model_dir: Path) -> None:
+    tok = server.engine.tokenizer
+    bos = tok.bos_token_id
+    assert tok.encode("a")[0] == bos  # the tokenizer adds BOS to plain text
+    r = _post(server, "/tokenize", {"model": "tiny", "messages": MESSAGES[:1]})
+    assert r.status_code == 200, r.text
+    ids = r.json()["tokens"]
+    assert ids[0] == bos and ids[1] != bos and ids.count(bos) == 1
+    assert r.json()["count"] == len(ids) and r.json()["max_model_len"] == 256
+    llm = LLM(str(model_dir), block_size=16, num_kv_blocks=64, max_model_len=256)
+    try:
+        out = llm.chat(MESSAGES[:1], __import__("pagedkv").SamplingParams(max_tokens=1))[0]
+    finally:
+        llm.close()
+    assert out.prompt_token_ids == ids
+    client = openai.OpenAI(base_url=server.base_url, api_key="sekrit", max_retries=0, timeout=60)
+    reply = client.chat.completions.create(model="tiny", messages=MESSAGES[:1], max_tokens=2)  # type: ignore[arg-type]
+    assert reply.usage is not None and reply.usage.prompt_tokens == len(ids)
+
+
+def test_continue_final_message_and_template_kwargs(server: ServerThread) -> None:
+    tok = server.engine.tokenizer
+    body = {"messages": MESSAGES, "add_generation_prompt": False, "continue_final_message": True,
+            "chat_template_kwargs": {"system_hint": "be brief"}}
+    r = _post(server, "/tokenize", body)
+    assert r.status_code == 200, r.text
+    text = tok.decode(r.json()["tokens"], skip_special_tokens=False)
+    assert text.endswith("<|assistant|>the quick") and "[be brief]" in text
+    r = _post(server, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 2,
+                                               "continue_final_message": True})
+    assert r.status_code == 400 and "continue_final_message" in r.json()["error"]["message"]
+    r = _post(server, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 2,
+                                               "add_generation_prompt": False, "continue_final_message": True,
+                                               "chat_template_kwargs": {"system_hint": "x"}})
+    assert r.status_code == 200, r.text
+    r = _post(server, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 2,
+                                               "chat_template_kwargs": {"messages": []}})
+    assert r.status_code == 400 and "chat_template_kwargs" in r.json()["error"]["message"]
+
+
+def test_sampling_extras_reach_the_sampling_params() -> None:
+    p = CompletionRequest(prompt="x", include_stop_str_in_output=True, skip_special_tokens=False,
+                          stop=["."]).to_sampling_params()
+    assert p.include_stop_str_in_output and not p.skip_special_tokens
+    q = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]).to_sampling_params()
+    assert not q.include_stop_str_in_output and q.skip_special_tokens
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(server: ServerThread) -> None:
+    """A prompt of token ids ending where the model is steered to emit </s> is unreliable on a
+    random model, so the text path is checked directly: the output processor decodes with the
+    request's choice."""
+    from pagedkv.engine.output_processor import OutputProcessor
+    from pagedkv.engine.sequence import Sequence
+
+    tok = server.engine.tokenizer
+    ids = tok.encode("hello world", add_special_tokens=False) + [tok.bos_token_id]
+    for skip, want in ((True, "hello world"), (False, "hello world<s>")):
+        seq = Sequence("s", 0, 0, list(ids), finish_reason="length")
+        assert OutputProcessor(tok, 256).decode(seq, skip) == want
+
+
+def test_detokenize_version_and_the_api_key(server: ServerThread) -> None:
+    tok = server.engine.tokenizer
+    ids = tok.encode("the lazy dog")
+    r = _post(server, "/detokenize", {"model": "tiny", "tokens": ids})
+    assert r.status_code == 200 and r.json() == {"prompt": "<s>the lazy dog"}
+    r = _post(server, "/tokenize", {"prompt": "the lazy dog", "add_special_tokens": False, "return_token_strs": True})
+    assert r.json()["tokens"] == ids[1:] and len(r.json()["token_strs"]) == len(ids) - 1
+    assert _post(server, "/detokenize", {"tokens": [10 ** 6]}).status_code == 400
+    assert _post(server, "/tokenize", {"prompt": "x", "messages": MESSAGES}).status_code == 400
+    assert _post(server, "/tokenize", {"prompt": "x"}, key=None).status_code == 401
+    assert _post(server, "/tokenize", {"prompt": "x", "model": "nope"}).status_code == 404
+    assert httpx.get(server.url + "/version").json() == {"version": __version__}
+
+
+def test_metrics_answer_during_a_long_step_and_have_vllms_series(server: ServerThread) -> None:
+    """A scrape during a 3 s step is answered from the last step's snapshot at once; after a
+    request, vLLM's request-phase and token histograms and cache_config_info are there, with
+    latency buckets reaching hours."""
+    import threading
+    import time
+
+    engine = server.engine
+    real_step = engine.step
+    slow = threading.Event()
+
+    def slow_step(*args, **kwargs):
+        if slow.is_set():
+            slow.clear()
+            time.sleep(3.0)
+        return real_step(*args, **kwargs)
+
+    engine.step = slow_step
+    try:
+        body = {"model": "tiny", "prompt": "hello world", "max_tokens": 6, "ignore_eos": True}
+        assert _post(server, "/v1/completions", body).status_code == 200  # a snapshot exists
+        slow.set()
+        done = threading.Thread(target=_post, args=(server, "/v1/completions", body))
+        done.start()
+        time.sleep(0.5)  # the request is in its slow step
+        t0 = time.monotonic()
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        assert time.monotonic() - t0 < 1.5 and "pagedkv_kv_blocks_total" in text
+        done.join(30)
+    finally:
+        del engine.step
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    for name in ("request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "request_inference_time_seconds", "request_prompt_tokens", "request_generation_tokens"):
+        assert f'pagedkv_{name}_count{{model_name="tiny"}}' in text, name
+    assert 'le="7200.0"' in text and 'pagedkv_cache_config_info{block_size="16"' in text
