@@ -174,3 +174,31 @@ def test_metrics_answer_during_a_long_step_and_have_vllms_series(server: ServerT
                  "request_inference_time_seconds", "request_prompt_tokens", "request_generation_tokens"):
         assert f'pagedkv_{name}_count{{model_name="tiny"}}' in text, name
     assert 'le="7200.0"' in text and 'pagedkv_cache_config_info{block_size="16"' in text
+
+
+def test_serve_flags_as_vllm_spells_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from pagedkv.server.cli import add_serve_arguments, run_serve
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["m1", "--served-model-name", "a", "b", "--served-model-name", "c"])
+    assert args.model == "m1" and args.served_model_name == ["a", "b", "c"]
+    args = parser.parse_args(["--model", "m2", "--chat-template", "{{ messages }}"])
+    assert args.model is None and args.model_flag == "m2"
+    assert run_serve(parser.parse_args(["m1", "--model", "m2"])) == 2
+    assert "two models given" in capsys.readouterr().err
+    assert run_serve(parser.parse_args(["--chat-template", str(tmp_path / "missing.jinja")])) == 2
+    assert "neither a file nor a jinja2 template" in capsys.readouterr().err
+
+
+def test_a_chat_template_given_replaces_the_models(server: ServerThread) -> None:
+    tok = server.engine.tokenizer
+    saved = tok.chat_template
+    try:
+        tok.set_chat_template("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+        r = _post(server, "/tokenize", {"messages": MESSAGES[:1]})
+        assert tok.decode(r.json()["tokens"], skip_special_tokens=False) == "[hello world]"
+    finally:
+        tok.set_chat_template(saved)

@@ -97,6 +97,11 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    def set_chat_template(self, template: str) -> None:
+        """Use ``template`` (jinja2) instead of the model's chat template."""
+        self.chat_template = template
+        self._template = None
+
     def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, *,
                     continue_final_message: bool = False,
                     chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:

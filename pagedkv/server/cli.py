@@ -31,13 +31,19 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
-                   help="model folder or GGUF file (default: the bundled SmolLM2-135M-Instruct)")
+                   help="model folder, GGUF file or cached Hugging Face repo id (default: the bundled "
+                        "SmolLM2-135M-Instruct)")
+    p.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                   help="the model, as a flag (vLLM's older spelling; give it or the positional one)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000; 0 picks a free one)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 routes (also env PAGEDKV_API_KEY)")
-    p.add_argument("--served-model-name", action="append", default=None,
-                   help="model name clients use (repeatable; default: the engine's model name)")
+    p.add_argument("--served-model-name", action="extend", nargs="+", default=None, metavar="NAME",
+                   help="model names clients use, the first in responses and metrics (several after one "
+                        "flag, as vLLM's, or the flag repeated; default: the engine's model name)")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a jinja2 chat template (a file, or the template itself) instead of the model's")
     p.add_argument("--max-queue", type=int, default=None,
                    help="requests allowed to wait beyond --max-num-seqs; more get 429 (default: no limit)")
     p.add_argument("--drain-timeout", type=float, default=60.0,
@@ -62,6 +68,24 @@ def run_serve(args: argparse.Namespace) -> int:
         print("pagedkv serve: --max-queue must be >= 0", file=sys.stderr)
         return 2
     api_key = args.api_key or os.environ.get("PAGEDKV_API_KEY") or None
+    if args.model_flag is not None:
+        if args.model is not None and args.model != args.model_flag:
+            print(f"pagedkv serve: two models given ({args.model!r} and --model {args.model_flag!r})",
+                  file=sys.stderr)
+            return 2
+        args.model = args.model_flag
+    template = None
+    if args.chat_template is not None:
+        path = os.path.expanduser(args.chat_template)
+        try:
+            template = open(path, encoding="utf-8").read() if os.path.isfile(path) else args.chat_template
+        except OSError as exc:
+            print(f"pagedkv serve: --chat-template: cannot read {path}: {exc}", file=sys.stderr)
+            return 2
+        if "{" not in template:
+            print(f"pagedkv serve: --chat-template: {args.chat_template!r} is neither a file nor a jinja2 "
+                  "template", file=sys.stderr)
+            return 2
     try:
         limits = RequestLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RequestLimits)})
     except ValueError as exc:
@@ -72,6 +96,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError, RuntimeError) as exc:  # bad options, ModelLoadError
         print(f"pagedkv serve: cannot start the engine: {exc}", file=sys.stderr)
         return 2
+    if template is not None and engine.tokenizer is not None:
+        engine.tokenizer.set_chat_template(template)
     app = create_app(AsyncEngine(engine), served_model_names=args.served_model_name, api_key=api_key,
                      max_queue=args.max_queue, limits=limits)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
