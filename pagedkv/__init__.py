@@ -1,10 +1,10 @@
 """pagedkv: an LLM inference and serving engine built around paged KV-cache memory."""
 
 from pagedkv.outputs import CompletionOutput, RequestOutput
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.sampling_params import SamplingParams, StructuredOutput
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutput", "__version__"]
 
 
 def __getattr__(name: str):

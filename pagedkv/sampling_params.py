@@ -2,9 +2,57 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """What a completion must match: exactly one of ``json`` (a JSON schema, a dict or its text),
+    ``json_object`` (any JSON object), ``regex`` (Rust regex syntax, the whole output matches) or
+    ``choice`` (one of these strings). vLLM's ``StructuredOutputsParams`` names. The output is
+    constrained token by token (pagedkv.engine.structured_output); a completion that finishes
+    with "stop" (EOS) matches, one cut by max_tokens or a stop string may not. Shape errors raise
+    ``ValueError`` naming the field; whether the schema or regex compiles is checked when the
+    request is added (or by the server, before).
+    """
+
+    json: dict[str, Any] | None = field(default=None, hash=False)  # a dict: not hashed
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, str):
+            try:
+                object.__setattr__(self, "json", json.loads(self.json))
+            except ValueError as exc:
+                raise ValueError(f"json must be a JSON schema (an object), got text that is not JSON: {exc}") from None
+        if self.json is not None and not isinstance(self.json, Mapping):
+            raise ValueError(f"json must be a JSON schema (an object), got {self.json!r:.80}")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice) or not self.choice:
+                raise ValueError(f"choice must be a non-empty list of strings, got {self.choice!r:.80}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError(f"regex must be a non-empty string, got {self.regex!r:.80}")
+        given = [self.json is not None, self.regex is not None, self.choice is not None, bool(self.json_object)]
+        if sum(given) != 1:
+            raise ValueError("structured_output must set exactly one of json, json_object, regex and choice")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal keys compile to the same grammar."""
+        if self.json is not None:
+            return "json", json.dumps(self.json, sort_keys=True, separators=(",", ":"))
+        if self.json_object:
+            return "json", '{"type":"object"}'
+        if self.regex is not None:
+            return "regex", self.regex
+        return "choice", json.dumps(list(self.choice or ()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +69,8 @@ class SamplingParams:
     ``frequency_penalty`` (in [-2, 2], OpenAI's rule over the output only) subtract
     ``presence * (count > 0) + frequency * count``; ``logit_bias`` ({token id: bias in [-100, 100]})
     is added first. They change greedy choices too; logprobs stay the model's (vLLM's default).
+    ``structured_output`` constrains every token to a JSON schema, a regex or a choice (see
+    :class:`StructuredOutput`); not with beam search.
     Invalid values (NaN and infinities included) raise ``ValueError`` naming the field.
     """
 
@@ -43,6 +93,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = field(default=None, hash=False)  # a dict: not hashed
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and single strings for convenience, store tuples (hashable, immutable).
@@ -82,6 +133,8 @@ class SamplingParams:
             raise ValueError("repetition_penalty must be > 0, got 0")
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise ValueError(f"structured_output must be a StructuredOutput, got {self.structured_output!r:.80}")
 
     @property
     def uses_penalties(self) -> bool:

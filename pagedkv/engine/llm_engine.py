@@ -37,6 +37,7 @@ from pagedkv.engine.sampler import (
 from pagedkv.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput, StepResult
 from pagedkv.engine.sequence import GroupStatus, Sequence, SequenceGroup
 from pagedkv.engine.stats import EngineStats
+from pagedkv.engine.structured_output import GrammarError, StructuredOutputs
 from pagedkv.memory import KVCacheManager
 from pagedkv.outputs import RequestOutput
 from pagedkv.runner.batch import SeqChunk
@@ -91,9 +92,11 @@ class LLMEngine:
         # 8-bit KV blocks: watch the error of what is stored (engine/kv_quality.py)
         self.kv_guard = KVQuantGuard(runner) if getattr(runner, "write_error", None) is not None else None
         self.outputs = OutputProcessor(tokenizer, model_len)
-        self.inputs = InputProcessor(tokenizer, self.config.max_model_len, self.kv,
-                                     getattr(getattr(runner, "config", None), "vocab_size", None),
+        vocab_size = getattr(getattr(runner, "config", None), "vocab_size", None)
+        self.inputs = InputProcessor(tokenizer, self.config.max_model_len, self.kv, vocab_size,
                                      chunk=config.max_num_batched_tokens)
+        # Structured output: the grammar library's tokenizer info is built on first use
+        self.structured = StructuredOutputs(tokenizer, vocab_size, self.outputs.eos_token_ids)
         self._arrivals = 0
         self._steps = 0
         self._prompt_tokens = 0
@@ -115,6 +118,7 @@ class LLMEngine:
         self.inputs.check_logit_bias(params)
         text, ids = self.inputs.tokenize(prompt)
         max_tokens = self.inputs.check_fits(len(ids), params, beam_width or params.n)
+        grammar = self._start_grammar(params, beam_width)
         salt = cache_salt
         if params.prompt_logprobs is not None:
             # Prompt logprobs need logits at every prompt position: a salt of its own means no
@@ -125,10 +129,25 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]  # nothing predicts the first prompt token
         group.seqs.append(self._new_seq(group, 0, list(ids)))
+        group.seqs[0].grammar = grammar
         group.metrics["arrival_time"] = time.time()
         self._arrivals += 1
         self._prompt_tokens += len(ids)
         self.scheduler.add(group)
+
+    def _start_grammar(self, params: SamplingParams, beam_width: int):
+        """The structured-output state of a new request, or None; RequestRejectedError (``param``
+        "structured_output") when its grammar does not compile or cannot be served."""
+        so = params.structured_output
+        if so is None:
+            return None
+        if beam_width:
+            raise RequestRejectedError("structured output is not supported with beam search",
+                                       param="structured_output")
+        try:
+            return self.structured.start(so)
+        except GrammarError as exc:
+            raise RequestRejectedError(f"structured output: {exc}", param="structured_output") from exc
 
     def add_requests(self, requests: list[tuple[str, PromptInput, SamplingParams]], *,
                      cache_salt: str | None = None, priorities: list[int] | None = None) -> None:
@@ -286,9 +305,14 @@ class LLMEngine:
                 except Exception as exc:  # noqa: BLE001
                     self._fail_requests([group], "forking", exc, step)
                     continue
-            for q in seqs:
-                rows.append(SampleRow(i, group.params, q.rng, q.token_ids, q.prompt_len))
-                targets.append((group, q))
+            try:
+                for q in seqs:  # a grammar's allowed tokens, from its state after q's tokens so far
+                    bitmask = (q.grammar.fill_bitmask(self.structured.new_bitmask())  # type: ignore[attr-defined]
+                               if q.grammar is not None else None)
+                    rows.append(SampleRow(i, group.params, q.rng, q.token_ids, q.prompt_len, bitmask))
+                    targets.append((group, q))
+            except Exception as exc:  # noqa: BLE001
+                self._fail_requests([group], "structured output", exc, step)
         if rows:
             try:
                 batch = self.sampler.prepare(logits, rows)
@@ -322,6 +346,8 @@ class LLMEngine:
 
     def _append(self, group: SequenceGroup, seq: Sequence, sampled: Sampled, step: StepResult) -> None:
         seq.token_ids.append(sampled.token)
+        if seq.grammar is not None:
+            seq.grammar.accept(sampled.token)  # type: ignore[attr-defined]
         self._generation_tokens += 1
         if sampled.top is not None:
             seq.logprobs.append(sampled.top)  # type: ignore[union-attr]
@@ -401,6 +427,8 @@ class LLMEngine:
         """A new sequence of ``group`` continuing ``parent`` (its blocks are shared in the update)."""
         child = self._new_seq(group, len(group.seqs), list(parent.token_ids))
         child.cumulative_logprob = parent.cumulative_logprob
+        if parent.grammar is not None:
+            child.grammar = parent.grammar.fork()  # type: ignore[attr-defined]
         if parent.logprobs is not None:
             child.logprobs = list(parent.logprobs)
         group.seqs.append(child)

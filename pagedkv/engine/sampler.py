@@ -11,6 +11,9 @@ use one at once; rows that use none are not touched (nor copied). Greedy rows ar
 Log-probabilities are those of the model's own logits, before penalties and temperature (vLLM
 v1's default ``logprobs_mode="raw_logprobs"``).
 
+Structured output: a row with a ``bitmask`` (its grammar's allowed tokens) gets -inf elsewhere,
+after the penalties, in the same batched pass over the copied rows (engine/structured_output.py).
+
 Numeric guards, for every valid parameter and any logits a model can produce:
 
 - NaN logits count as -inf; in a row holding +inf, exactly the +inf tokens are candidates
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedkv.engine.structured_output import apply_bitmask
 from pagedkv.errors import PagedKVError
 from pagedkv.outputs import Logprob
 from pagedkv.sampling_params import SamplingParams
@@ -48,6 +52,13 @@ class SampleRow:
     generator: torch.Generator | None
     token_ids: Sequence[int] = ()  # the sequence's prompt + output so far (read for penalties only)
     prompt_len: int = 0            # token_ids[:prompt_len] is the prompt
+    # structured output: the allowed tokens (int32 [words]; token t is bit t % 32 of word t // 32)
+    bitmask: torch.Tensor | None = None
+
+    @property
+    def processed(self) -> bool:
+        """Its logits need work before sampling (penalties or a structured-output mask)."""
+        return self.params.uses_penalties or self.bitmask is not None
 
 
 @dataclass(slots=True)
@@ -69,16 +80,24 @@ class Sampler:
 
     @torch.inference_mode()
     def prepare(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleBatch:
-        """Sanitize ``logits`` (float32 ``[num_rows_in_step, vocab]``) once, apply the penalties of
-        the rows that use them (one batched pass over a copy of their rows) and take every greedy
-        row's argmax in one call; then :meth:`SampleBatch.sample` draws one row at a time."""
+        """Sanitize ``logits`` (float32 ``[num_rows_in_step, vocab]``) once, apply the penalties and
+        structured-output masks of the rows that use them (one batched pass over a copy of their
+        rows) and take every greedy row's argmax in one call; then :meth:`SampleBatch.sample`
+        draws one row at a time. Rows that use neither are not copied."""
         logits = sanitize_logits(logits)
-        penalized = [r for r in rows if r.params.uses_penalties]
+        penalized = [r for r in rows if r.processed]
         processed = None
         if penalized:
             mine = logits.index_select(0, torch.tensor([r.row for r in penalized]))  # a copy
-            processed = sanitize_logits(apply_penalties(mine, penalized))  # a tiny penalty can make +inf
-        greedy_rows = sorted({r.row for r in rows if r.params.temperature == 0.0 and not r.params.uses_penalties})
+            if any(r.params.uses_penalties for r in penalized):
+                mine = sanitize_logits(apply_penalties(mine, penalized))  # a tiny penalty can make +inf
+            masked = [j for j, r in enumerate(penalized) if r.bitmask is not None]
+            if masked:
+                idx = torch.tensor(masked)
+                bitmasks = torch.stack([penalized[j].bitmask for j in masked])  # type: ignore[misc]
+                mine[idx] = apply_bitmask(mine.index_select(0, idx), bitmasks)
+            processed = mine
+        greedy_rows = sorted({r.row for r in rows if r.params.temperature == 0.0 and not r.processed})
         greedy: dict[int, int] = {}
         if greedy_rows:
             idx = torch.tensor(greedy_rows)
@@ -99,8 +118,8 @@ class SampleBatch:
     logits: torch.Tensor              # sanitized: no NaN, no +inf (the model's: logprobs come from it)
     greedy: dict[int, int]            # row -> argmax, for rows sampled greedily without penalties
     default_generator: torch.Generator
-    processed: torch.Tensor | None = None  # [len(penalized), vocab]: their logits after penalties
-    penalized: list[SampleRow] = field(default_factory=list)  # the rows that use penalties
+    processed: torch.Tensor | None = None  # [len(penalized), vocab]: their logits after penalties and masks
+    penalized: list[SampleRow] = field(default_factory=list)  # the rows that use penalties or a mask
     processed_greedy: list[int] = field(default_factory=list)  # argmax of each processed row
     _index: dict[int, int] = field(init=False, default_factory=dict)  # id(row) -> index in processed
 

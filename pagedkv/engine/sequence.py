@@ -44,6 +44,7 @@ class Sequence:
     logprobs: list | None = None
     cumulative_logprob: float = 0.0
     rng: object | None = None  # per-sequence random generator for seeded sampling (runner side)
+    grammar: object | None = None  # structured output: a GrammarState, advanced by each appended token
 
     @property
     def num_tokens(self) -> int:

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.sampling_params import SamplingParams, StructuredOutput
 from pagedkv.server.limits import MAX_CHOICES
 
 
@@ -97,18 +97,59 @@ class _SamplingFields(_Body):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0)
     logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}, keys as OpenAI sends them
+    # Structured output: OpenAI's response_format (json_object, json_schema), vLLM's guided_* and
+    # structured_outputs ({"json" | "regex" | "choice" | "json_object": ...}); at most one.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
     # Accepted at their neutral values only, so that a client relying on them hears it is not served.
     best_of: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
 
     def _reject_unsupported(self) -> None:
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of is not supported (use n)", param="best_of")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("only response_format {\"type\": \"text\"} is supported", param="response_format")
         if self.tools:
             raise bad_request("tools are not supported", param="tools")
+
+    def _structured_output(self) -> StructuredOutput | None:
+        """The request's structured output, its grammar checked: a 400 naming the field otherwise."""
+        given: list[tuple[str, dict[str, Any]]] = []  # (field, StructuredOutput's arguments)
+        rf = self.response_format
+        kind = rf.get("type", "text") if rf else "text"
+        if kind == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            spec = rf.get("json_schema") if rf else None
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise bad_request("response_format json_schema must be an object with a \"schema\" object",
+                                  param="response_format")
+            given.append(("response_format", {"json": spec["schema"]} if spec.get("schema") else
+                          {"json_object": True}))
+        elif kind != "text":
+            raise bad_request(f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                              param="response_format")
+        for name, arg in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice")):
+            if getattr(self, name) is not None:
+                given.append((name, {arg: getattr(self, name)}))
+        if self.structured_outputs:
+            given.append(("structured_outputs", dict(self.structured_outputs)))
+        if len(given) > 1:
+            raise bad_request(f"give at most one of response_format, guided_json, guided_regex, guided_choice "
+                              f"and structured_outputs (got {given[0][0]} and {given[1][0]})", param=given[1][0])
+        if not given:
+            return None
+        name, args = given[0]
+        # (here, not at the top: the CLI's parsers import this module and stay free of torch)
+        from pagedkv.engine.structured_output import grammar_of
+        try:
+            so = StructuredOutput(**args)
+            grammar_of(so)
+        except (TypeError, ValueError) as exc:  # an unknown key, a bad shape, a grammar that fails
+            raise bad_request(f"{name}: {exc}", param=name) from exc
+        return so
 
     def _params(self, max_tokens: int | None, logprobs: int | None,
                 prompt_logprobs: int | None = None, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
@@ -137,6 +178,7 @@ class _SamplingFields(_Body):
                 min_tokens=self.min_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
+                structured_output=self._structured_output(),
             )
         except ValueError as exc:
             # SamplingParams names the field first: "top_p must be in ...".
