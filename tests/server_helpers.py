@@ -112,3 +112,17 @@ def tiny_engine(folder: str | Path, **options: Any) -> Any:
     from pagedkv.engine import LLMEngine
 
     return LLMEngine.from_options(model=str(folder), **options)
+
+
+def run_engine(engine: Any, requests: Any) -> dict[str, Any]:
+    """Add ``(request id, prompt, SamplingParams)`` requests, step the engine until all finish, and
+    return each request's final ``RequestOutput``; no KV block may be left in use."""
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert engine.stats().kv.used_blocks == 0
+    return done

@@ -9,7 +9,7 @@ its invariants (check_integrity after every step) and leaks no block.
 from __future__ import annotations
 
 import pytest
-from server_helpers import tiny_engine
+from server_helpers import run_engine, tiny_engine
 from tiny_model import write_tiny_model
 
 from pagedkv import SamplingParams
@@ -27,16 +27,7 @@ def make_engine(model_dir):
     return tiny_engine(model_dir, block_size=4, num_kv_blocks=128, max_model_len=128, debug_integrity=True)
 
 
-def run(engine, requests):
-    for rid, prompt, params in requests:
-        engine.add_request(rid, prompt, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    assert engine.stats().kv.used_blocks == 0
-    return done
+run = run_engine
 
 
 @pytest.fixture(scope="module")

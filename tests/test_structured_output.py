@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 import torch
-from server_helpers import ServerThread, tiny_engine
+from server_helpers import ServerThread, run_engine, tiny_engine
 from tiny_model import write_tiny_model
 
 from pagedkv import SamplingParams, StructuredOutput
@@ -55,15 +55,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run(engine: LLMEngine, requests: dict[str, SamplingParams], prompt: str = "hello world") -> dict:
-    for rid, params in requests.items():
-        engine.add_request(rid, prompt, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    assert engine.stats().kv.used_blocks == 0
-    return done
+    return run_engine(engine, [(rid, prompt, params) for rid, params in requests.items()])
 
 
 KINDS = {"json": StructuredOutput(json=SCHEMA), "json_object": StructuredOutput(json_object=True),
