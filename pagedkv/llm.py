@@ -28,7 +28,7 @@ class LLM:
     ``kv_offload_disk_size``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``max_model_len``, ``preemption_mode``, ``eviction_policy``,
     ``dtype``, ``quantization``, ``seed``, ``fault_injection``, ``debug_integrity``, ``threads``,
-    ``generation_config``); see
+    ``generation_config``, ``tokenizer``); see
     ``pagedkv.engine.EngineConfig``.
     """
 

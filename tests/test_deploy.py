@@ -134,7 +134,8 @@ def exported_metrics(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
                             "0.01", "--kv-offload-dir", str(tmp / "kv"), "--kv-offload-disk-size", "64MiB"])
     try:
         base = f"http://127.0.0.1:{port}"
-        r = httpx.post(f"{base}/v1/completions", json={"prompt": "hello world " * 8, "max_tokens": 4}, timeout=60)
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "hello world " * 8, "max_tokens": 4,
+                                                                  "ignore_eos": True}, timeout=60)
         assert r.status_code == 200, r.text
         assert httpx.get(f"{base}/v1/no-such-route", timeout=10).status_code == 404
         text = httpx.get(f"{base}/metrics", timeout=10).text
@@ -306,7 +307,8 @@ def test_dashboard_covers_the_kv_and_latency_views() -> None:
     titles = {p["title"] for p in dash["panels"]}
     assert titles >= {"KV cache usage", "KV blocks", "Prefix cache hit rate", "Preemptions",
                       "Evictions and tier copies", "Scheduler queues", "Time to first token", "Time per output token",
-                      "End-to-end latency", "Tokens per second", "Tier hits (prompt tokens)"}
+                      "Inter-token latency", "Tokens per engine step", "End-to-end latency", "Tokens per second",
+                      "Tier hits (prompt tokens)"}
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
 

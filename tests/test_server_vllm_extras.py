@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -202,3 +203,32 @@ def test_a_chat_template_given_replaces_the_models(server: ServerThread) -> None
         assert tok.decode(r.json()["tokens"], skip_special_tokens=False) == "[hello world]"
     finally:
         tok.set_chat_template(saved)
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_inter_token_latency_and_iteration_tokens(server: ServerThread) -> None:
+    before = httpx.get(server.url + "/metrics", timeout=10).text
+    prompt = f"unique {uuid.uuid4().hex} prompt"  # nothing of it is cached: every prompt token is computed
+    n_prompt = len(server.engine.tokenizer.encode(prompt))
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      headers={"Authorization": "Bearer sekrit"},
+                      json={"model": "tiny", "prompt": prompt, "max_tokens": 6, "ignore_eos": True,
+                            "stream": True}) as r:
+        assert r.status_code == 200
+        assert [line for line in r.iter_lines() if line][-1] == "data: [DONE]"
+    after = httpx.get(server.url + "/metrics", timeout=10).text
+
+    def delta(name: str) -> float:
+        return _metric(after, name) - _metric(before, name)
+
+    # five gaps between six tokens; the engine computed the prompt and the first five outputs
+    assert delta("pagedkv_inter_token_latency_seconds_count") == 5
+    assert delta("pagedkv_inter_token_latency_seconds_sum") > 0
+    assert delta("pagedkv_iteration_tokens_total_sum") == n_prompt + 5
+    assert delta("pagedkv_iteration_tokens_total_count") >= 6  # a prefill step and five decode steps

@@ -132,7 +132,9 @@ def test_units() -> None:
     assert parse_bytes("71GB", "--x") == 71 * 10**9
     assert parse_bytes("1.5 MiB", "--x") == 1572864
     assert parse_bytes("4096", "--x") == 4096
-    assert parse_bytes("8g", "--x") == 8 * 10**9  # as the engine's kv_cache_memory reads it
+    assert parse_bytes("8g", "--x") == 8 * 10**9  # bare letters as vLLM's: lowercase decimal,
+    assert parse_bytes("4G", "--x") == 4 * 2**30  # uppercase binary
+    assert parse_bytes("512K", "--x") == 512 * 1024 and parse_bytes("2gb", "--x") == 2 * 10**9
     with pytest.raises(ValueError, match="--device-memory"):
         parse_bytes("80 bananas", "--device-memory")
     assert format_bytes(8 * 2**20) == "8.00 MiB" and format_bytes(512) == "512 B"

@@ -31,7 +31,7 @@ def build_runner(config: EngineConfig):
     path, _ = resolve_model_path(config.model)
     dtype = getattr(torch, resolve_dtype(config.dtype, path))
     kv_dtype = kv_format(config.kv_cache_dtype, dtype).name
-    loaded = load_model(config.model, dtype=dtype, quantization=config.quantization)
+    loaded = load_model(config.model, dtype=dtype, quantization=config.quantization, tokenizer=config.tokenizer)
     per_block = bytes_per_block(loaded.config, config.block_size, kv_dtype)  # scales included
     device_blocks = config.num_kv_blocks or num_blocks_for_memory(
         loaded.config, config.block_size, config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, kv_dtype)

@@ -50,9 +50,12 @@ class EngineConfig:
     request leaves out: "auto" (default) the model folder's generation_config.json (temperature,
     top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens; a GGUF file has none),
     "vllm" the neutral defaults of SamplingParams, or a folder holding a generation_config.json.
+    ``tokenizer`` (vLLM's ``--tokenizer``) replaces the model's tokenizer: a folder with
+    tokenizer.json, a .gguf file, or a cached Hugging Face repo id (``pagedkv.models.load_tokenizer``).
     """
 
     model: str | None = None
+    tokenizer: str | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_cache_memory: str | int | None = None

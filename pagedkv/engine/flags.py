@@ -23,10 +23,13 @@ def _size(text: str) -> int | str:
 # Field -> (help, argparse keywords). Every EngineConfig field but ``model`` has an entry (a test
 # checks it), so a new option cannot be forgotten here.
 _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "tokenizer": ("a tokenizer instead of the model's: a folder with tokenizer.json, a .gguf file or a cached "
+                  "Hugging Face repo id (default: the model's own)", {"type": str}),
     "block_size": ("token slots per KV block", {"type": int}),
     "enable_prefix_caching": ("share KV blocks of common prompt prefixes",
                               {"action": argparse.BooleanOptionalAction}),
-    "kv_cache_memory": ("memory for the KV cache: bytes or a size such as 512MiB, 2GiB (default 1GiB)",
+    "kv_cache_memory": ("memory for the KV cache: bytes or a size such as 512MiB, 2GiB, 4G (= 4GiB, as vLLM's "
+                        "--kv-cache-memory-bytes reads it; 4g and 4GB are 4 x 1000^3) (default 1GiB)",
                         {"type": _size}),
     "num_kv_blocks": ("number of KV blocks (instead of --kv-cache-memory)", {"type": int}),
     "kv_offloading_size": ("the host tier in GiB: swapped-out sequences and cached prefix blocks evicted "
@@ -65,6 +68,10 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# vLLM's other spellings of a flag.
+_ALIASES: dict[str, tuple[str, ...]] = {"kv_cache_memory": ("--kv-cache-memory-bytes",)}
+
+
 def engine_fields() -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(EngineConfig) if f.name != "model"]
 
@@ -78,7 +85,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
         help_text, kwargs = _FLAGS[f.name]
         if f.default is not None and "(default" not in help_text:
             help_text += f" (default {f.default})"
-        parser.add_argument("--" + f.name.replace("_", "-"), default=None, help=help_text, **kwargs)
+        parser.add_argument("--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, ()), default=None,
+                            help=help_text, **kwargs)
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -99,6 +99,7 @@ class LLMEngine:
         self.structured = StructuredOutputs(tokenizer, vocab_size, self.outputs.eos_token_ids)
         self._arrivals = 0
         self._steps = 0
+        self.last_step_tokens = 0  # tokens computed by the last step (the iteration-tokens histogram)
         self._prompt_tokens = 0
         self._generation_tokens = 0
 
@@ -203,6 +204,7 @@ class LLMEngine:
                     logits = logits.index_select(0, logits.new_tensor([e - 1 for e in ends]).long())
                 self._sample(out, logits, step)
         self.scheduler.update_from_output(out, step)
+        self.last_step_tokens = sum(c.num_tokens for c in chunks)
         if not out.scheduled and self.kv.disk is not None:
             self.kv.disk.wait_for_reads(0.05)  # nothing to compute but requests waiting for the disk
         self._steps += 1

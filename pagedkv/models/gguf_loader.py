@@ -150,6 +150,11 @@ def gguf_config(reader: Any) -> tuple[ModelConfig, dict[str, Any]]:
     config = ModelConfig.from_shape(shape, rope=rope,
                                     rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
                                     **(_gemma3_fields(shape, key) if arch == "gemma3" else {}))
+    return config, _special_token_ids(reader)
+
+
+def _special_token_ids(reader: Any) -> dict[str, Any]:
+    """config.json's ``bos_token_id`` and ``eos_token_id`` (EOS, EOT and EOM) from GGUF metadata."""
     extra: dict[str, Any] = {}
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eos = {int(v) for k in ("eos_token_id", "eot_token_id", "eom_token_id")
@@ -158,7 +163,7 @@ def gguf_config(reader: Any) -> tuple[ModelConfig, dict[str, Any]]:
         extra["bos_token_id"] = int(bos)
     if eos:
         extra["eos_token_id"] = sorted(eos)
-    return config, extra
+    return extra
 
 
 def _gemma3_fields(shape: ModelShape, key: Callable[..., Any]) -> dict[str, Any]:
@@ -339,6 +344,38 @@ def _write_tokenizer(reader: Any, out_dir: Path, tokens: list[str], extra: dict[
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2))
 
 
+def tokenizer_folder(path: Path) -> Path:
+    """The cached folder holding only the tokenizer (tokenizer.json, tokenizer_config.json and the
+    token ids in config.json) of GGUF ``path``, for ``--tokenizer FILE.gguf``: no tensor is read."""
+    from gguf import GGUFReader
+
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file {path} does not exist")
+    folder = cache_root() / "gguf-tokenizer" / f"{path.stem}-{file_key(path, CONVERTER_VERSION)}"
+    if (folder / _DONE).exists():
+        return folder
+    reader = GGUFReader(str(path))
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    if not tokens:
+        raise ModelLoadError(f"GGUF file {path} holds no tokenizer (no tokenizer.ggml.tokens)")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=folder.parent))
+    try:
+        extra = _special_token_ids(reader)
+        _write_tokenizer(reader, tmp, tokens, extra)
+        (tmp / "config.json").write_text(json.dumps(extra))
+        (tmp / _DONE).write_text(str(path))
+        shutil.rmtree(folder, ignore_errors=True)
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # another process finished first
+            pass
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
 def converted_folder(path: Path, quantization: str = "none") -> Path:
     """The cached HF-style folder for GGUF ``path`` with its matrices dequantized ("none"), in the
     8-bit layout where exact, else dequantized ("auto"), or all in the 8-bit layout ("q8_0"),
@@ -368,4 +405,4 @@ def converted_folder(path: Path, quantization: str = "none") -> Path:
 
 
 __all__ = ["converted_folder", "convert_gguf", "gguf_config", "has_exact_quantized_matrices", "hf_name",
-           "unpermute_rows"]
+           "tokenizer_folder", "unpermute_rows"]

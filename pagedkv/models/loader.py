@@ -12,8 +12,8 @@ import torch
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.default_model import DEFAULT_MODEL_NAME, default_model_path
 from pagedkv.models.errors import ModelLoadError
-from pagedkv.models.gguf_loader import converted_folder, has_exact_quantized_matrices
-from pagedkv.models.hf_loader import load_hf_folder, read_generation_defaults
+from pagedkv.models.gguf_loader import converted_folder, has_exact_quantized_matrices, tokenizer_folder
+from pagedkv.models.hf_loader import load_hf_folder, load_hf_tokenizer, read_generation_defaults, read_json
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.quant_linear import quantize_model
 from pagedkv.models.tokenizer import Tokenizer
@@ -107,24 +107,46 @@ def resolve_quantization(requested: str, path: Path) -> str:
     return "auto" if path.is_file() and has_exact_quantized_matrices(path) else "none"
 
 
+def load_tokenizer(source: str | Path) -> Tokenizer:
+    """The tokenizer of ``source`` alone (vLLM's ``--tokenizer``): a folder with tokenizer.json (its
+    tokenizer_config.json, config.json and generation_config.json give BOS, EOS and the chat
+    template), a GGUF file (its vocabulary, no tensor read), a folder holding one GGUF file, or a
+    Hugging Face repo id in the local cache. Raises ModelLoadError saying what was looked for."""
+    path, _ = resolve_model_path(source)
+    if path.is_file():
+        path = tokenizer_folder(path)
+    if not (path / "tokenizer.json").exists():
+        raise ModelLoadError(f"--tokenizer {str(source)!r}: no tokenizer.json in {path} (give a folder with "
+                             "tokenizer.json, or a .gguf file)")
+    config_json = read_json(path / "config.json") if (path / "config.json").exists() else {}
+    return load_hf_tokenizer(path, config_json)
+
+
 def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float32,
-               quantization: str = "auto") -> LoadedModel:
+               quantization: str = "auto", tokenizer: str | Path | None = None) -> LoadedModel:
     """Load ``model`` (see :func:`resolve_model_path`) with weights in ``dtype``, the linear ones
     in Q8_0 where ``quantization`` (:func:`resolve_quantization`) says so.
 
     GGUF files are converted once (dequantized to float32, or to Q8_0 tensors) into the pagedkv cache
     directory and loaded from there afterwards; a float folder asked for "q8_0" is quantized as
-    it loads. Raises ModelLoadError (or a subclass) with a clear message, ValueError for an
-    unknown ``quantization``.
+    it loads. ``tokenizer`` replaces the model's own (:func:`load_tokenizer`). Raises ModelLoadError
+    (or a subclass) with a clear message, ValueError for an unknown ``quantization``.
     """
     check_quantization(quantization)
     path, name = resolve_model_path(model)
+    chosen = load_tokenizer(tokenizer) if tokenizer is not None else None  # a bad one fails before the weights
     quant = resolve_quantization(quantization, path)
     folder = converted_folder(path, quant) if path.is_file() else path
     with torch.inference_mode(False):
-        net, config, tokenizer = load_hf_folder(folder, dtype=dtype)
+        net, config, own_tokenizer = load_hf_folder(folder, dtype=dtype)
         if quant == "q8_0":
             quantize_model(net)  # float linear layers left (an HF folder); none after a GGUF conversion
+    if chosen is None:
+        chosen = own_tokenizer
+    elif chosen.vocab_size > config.vocab_size:
+        raise ModelLoadError(f"--tokenizer: its vocabulary ({chosen.vocab_size} tokens) is larger than "
+                             f"the model's ({config.vocab_size}): its ids past the model's would have no "
+                             "embedding; give the model's own tokenizer or one of the same family")
     defaults = read_generation_defaults(path) if path.is_dir() else {}  # GGUF: no generation config
-    return LoadedModel(model=net, config=config, tokenizer=tokenizer, name=name, path=path, quantization=quant,
+    return LoadedModel(model=net, config=config, tokenizer=chosen, name=name, path=path, quantization=quant,
                        generation_defaults=defaults)

@@ -65,6 +65,7 @@ def create_app(
         max_num_seqs=engine.engine.config.max_num_seqs,
         limits=limits or RequestLimits(),
     )
+    engine.step_observer = state.metrics.observe_iteration
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

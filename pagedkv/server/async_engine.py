@@ -112,6 +112,9 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._stats: Any | None = None  # the last engine stats snapshot (latest_stats)
         self._stats_at = float("-inf")
+        # Called on the engine thread after each step with the tokens it computed (the server's
+        # iteration-tokens histogram); it must be quick and thread-safe.
+        self.step_observer: Callable[[int], None] | None = None
         self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
 
     # ----------------------------------------------------------------- lifecycle
@@ -272,6 +275,8 @@ class AsyncEngine:
             if self.engine.has_unfinished_requests():
                 raise  # aborting did not clear the engine: it cannot go on
             return
+        if self.step_observer is not None and self.engine.last_step_tokens:
+            self.step_observer(self.engine.last_step_tokens)
         # One wake-up of each event loop per step, however many requests progressed.
         batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         for out in outputs:

@@ -21,7 +21,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0,
                     640.0, 1280.0, 2560.0, 3600.0, 7200.0)
 _TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
-_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
+                  40.0, 80.0)
+_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's
 
 
 class EngineStatsCollector(Collector):
@@ -213,6 +215,12 @@ class ServerMetrics:
                 ("prefill", "Time from the request's first computation to its first token."),
                 ("decode", "Time from the request's first token to its last."),
                 ("inference", "Time from the request's first computation to its last token."))}
+        self.inter_token_latency = Histogram(
+            "pagedkv_inter_token_latency_seconds", "Time between successive output tokens of a request.",
+            labels, buckets=_TOKEN_BUCKETS, registry=self.registry)
+        self.iteration_tokens = Histogram(
+            "pagedkv_iteration_tokens_total", "Tokens computed per engine step (prefill and decode).",
+            labels, buckets=_ITERATION_BUCKETS, registry=self.registry)
         self.prompt_tokens = Histogram(
             "pagedkv_request_prompt_tokens", "Prompt tokens per request.", labels,
             buckets=_TOKEN_COUNT_BUCKETS, registry=self.registry)
@@ -247,6 +255,15 @@ class ServerMetrics:
                 self.phases[phase].labels(self._model).observe(max(times[end] - times[start], 0.0))
         self.prompt_tokens.labels(self._model).observe(prompt_tokens)
         self.generation_tokens.labels(self._model).observe(generation_tokens)
+
+    def observe_inter_token(self, gaps: list[float]) -> None:
+        child = self.inter_token_latency.labels(self._model)
+        for gap in gaps:
+            child.observe(gap)
+
+    def observe_iteration(self, num_tokens: int) -> None:
+        """One engine step's token count (called on the engine thread; prometheus_client locks)."""
+        self.iteration_tokens.labels(self._model).observe(num_tokens)
 
     def count_finish(self, reason: str | None) -> None:
         self.requests_finished.labels(self._model, reason or "abort").inc()

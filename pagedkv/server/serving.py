@@ -90,15 +90,26 @@ class _Tracker:
     arrival: float
     first_token: dict[str, float] = field(default_factory=dict)
     final: dict[str, RequestOutput] = field(default_factory=dict)
+    last_token: dict[str, tuple[float, int]] = field(default_factory=dict)  # time, tokens so far
+    gaps: list[float] = field(default_factory=list)  # inter-token latencies, one per token after the first
 
     def update(self, out: RequestOutput) -> None:
-        if out.request_id not in self.first_token and any(c.token_ids for c in out.outputs):
-            self.first_token[out.request_id] = time.monotonic()
+        ntok = max((len(c.token_ids) for c in out.outputs), default=0)
+        if ntok:
+            now = time.monotonic()
+            if out.request_id not in self.first_token:
+                self.first_token[out.request_id] = now
+            last = self.last_token.get(out.request_id)
+            if last is not None and ntok > last[1]:  # several tokens in one delivery share the gap
+                self.gaps.extend([(now - last[0]) / (ntok - last[1])] * (ntok - last[1]))
+            if last is None or ntok > last[1]:
+                self.last_token[out.request_id] = (now, ntok)
         if out.finished:
             self.final[out.request_id] = out
 
     def observe(self, metrics: ServerMetrics) -> None:
         now = time.monotonic()
+        metrics.observe_inter_token(self.gaps)
         for rid, out in self.final.items():
             first = self.first_token.get(rid)
             ntok = max((len(c.token_ids) for c in out.outputs), default=0)
