@@ -7,9 +7,14 @@ on), and block copies / swaps move stored contents exactly as the runner would. 
 table, holds that sequence's own prefix. A wrong prefix hit, a missed copy-on-write, a lost swap
 copy or a write into a shared block all show up as a mismatch.
 
+With per-tenant quotas (``quotas``) each salt is a tenant, and check_integrity() recounts the
+tenant ledger from the blocks.
+
 Hybrid models (``groups``: KV groups of full and sliding-window layers) keep one table per group;
 the slots store the group too, and a released entry must be out of the window of the next query.
 """
+
+from dataclasses import replace
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -26,8 +31,10 @@ class MemoryCoreMachine(RuleBasedStateMachine):
                 caching=st.booleans(), watermark=st.sampled_from([0.0, 0.1]),
                 index=st.sampled_from(["hash", "radix"]),
                 groups=st.sampled_from([(None,), (None,), (None, 2), (None, 3, 3), (None, None, 5), (None, 1)]),
-                offload=st.booleans())
-    def setup(self, block_size, num_blocks, num_host_blocks, policy, caching, watermark, index, groups, offload):
+                offload=st.booleans(),
+                quotas=st.sampled_from([None, None, ({"t1": 0.3}, None), ({}, 0.4), ({"t1": 0.5}, 0.5)]))
+    def setup(self, block_size, num_blocks, num_host_blocks, policy, caching, watermark, index, groups, offload,
+              quotas):
         self.B = block_size
         self.windows = groups
         if len(groups) > 1:
@@ -37,7 +44,8 @@ class MemoryCoreMachine(RuleBasedStateMachine):
         self.mgr = KVCacheManager(num_blocks, block_size, num_host_blocks=num_host_blocks,
                                   enable_prefix_caching=caching, eviction_policy=policy,
                                   watermark=watermark, prefix_index=index, kv_group_windows=groups,
-                                  offload_to_host=offload)
+                                  offload_to_host=offload, tenant_quotas=quotas and quotas[0],
+                                  default_tenant_quota=quotas and quotas[1])
         self.device: dict[int, list] = {}  # block id -> slot contents
         self.host: dict[int, list] = {}
         self.ref: dict[int, tuple[list[int], str | None]] = {}  # seq -> (tokens, salt)
@@ -97,11 +105,13 @@ class MemoryCoreMachine(RuleBasedStateMachine):
         before = self.mgr.stats()
         tokens = list(tokens)  # this sequence's own list: the manager reads it
         try:
-            cached = self.mgr.allocate_prompt(seq, tokens, chunk, salt=salt)
+            cached = self.mgr.allocate_prompt(seq, tokens, chunk, salt=salt, tenant=salt)  # quotas: per salt
             self._tier_copies()
         except OutOfBlocksError as e:
             assert e.needed > e.available
-            assert self.mgr.stats() == before and seq not in self.mgr
+            # nothing changed (but the count of allocations a tenant quota refused)
+            assert replace(self.mgr.stats(), tenant_quota_waits={}) == replace(before, tenant_quota_waits={})
+            assert seq not in self.mgr
             return
         assert cached % self.B == 0 and cached < len(tokens)
         self.ref[seq] = (tokens, salt)

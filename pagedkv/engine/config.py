@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pagedkv.engine.faults import FaultSpec
 from pagedkv.memory import EVICTION_POLICIES
 from pagedkv.memory.prefix_index import PREFIX_INDEXES
+from pagedkv.memory.tenancy import check_fraction, parse_quotas
 from pagedkv.model_shape import KV_CACHE_DTYPES, check_block_size
 from pagedkv.units import parse_bytes
 from pagedkv.weight_quant import QUANTIZATIONS
@@ -50,6 +51,9 @@ class EngineConfig:
     request leaves out: "auto" (default) the model folder's generation_config.json (temperature,
     top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens; a GGUF file has none),
     "vllm" the neutral defaults of SamplingParams, or a folder holding a generation_config.json.
+    ``tenant_kv_quota`` ("NAME=FRACTION" items) and ``default_tenant_kv_quota`` limit the device
+    KV blocks each tenant holds, in use plus cached, as fractions of the pool (``memory/tenancy.py``):
+    over its quota a tenant's own cached blocks go first and its new requests wait.
     ``tokenizer`` (vLLM's ``--tokenizer``) replaces the model's tokenizer: a folder with
     tokenizer.json, a .gguf file, or a cached Hugging Face repo id (``pagedkv.models.load_tokenizer``).
     """
@@ -79,6 +83,8 @@ class EngineConfig:
     fault_injection: str | None = None
     threads: int | None = None
     generation_config: str = "auto"
+    tenant_kv_quota: tuple[str, ...] | list[str] | None = None
+    default_tenant_kv_quota: float | None = None
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -96,6 +102,12 @@ class EngineConfig:
                 raise ValueError("give kv_cache_memory or num_kv_blocks, not both")
         if self.max_model_len is not None:
             _int_in("max_model_len", self.max_model_len, 1, 1 << 24)
+        if self.tenant_kv_quota is not None:
+            items = [self.tenant_kv_quota] if isinstance(self.tenant_kv_quota, str) else self.tenant_kv_quota
+            object.__setattr__(self, "tenant_kv_quota", tuple(str(item) for item in items))
+            parse_quotas(self.tenant_kv_quota)
+        if self.default_tenant_kv_quota is not None:
+            check_fraction(self.default_tenant_kv_quota, "default_tenant_kv_quota")
         if self.threads is not None:
             _int_in("threads", self.threads, 1, 1024)
         for name in ("kv_offloading_size", "swap_space"):
@@ -160,6 +172,11 @@ class EngineConfig:
         if self.swap_space is not None:
             return float(self.swap_space)
         return DEFAULT_HOST_TIER_GIB
+
+    @property
+    def tenant_quotas(self) -> dict[str, float]:
+        """``tenant_kv_quota`` as ``{tenant: fraction}``."""
+        return parse_quotas(self.tenant_kv_quota)
 
     @property
     def disk_tier_bytes(self) -> int:

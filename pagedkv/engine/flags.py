@@ -62,6 +62,11 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "fault_injection": ("inject faults, e.g. seed=7,rate=0.05 (also env PAGEDKV_FAULT_INJECTION)",
                         {"type": str}),
     "threads": ("torch CPU threads (default: torch's choice)", {"type": int}),
+    "tenant_kv_quota": ("NAME=FRACTION: the share of the device KV pool tenant NAME may hold, in use plus "
+                        "cached; over it, its own cached blocks are evicted first and its new requests wait "
+                        "(repeat the flag for more tenants)", {"action": "append", "metavar": "NAME=FRACTION"}),
+    "default_tenant_kv_quota": ("the share of the device KV pool each tenant without a --tenant-kv-quota may "
+                                "hold (default: no limit)", {"type": float, "metavar": "FRACTION"}),
     "generation_config": ("sampling defaults for fields a request leaves out: auto (the model folder's "
                           "generation_config.json), vllm (neutral defaults), or a folder holding a "
                           "generation_config.json", {"type": str}),

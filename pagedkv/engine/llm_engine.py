@@ -78,7 +78,9 @@ class LLMEngine:
                                  enable_prefix_caching=config.enable_prefix_caching,
                                  eviction_policy=config.eviction_policy, watermark=config.watermark,
                                  prefix_index=config.prefix_index, offload_to_host=True, disk=disk,
-                                 kv_group_windows=kv_group_windows(runner))
+                                 kv_group_windows=kv_group_windows(runner),
+                                 tenant_quotas=config.tenant_quotas,
+                                 default_tenant_quota=config.default_tenant_kv_quota)
         self.tiers = TierMover(runner, self.kv)
         self._closed = False
         spec = config.faults
@@ -110,9 +112,13 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
                     *, cache_salt: str | None = None, priority: int = 0, beam_width: int = 0,
-                    length_penalty: float = 1.0) -> None:
+                    length_penalty: float = 1.0, tenant: str | None = None) -> None:
         """Queue a request. Raises RequestRejectedError (RequestTooLongError when it can never
-        fit) with a message saying what to change; the engine's other requests are untouched."""
+        fit) with a message saying what to change; the engine's other requests are untouched.
+
+        ``tenant`` (e.g. an API key's) owns the request's KV blocks for quotas and keeps its
+        prefix cache apart from every other tenant's; ``cache_salt`` then subdivides the tenant's
+        cache. Without a tenant the ``cache_salt`` is the tenant (no salt: the default tenant)."""
         params = params or SamplingParams()
         if request_id in self.scheduler.groups:
             raise RequestRejectedError(f"request id {request_id!r} is already in use")
@@ -120,13 +126,13 @@ class LLMEngine:
         text, ids = self.inputs.tokenize(prompt)
         max_tokens = self.inputs.check_fits(len(ids), params, beam_width or params.n)
         grammar = self._start_grammar(params, beam_width)
-        salt = cache_salt
+        salt = cache_salt if tenant is None else f"\x00tenant\x00{tenant}\x00{cache_salt or ''}"
         if params.prompt_logprobs is not None:
             # Prompt logprobs need logits at every prompt position: a salt of its own means no
             # prefix-cache hit lets the request skip computing part of its prompt.
-            salt = f"{cache_salt or ''}\x00prompt-logprobs\x00{self._arrivals}"
+            salt = f"{salt or ''}\x00prompt-logprobs\x00{self._arrivals}"
         group = SequenceGroup(request_id, text, ids, params, self._arrivals, priority, salt,
-                              max_tokens, beam_width, length_penalty)
+                              tenant if tenant is not None else cache_salt, max_tokens, beam_width, length_penalty)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]  # nothing predicts the first prompt token
         group.seqs.append(self._new_seq(group, 0, list(ids)))
@@ -151,14 +157,15 @@ class LLMEngine:
             raise RequestRejectedError(f"structured output: {exc}", param="structured_output") from exc
 
     def add_requests(self, requests: list[tuple[str, PromptInput, SamplingParams]], *,
-                     cache_salt: str | None = None, priorities: list[int] | None = None) -> None:
+                     cache_salt: str | None = None, priorities: list[int] | None = None,
+                     tenant: str | None = None) -> None:
         """Add ``(request_id, prompt, params)`` requests atomically: all of them, or (when one is
         rejected) none, and the error is raised."""
         added: list[str] = []
         try:
             for i, (rid, prompt, params) in enumerate(requests):
                 self.add_request(rid, prompt, params, cache_salt=cache_salt,
-                                 priority=priorities[i] if priorities else 0)
+                                 priority=priorities[i] if priorities else 0, tenant=tenant)
                 added.append(rid)
         except BaseException:
             for rid in added:

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedkv.engine.sequence import GroupStatus, Sequence, SequenceGroup
-from pagedkv.memory import CopyPair, KVCacheManager, OutOfBlocksError
+from pagedkv.memory import CopyPair, KVCacheManager, OutOfBlocksError, TenantQuotaError
 
 PREFETCH_LOOKAHEAD = 4  # waiting requests whose disk reads are issued ahead of their admission
 
@@ -147,6 +147,8 @@ class Scheduler:
         preempted: list[str] = []
         resumed: list[str] = []
         self._begin_step(swap_out, preempted)
+        made_room_for = self._make_room_for_waiting(budget, swap_out, preempted)
+        num_made_room = len(preempted)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -160,7 +162,9 @@ class Scheduler:
             budget -= sum(e.num_tokens for e in entries)
             i += 1
 
-        if not preempted:
+        if made_room_for is not None and len(preempted) == num_made_room:
+            self._admit_waiting(budget, scheduled, first=made_room_for)
+        elif not preempted:
             budget = self._resume_swapped(budget, scheduled, copies, swap_in, resumed)
             if not self.swapped:
                 self._admit_waiting(budget, scheduled)
@@ -210,7 +214,8 @@ class Scheduler:
             if seq.seq_id not in self.kv:
                 # A sibling not yet back after a recompute: re-prefill when blocks allow.
                 try:
-                    computed = self.kv.allocate_prompt(seq.seq_id, seq.token_ids, n, salt=group.salt)
+                    computed = self.kv.allocate_prompt(seq.seq_id, seq.token_ids, n, salt=group.salt,
+                                                       tenant=group.tenant)
                 except OutOfBlocksError:
                     continue
                 n = min(seq.num_tokens - computed, n)
@@ -219,8 +224,8 @@ class Scheduler:
                     try:
                         pairs += self.kv.allocate_slots(seq.seq_id, n)
                         break
-                    except OutOfBlocksError:
-                        victim = self._victim(group)
+                    except OutOfBlocksError as exc:
+                        victim = self._victim(group, own_tenant=isinstance(exc, TenantQuotaError))
                         if victim is None:
                             self._preempt(group, "recompute", swap_out, preempted)
                             return None
@@ -255,18 +260,57 @@ class Scheduler:
                 budget -= n
         return budget
 
-    def _victim(self, group: SequenceGroup) -> SequenceGroup | None:
+    def _victim(self, group: SequenceGroup, own_tenant: bool = False) -> SequenceGroup | None:
         """The running request to preempt so that ``group`` can grow: the one that sorts last,
         skipping those the thrash guard protects; None when none sorts after ``group`` (those
-        before it are already planned in this step)."""
+        before it are already planned in this step). With tenant quotas: ``own_tenant`` (the
+        group's tenant is at its quota) only the group's tenant's requests; otherwise those of a
+        tenant over its quota first."""
+        kv = self.kv
+        fallback = None
         for victim in reversed(self.running):
             if victim is group:
-                return None
+                return fallback
+            if own_tenant and victim.tenant != group.tenant:
+                continue
             if victim.preemption_guarded:
                 self.thrash_guarded += 1
                 continue
-            return victim
-        return None
+            if own_tenant or kv.pool.tenants is None or kv.tenant_over_quota(victim.tenant):
+                return victim
+            fallback = fallback or victim
+        return fallback
+
+    def _make_room_for_waiting(self, budget: int, swap_out: list[CopyPair],
+                               preempted: list[str]) -> SequenceGroup | None:
+        """Preempt running work that must give way to the first waiting request when it cannot be
+        admitted: work of a lower priority (a higher value), and, with tenant quotas, work of a
+        tenant over its quota when the waiting request's tenant is under its own. The worst such
+        request goes first (lowest priority, then latest), one at a time until the waiting request
+        fits. Returns that request when anything was preempted for it (it is then admitted first,
+        before a victim that sorts ahead of it), else None."""
+        if not self.waiting or not self.running:
+            return None
+        group = self.waiting[0]
+        kv = self.kv
+        if kv.tenant_over_quota(group.tenant):
+            return None  # its own quota holds it back: preempting others would not help
+        fair = kv.tenant_under_quota(group.tenant)
+        seq = group.live_seqs[0]
+        width = group.num_live if group.forked else group.width
+        made_room = False
+        while True:
+            victim = next((v for v in reversed(self.running)
+                           if v.priority > group.priority or (fair and kv.tenant_over_quota(v.tenant))), None)
+            if victim is None:  # (the common case, checked first: no hashing)
+                break
+            seats = self.num_running_seqs + width <= self.config.max_num_seqs
+            if seats and kv.blocks_to_admit(seq.token_ids, budget, salt=group.salt) <= \
+                    kv.num_free_blocks - kv.watermark_blocks:
+                break
+            self._preempt(victim, self._preemption_mode(victim), swap_out, preempted)
+            made_room = True
+        return group if made_room else None
 
     def _preemption_mode(self, group: SequenceGroup) -> str:
         mode = self.config.preemption_mode
@@ -280,13 +324,30 @@ class Scheduler:
             return "recompute"
         return "swap" if kv.costs.swap_cheaper(blocks, tokens) else "recompute"
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> None:
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq],
+                       first: SequenceGroup | None = None) -> None:
+        """Admit waiting requests in order (``first`` before all) while they fit."""
+        if first is not None:
+            self.waiting.remove(first)
+            self.waiting.insert(0, first)
+        try:
+            self._admit_in_order(budget, scheduled)
+        finally:
+            if first is not None and first in self.waiting:
+                self.waiting.sort(key=lambda g: g.sort_key)
+
+    def _admit_in_order(self, budget: int, scheduled: list[ScheduledSeq]) -> None:
         if self.kv.disk is not None:  # issue disk reads for the requests about to be admitted
             for group in self.waiting[1:PREFETCH_LOOKAHEAD]:
                 seq = group.live_seqs[0]
                 self.kv.prefetch(seq.seq_id, seq.token_ids, salt=group.salt, count=False)
-        while self.waiting and budget > 0:
-            group = self.waiting[0]
+        at_quota: set[str | None] = set()  # tenants whose new requests wait this step (memory/tenancy.py)
+        i = 0
+        while i < len(self.waiting) and budget > 0:
+            group = self.waiting[i]
+            if group.tenant in at_quota:
+                i += 1
+                continue
             width = group.num_live if group.forked else group.width
             if self.num_running_seqs + width > self.config.max_num_seqs and self.running:
                 break
@@ -298,10 +359,15 @@ class Scheduler:
             if self.kv.prefix_in_flight(seq.token_ids, salt=group.salt):
                 break  # its prefix is being computed for another request: admitted next, it hits
             try:
-                cached = self.kv.allocate_prompt(seq.seq_id, seq.token_ids, budget, salt=group.salt)
+                cached = self.kv.allocate_prompt(seq.seq_id, seq.token_ids, budget, salt=group.salt,
+                                                 tenant=group.tenant)
+            except TenantQuotaError:
+                at_quota.add(group.tenant)  # its tenant's later requests wait too; others go on
+                i += 1
+                continue
             except OutOfBlocksError:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             if group.num_cached_tokens < 0:
                 group.num_cached_tokens = min(cached, len(group.prompt_token_ids))
             self._enqueue(self.running, group, GroupStatus.RUNNING)

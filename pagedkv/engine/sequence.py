@@ -72,6 +72,7 @@ class SequenceGroup:
     arrival: int              # admission order (ties broken by it after priority)
     priority: int = 0         # lower runs first; the highest value is preempted first
     salt: str | None = None
+    tenant: str | None = None  # whose KV quota it counts against (memory/tenancy.py); None: the default
     max_tokens: int = 16      # resolved limit on generated tokens
     beam_width: int = 0       # > 0: native beam search (see engine.beam_search)
     length_penalty: float = 1.0

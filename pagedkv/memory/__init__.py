@@ -11,8 +11,11 @@ from pagedkv.memory.prefix_hash import chain_hashes, root_hash
 from pagedkv.memory.prefix_index import PREFIX_INDEXES, HashChainIndex, PrefixIndex, RadixIndex
 from pagedkv.memory.radix_index import RadixPrefixIndex
 from pagedkv.memory.stats import KVStats
+from pagedkv.memory.tenancy import DEFAULT_TENANT, TenantQuotaError
 
 __all__ = [
+    "DEFAULT_TENANT",
+    "TenantQuotaError",
     "Block", "BlockPool", "CopyPair", "EVICTION_POLICIES", "FreeBlockQueue", "HashChainIndex", "IntegrityError",
     "KVCacheManager", "KVStats", "OutOfBlocksError", "PREFIX_INDEXES", "PrefixIndex", "RadixIndex",
     "RadixPrefixIndex", "chain_hashes", "make_eviction_policy", "root_hash",

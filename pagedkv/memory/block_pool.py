@@ -8,7 +8,8 @@ A block is in exactly one of three states::
 
 Allocation takes the eviction policy's victim from the free queue; if that block is cached its
 hash leaves the index (an eviction). A prefix hit on a cached-free block pulls it out of the
-middle of the queue in O(1).
+middle of the queue in O(1). With per-tenant quotas (``tenants``, a ``TenantLedger``) each held
+block has an owner, and the ledger chooses whose cached blocks go first (``memory/tenancy.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pagedkv.memory.block import Block
 from pagedkv.memory.errors import IntegrityError, OutOfBlocksError
 from pagedkv.memory.eviction import EvictionPolicy, LRUPolicy
 from pagedkv.memory.free_queue import FreeBlockQueue
+from pagedkv.memory.tenancy import DEFAULT_TENANT, TenantLedger
 
 
 class BlockPool:
@@ -35,6 +37,7 @@ class BlockPool:
         self.clock = 0
         self.evictions = 0
         self.on_evict: Callable[[Block], None] | None = None  # told before a hash is dropped
+        self.tenants: TenantLedger | None = None  # per-tenant quotas (memory/tenancy.py), when on
 
     @property
     def num_blocks(self) -> int:
@@ -45,19 +48,34 @@ class BlockPool:
         """Blocks an allocation can take now (empty-free plus cached-free)."""
         return len(self.free_queue)
 
-    def allocate(self, n: int) -> list[Block]:
-        """Take ``n`` blocks with ref count 1, or raise OutOfBlocksError and take none."""
+    def allocate(self, n: int, tenant: str | None = None, *, quota: bool = True) -> list[Block]:
+        """Take ``n`` blocks with ref count 1 (held by ``tenant`` when quotas are on), or raise
+        OutOfBlocksError (TenantQuotaError: over the tenant's quota; ``quota=False`` skips that
+        check, e.g. for work coming back from swap) and take none."""
         if n > len(self.free_queue):
             raise OutOfBlocksError(n, len(self.free_queue), self.name)
+        ledger = self.tenants
+        if ledger is not None:
+            tenant = tenant or DEFAULT_TENANT
+            error = ledger.allocation_error(tenant, n, len(self.free_queue)) if quota else None
+            if error is not None:
+                ledger.quota_waits[tenant] += 1
+                raise error
+            for block in ledger.victims(tenant, n, len(self.free_queue)):
+                self._evict(block)  # emptied: to the head of the queue, taken below
         out = self.free_queue.popleft_n(n) if self._lru else [self._pop_victim() for _ in range(n)]
         for block in out:
             if block.block_hash is not None:
                 if self.on_evict is not None:
                     self.on_evict(block)
+                if ledger is not None:
+                    ledger.evicted(block)
                 del self.cached[block.block_hash]
                 block.block_hash = None
                 self.evictions += 1
             block.ref_count = 1
+            if ledger is not None:
+                ledger.took(block, tenant)  # type: ignore[arg-type]
         return out
 
     def _pop_victim(self) -> Block:
@@ -69,6 +87,8 @@ class BlockPool:
         """Take one more reference (a prefix hit or a fork); revives a cached-free block."""
         if block.ref_count == 0:
             self.free_queue.remove(block)
+            if self.tenants is not None:
+                self.tenants.revived(block)
         block.ref_count += 1
         if block.block_hash is not None:
             block.uses += 1
@@ -82,6 +102,7 @@ class BlockPool:
         self.clock += 1
         now = self.clock
         queue = self.free_queue
+        ledger = self.tenants
         for block in blocks:
             block.ref_count -= 1
             if block.ref_count == 0:
@@ -90,6 +111,8 @@ class BlockPool:
                 else:
                     block.last_used = now
                     queue.append(block)
+                if ledger is not None:
+                    ledger.freed(block)
             elif block.ref_count < 0:
                 raise IntegrityError(f"{self.name} {block} freed more often than referenced")
 
@@ -119,15 +142,20 @@ class BlockPool:
         if max_blocks is not None:
             victims = victims[:max_blocks]
         for block in victims:
-            if self.on_evict is not None:
-                self.on_evict(block)
-            del self.cached[block.block_hash]  # type: ignore[arg-type]
-            block.block_hash = None
-            # Empty blocks belong at the head of the queue.
-            self.free_queue.remove(block)
-            self.free_queue.appendleft(block)
-        self.evictions += len(victims)
+            self._evict(block)
         return len(victims)
+
+    def _evict(self, block: Block) -> None:
+        """Forget a cached-free block's prefix; it moves to the head of the queue, empty."""
+        if self.on_evict is not None:
+            self.on_evict(block)
+        if self.tenants is not None:
+            self.tenants.evicted(block)
+        del self.cached[block.block_hash]  # type: ignore[arg-type]
+        block.block_hash = None
+        self.free_queue.remove(block)
+        self.free_queue.appendleft(block)  # empty blocks belong at the head of the queue
+        self.evictions += 1
 
     def check_integrity(self) -> None:
         """Free queue links, ref counts and the hash index agree with each other."""
@@ -159,3 +187,5 @@ class BlockPool:
         if used + len(self.free_queue) != len(self.blocks):
             raise IntegrityError(f"{self.name} used {used} + free {len(self.free_queue)} != "
                                  f"total {len(self.blocks)}")
+        if self.tenants is not None:
+            self.tenants.check(self.blocks)

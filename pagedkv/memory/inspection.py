@@ -54,6 +54,8 @@ def kv_stats(mgr: KVCacheManager) -> KVStats:
         **({} if tier is None else dict(host_hit_tokens=tier.hit_tokens, offloaded_blocks=tier.offloaded_blocks,
                                         offloads_dropped=tier.offloads_dropped,
                                         reloaded_blocks=tier.reloaded_blocks)),
+        **({} if pool.tenants is None else dict(tenants=pool.tenants.snapshot(),
+                                                tenant_quota_waits=dict(pool.tenants.quota_waits))),
         **_disk_stats(mgr))
 
 

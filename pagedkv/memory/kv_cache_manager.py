@@ -48,6 +48,7 @@ from pagedkv.memory.kv_groups import (
 from pagedkv.memory.prefix_hash import chain_hashes, root_hash
 from pagedkv.memory.prefix_index import make_prefix_index
 from pagedkv.memory.stats import KVStats
+from pagedkv.memory.tenancy import DEFAULT_TENANT, TenantLedger
 from pagedkv.memory.tier_costs import TierCosts
 from pagedkv.memory.tiers import DEVICE, HOST, TierCopies, move_sequences
 from pagedkv.model_shape import check_block_size
@@ -60,6 +61,7 @@ class SeqState:
     seq_id: Hashable
     token_ids: list[int]  # the caller's list (read, never written here)
     root: bytes  # parent hash of block 0: carries the tenant salt and adapter id
+    tenant: str | None = None  # who holds its blocks, for per-tenant quotas (memory/tenancy.py)
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks, chained
@@ -105,6 +107,9 @@ class KVCacheManager:
             ``offload_to_host``): evicted device blocks are written through to it, and
             ``prefetch()`` reads a waiting prompt's blocks from it into the host tier.
         costs: the measured costs that decide reload against recompute (``memory/tier_costs.py``).
+        tenant_quotas, default_tenant_quota: per-tenant limits on device blocks held (used plus
+            cached), as fractions of the pool, by tenant name and for the others; either turns
+            tenancy on (``memory/tenancy.py``): a sequence's tenant is ``allocate_prompt``'s.
         kv_group_windows: one entry per KV group of a hybrid model (``model_shape.kv_groups``):
             its attention window, or None for a group that keeps every block. Group 0 must be
             None (the prefix cache's anchor; the radix index holds group 0's blocks). The host
@@ -116,7 +121,8 @@ class KVCacheManager:
                  watermark: float = 0.0, lrc_alpha: float = 0.7, lrc_beta: float = 0.3,
                  prefix_index: str = "hash", offload_to_host: bool = False,
                  disk: DiskPrefixTier | None = None, costs: TierCosts | None = None,
-                 kv_group_windows: tuple[int | None, ...] = (None,)) -> None:
+                 kv_group_windows: tuple[int | None, ...] = (None,),
+                 tenant_quotas: dict[str, float] | None = None, default_tenant_quota: float | None = None) -> None:
         check_block_size(block_size)
         if not kv_group_windows or kv_group_windows[0] is not None:
             raise ValueError(f"kv_group_windows must start with None (group 0 keeps every block), "
@@ -135,6 +141,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, name=DEVICE,
                               eviction_policy=make_eviction_policy(eviction_policy, **kwargs))
         self.host_pool = BlockPool(num_host_blocks, name=HOST)
+        if tenant_quotas or default_tenant_quota is not None:
+            self.pool.tenants = TenantLedger(num_blocks, tenant_quotas, default_tenant_quota)
         self.tiers = {DEVICE: self.pool, HOST: self.host_pool}
         self.watermark_blocks = int(watermark * num_blocks)
         # The pool's hash map always names cached blocks; the index finds a prompt's hits in it
@@ -237,7 +245,7 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ allocation
     def allocate_prompt(self, seq_id: Hashable, token_ids: list[int], num_new_tokens: int | None = None,
-                        *, salt: str | None = None, adapter_id: str | None = None) -> int:
+                        *, salt: str | None = None, adapter_id: str | None = None, tenant: str | None = None) -> int:
         """Register a sequence, reuse its cached prefix and reserve slots for its first chunk.
 
         ``token_ids`` is the caller's own list of the sequence's tokens: the manager keeps reading
@@ -246,14 +254,18 @@ class KVCacheManager:
         Reserves slots for ``num_new_tokens`` tokens after the cached prefix (default and
         maximum: the rest of the prompt). Returns how many prompt tokens are already cached
         (a multiple of the block size, at most ``len(token_ids) - 1``). New prompts must leave
-        the watermark free. Raises OutOfBlocksError (changing nothing) when blocks run out and
-        ValueError for an empty prompt or a known ``seq_id``.
+        the watermark free. Raises OutOfBlocksError (changing nothing) when blocks run out,
+        TenantQuotaError when quotas are on and ``tenant`` (default: ``DEFAULT_TENANT``) already
+        holds its share (``TenantLedger.allocation_error``), and ValueError for an empty prompt or
+        a known ``seq_id``. Prefix hits come only from the same ``salt``, so keep a tenant's name
+        in its salt when tenants must not share blocks.
         """
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
         if not token_ids:
             raise ValueError("cannot allocate an empty prompt")
-        seq = SeqState(seq_id, token_ids, root_hash(salt, adapter_id))
+        seq = SeqState(seq_id, token_ids, root_hash(salt, adapter_id),
+                       tenant=(tenant or DEFAULT_TENANT) if self.pool.tenants is not None else None)
         if self.num_groups > 1:
             num_cached = self._allocate_groups(seq, num_new_tokens)
         else:
@@ -287,11 +299,12 @@ class KVCacheManager:
         available = pool.num_free - revived - self.watermark_blocks
         if need > available:
             raise OutOfBlocksError(need, max(available, 0))
+        self._check_quota(seq.tenant, need, hits)
         for block in hits:
             pool.touch(block)
         if host_hits:  # held until the reload is done, before any allocation could evict them
             self.host_tier.hold(host_hits)  # type: ignore[union-attr]
-        fresh = pool.allocate(need)
+        fresh = pool.allocate(need, seq.tenant, quota=False)  # (_check_quota decided)
         seq.block_table = [b.block_id for b in hits] + [b.block_id for b in fresh]
         if host_hits:
             self.host_tier.reload(host_hits, fresh, B)  # type: ignore[union-attr]
@@ -332,11 +345,12 @@ class KVCacheManager:
         available = pool.num_free - sum(1 for b in on_device if b.ref_count == 0) - self.watermark_blocks
         if need > available:
             raise OutOfBlocksError(need, max(available, 0))
+        self._check_quota(seq.tenant, need, on_device)
         for block in on_device:
             pool.touch(block)
         if on_host:  # held until the reload is done, before any allocation could evict them
             host.hold(on_host)  # type: ignore[union-attr]
-        fresh = iter(pool.allocate(need))
+        fresh = iter(pool.allocate(need, seq.tenant, quota=False))  # (_check_quota decided)
         for g, (blocks, flags) in enumerate(zip(hit.blocks, hit.on_host)):
             released = k - len(blocks)  # before the window of the first uncached token
             table = [RELEASED] * released
@@ -363,6 +377,52 @@ class KVCacheManager:
         if reload is not None:
             self.costs.record("host", reload=reload)
         return num_cached
+
+    def blocks_to_admit(self, token_ids: list[int], num_new_tokens: int | None = None, *,
+                        salt: str | None = None, adapter_id: str | None = None) -> int:
+        """Free-queue blocks ``allocate_prompt`` would take for this prompt now: fresh ones plus the
+        cached-free device hits it revives (a hybrid model: every group's, at most). Host and disk
+        hits are not counted (they need fresh blocks too). Changes nothing."""
+        B, pool = self.block_size, self.pool
+        hits = revived = 0
+        if self.enable_prefix_caching:
+            parent = root_hash(salt, adapter_id)
+            for i in range((len(token_ids) - 1) // B):
+                parent = chain_hashes(parent, token_ids, B, i, i + 1)[0]
+                block = pool.cached.get(parent)
+                if block is None:
+                    break
+                hits += 1
+                revived += block.ref_count == 0
+        remaining = len(token_ids) - hits * B
+        num_new = remaining if num_new_tokens is None else max(1, min(num_new_tokens, remaining))
+        return (_cdiv(hits * B + num_new, B) - hits) * self.num_groups + revived
+
+    def tenant_over_quota(self, tenant: str | None) -> bool:
+        """Whether ``tenant`` holds more device blocks than its quota (False with quotas off)."""
+        ledger = self.pool.tenants
+        return ledger is not None and ledger.is_over(tenant or DEFAULT_TENANT)
+
+    def tenant_under_quota(self, tenant: str | None) -> bool:
+        """Whether ``tenant`` holds fewer device blocks than its quota (False with quotas off or
+        without a quota for it)."""
+        ledger = self.pool.tenants
+        if ledger is None:
+            return False
+        limit = ledger.limit(tenant or DEFAULT_TENANT)
+        return limit is not None and ledger.held[tenant or DEFAULT_TENANT] < limit
+
+    def _check_quota(self, tenant: str | None, need: int, hits: list[Block]) -> None:
+        """Raise TenantQuotaError, changing nothing, when a new prompt of ``tenant`` needing
+        ``need`` fresh blocks (after touching ``hits``) would go over its quota."""
+        ledger = self.pool.tenants
+        if ledger is None or tenant is None:
+            return
+        revived = sum(1 for b in hits if b.ref_count == 0 and b.tenant == tenant)
+        error = ledger.allocation_error(tenant, need, self.pool.num_free, admit=True, revived=revived)
+        if error is not None:
+            ledger.quota_waits[tenant] += 1
+            raise error
 
     def prefetch(self, seq_id: Hashable, token_ids: list[int], *, salt: str | None = None,
                  adapter_id: str | None = None, count: bool = True) -> bool:
@@ -457,7 +517,7 @@ class KVCacheManager:
             return []
         if total > self.pool.num_free:
             raise OutOfBlocksError(total, self.pool.num_free)
-        fresh = iter(self.pool.allocate(total))
+        fresh = iter(self.pool.allocate(total, seq.tenant))
         copies: list[CopyPair] = []
         for table, shared, missing in plans:
             for i in shared:
@@ -525,7 +585,7 @@ class KVCacheManager:
         if token_ids is parent.token_ids or token_ids[:n] != parent.token_ids[:n]:
             raise ValueError(f"fork {child_id!r}: the child needs its own token list starting with "
                              f"the first {n} tokens of {parent_id!r}")
-        child = SeqState(child_id, token_ids, parent.root, list(parent.block_table),
+        child = SeqState(child_id, token_ids, parent.root, parent.tenant, list(parent.block_table),
                          parent.num_computed, list(parent.block_hashes), parent.num_cached_blocks,
                          group_tables=[list(t) for t in parent.group_tables], released=list(parent.released))
         blocks = self.pool.blocks

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +55,9 @@ class KVStats:
     disk_write_errors: int = 0
     disk_queue_depth: int = 0  # blocks waiting for the disk writer
     disk_writes_dropped: int = 0  # evicted blocks not written: the queue was full
+    # Per-tenant quotas (empty when off): {tenant: (blocks held, of them cached-free, limit or None)}
+    tenants: dict[str, tuple[int, int, int | None]] = field(default_factory=dict)
+    tenant_quota_waits: dict[str, int] = field(default_factory=dict)  # allocations a quota refused
 
     @property
     def usage(self) -> float:

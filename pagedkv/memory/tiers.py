@@ -48,14 +48,15 @@ def move_sequences(seqs: list[SeqState], src: BlockPool, dst: BlockPool) -> dict
     """Move every block of ``seqs`` from ``src`` to ``dst``; returns ``{src block: dst block}``.
 
     Blocks shared among the given sequences move once and stay shared (the destination block
-    takes the same reference count). Raises OutOfBlocksError (naming ``dst``), changing nothing,
+    takes the same reference count). The sequences (one request's) share a tenant, which holds the
+    destination blocks when that pool keeps a tenant ledger. Raises OutOfBlocksError (naming ``dst``), changing nothing,
     when ``dst`` lacks free blocks.
     """
     refs = Counter(b for seq in seqs for b in seq.block_ids())  # every KV group's blocks
     if len(refs) > dst.num_free:
         raise OutOfBlocksError(len(refs), dst.num_free, dst.name)
     mapping = {}
-    for src_id, block in zip(refs, dst.allocate(len(refs))):
+    for src_id, block in zip(refs, dst.allocate(len(refs), seqs[0].tenant if seqs else None, quota=False)):
         block.ref_count = refs[src_id]
         mapping[src_id] = block.block_id
     src_blocks = src.blocks

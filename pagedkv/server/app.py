@@ -51,16 +51,20 @@ def create_app(
     *,
     served_model_names: list[str] | None = None,
     api_key: str | None = None,
+    api_keys: dict[str, str | None] | None = None,
     max_queue: int | None = None,
     limits: RequestLimits | None = None,
 ) -> FastAPI:
     """Build the app around an AsyncEngine; the app starts its engine thread and drains it on shutdown."""
     names = served_model_names or [engine.engine.model_name]
+    keys = {**({api_key: None} if api_key else {}), **(api_keys or {})}
+    config = getattr(engine.engine, "config", None)
+    named = {t for t in keys.values() if t} | set(getattr(config, "tenant_quotas", None) or {})
     state = ServerState(
         engine=engine,
-        metrics=ServerMetrics(names[0]),
+        metrics=ServerMetrics(names[0], frozenset(named)),
         served_model_names=names,
-        api_key=api_key or None,
+        api_keys=keys,
         max_queue=max_queue,
         max_num_seqs=engine.engine.config.max_num_seqs,
         limits=limits or RequestLimits(),
@@ -85,11 +89,20 @@ def create_app(
 
 def _key_check(state: ServerState) -> Callable[[Request], Any]:
     async def require_api_key(request: Request) -> None:
-        if state.api_key is None:
+        """401 unless the bearer token is one of the keys; the key's tenant goes to
+        ``request.state.tenant`` (None: no tenant, the request's cache_salt is its tenant)."""
+        request.state.tenant = None
+        if not state.api_keys:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
+        given = token.strip().encode()
+        found = False
+        for key, tenant in state.api_keys.items():  # every key compared, in constant time each
+            if hmac.compare_digest(given, key.encode()) and scheme.lower() == "bearer":
+                found = True
+                request.state.tenant = tenant
+        if not found:
             raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                            type="authentication_error", code="invalid_api_key")
     return require_api_key
@@ -159,7 +172,7 @@ def _api_router(state: ServerState) -> APIRouter:
         gen = Generation(
             prompts=body.prompts(), params=params, fmt=CompletionFormat(body.logprobs or 0),
             stream=body.stream, include_usage=body.include_usage_in_stream, echo=body.echo,
-            cache_salt=body.cache_salt, priority=body.priority,
+            cache_salt=body.cache_salt, priority=body.priority, tenant=request.state.tenant,
         )
         if len(gen.prompts) * params.n > MAX_CHOICES:
             raise bad_request(f"at most {MAX_CHOICES} choices (prompts times n) per request", param="n")
@@ -185,7 +198,7 @@ def _api_router(state: ServerState) -> APIRouter:
         gen = Generation(
             prompts=[await asyncio.to_thread(render)], params=params, fmt=ChatFormat(body.top_logprobs or 0),
             stream=body.stream, include_usage=body.include_usage_in_stream,
-            cache_salt=body.cache_salt, priority=body.priority,
+            cache_salt=body.cache_salt, priority=body.priority, tenant=request.state.tenant,
         )
         return await serve_generation(state, request, gen)
 

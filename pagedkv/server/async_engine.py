@@ -145,6 +145,7 @@ class AsyncEngine:
         *,
         cache_salt: str | None = None,
         priority: int = 0,
+        tenant: str | None = None,
     ) -> OutputStream:
         """Add ``(request_id, prompt)`` pairs atomically: all are added, or none and the error is raised.
 
@@ -156,7 +157,7 @@ class AsyncEngine:
 
         def add() -> None:
             self.engine.add_requests([(rid, prompt, params) for rid, prompt in prompts],
-                                     cache_salt=cache_salt, priorities=[priority] * len(prompts))
+                                     cache_salt=cache_salt, priorities=[priority] * len(prompts), tenant=tenant)
             for rid in request_ids:
                 self._streams[rid] = stream
             self._num_in_flight += len(request_ids)

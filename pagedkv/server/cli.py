@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 
@@ -37,8 +38,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model, as a flag (vLLM's older spelling; give it or the positional one)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000; 0 picks a free one)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (also env PAGEDKV_API_KEY)")
+    p.add_argument("--api-key", action="extend", nargs="+", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 routes and /tokenize, /detokenize (also "
+                        "env PAGEDKV_API_KEY); several (after one flag, as vLLM's, or the flag repeated): "
+                        "each key is a tenant of its own, named key1, key2, ... in the order given (name them "
+                        "with --api-keys-file)")
+    p.add_argument("--api-keys-file", default=None, metavar="FILE",
+                   help="a JSON object mapping API keys to tenant names, e.g. {\"sk-1\": \"team-a\"}: a "
+                        "request's tenant is its key's (KV quotas, a prefix cache of its own)")
     p.add_argument("--served-model-name", action="extend", nargs="+", default=None, metavar="NAME",
                    help="model names clients use, the first in responses and metrics (several after one "
                         "flag, as vLLM's, or the flag repeated; default: the engine's model name)")
@@ -67,7 +74,12 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_queue is not None and args.max_queue < 0:
         print("pagedkv serve: --max-queue must be >= 0", file=sys.stderr)
         return 2
-    api_key = args.api_key or os.environ.get("PAGEDKV_API_KEY") or None
+    try:
+        api_keys = read_api_keys(args.api_key or ([os.environ["PAGEDKV_API_KEY"]]
+                                                  if os.environ.get("PAGEDKV_API_KEY") else []), args.api_keys_file)
+    except ValueError as exc:
+        print(f"pagedkv serve: {exc}", file=sys.stderr)
+        return 2
     if args.model_flag is not None:
         if args.model is not None and args.model != args.model_flag:
             print(f"pagedkv serve: two models given ({args.model!r} and --model {args.model_flag!r})",
@@ -98,13 +110,40 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     if template is not None and engine.tokenizer is not None:
         engine.tokenizer.set_chat_template(template)
-    app = create_app(AsyncEngine(engine), served_model_names=args.served_model_name, api_key=api_key,
+    app = create_app(AsyncEngine(engine), served_model_names=args.served_model_name, api_keys=api_keys,
                      max_queue=args.max_queue, limits=limits)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.drain_timeout, access_log=False)
     server = DrainingServer(config, app.state.server)
     server.run()
     return 0
+
+
+def read_api_keys(keys: list[str], keys_file: str | None) -> dict[str, str | None]:
+    """``{key: tenant}`` from ``--api-key`` (one key: no tenant, the cache_salt stays the tenant;
+    several: tenants key1, key2, ...) and ``--api-keys-file`` (a JSON object of key -> tenant).
+    Raises ValueError saying what is wrong."""
+    out: dict[str, str | None] = {}
+    for i, key in enumerate(keys, 1):
+        if not key.strip():
+            raise ValueError("--api-key: an empty key")
+        out[key.strip()] = None if len(keys) == 1 and keys_file is None else f"key{i}"
+    if keys_file is not None:
+        try:
+            with open(os.path.expanduser(keys_file), encoding="utf-8") as f:
+                mapping = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--api-keys-file: cannot read {keys_file}: {exc}") from exc
+        if not isinstance(mapping, dict) or not mapping:
+            raise ValueError(f"--api-keys-file: {keys_file} must hold a JSON object of API key -> tenant name")
+        for key, tenant in mapping.items():
+            if not str(key).strip() or not isinstance(tenant, str) or not tenant.strip():
+                raise ValueError(f"--api-keys-file: each entry must map a non-empty key to a non-empty tenant "
+                                 f"name, got {str(key)[:4]}...: {tenant!r}")
+            if key.strip() in out:
+                raise ValueError(f"--api-keys-file: the key {key.strip()[:4]}... is given twice")
+            out[key.strip()] = tenant.strip()
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pagedkv.memory.tenancy import DEFAULT_TENANT
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Up to two hours: a long generation on a CPU takes minutes, and +Inf says nothing.
@@ -29,9 +31,12 @@ _ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1
 class EngineStatsCollector(Collector):
     """Renders the latest ``EngineStats`` snapshot handed to :meth:`set_snapshot`."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, public_tenants: frozenset[str] = frozenset()) -> None:
         self._model = model_name
         self._stats: Any | None = None
+        # Tenants whose names may be labels (API key tenants, quota names, the default); others
+        # are cache_salt values, secret to their clients, and are summed as tenant="other".
+        self._public_tenants = public_tenants | {DEFAULT_TENANT}
 
     def set_snapshot(self, stats: Any) -> None:
         self._stats = stats
@@ -134,6 +139,33 @@ class EngineStatsCollector(Collector):
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens_total)
         if hasattr(s, "num_steps"):
             yield counter("engine_steps", "Engine scheduling steps run.", s.num_steps)
+        if getattr(kv, "tenants", None):
+            yield from self._tenant_metrics(kv)
+
+    def _tenant_metrics(self, kv: Any) -> Iterator[Metric]:
+        """Per-tenant KV quotas: blocks held, of them cached, the limit, and allocations refused."""
+        rows: dict[str, list[float]] = {}
+        for tenant, (held, cached, limit) in kv.tenants.items():
+            row = rows.setdefault(tenant if tenant in self._public_tenants else "other", [0, 0, 0, 0])
+            row[0] += held
+            row[1] += cached
+            row[2] += limit or 0
+        for tenant, waits in kv.tenant_quota_waits.items():
+            rows.setdefault(tenant if tenant in self._public_tenants else "other", [0, 0, 0, 0])[3] += waits
+        families = [
+            GaugeMetricFamily("pagedkv_tenant_kv_blocks", "Device KV blocks a tenant holds (in use plus cached).",
+                              labels=["model_name", "tenant"]),
+            GaugeMetricFamily("pagedkv_tenant_kv_blocks_cached", "Of those, blocks only caching a prefix.",
+                              labels=["model_name", "tenant"]),
+            GaugeMetricFamily("pagedkv_tenant_kv_quota_blocks", "The tenant's quota in blocks (0: none).",
+                              labels=["model_name", "tenant"]),
+            CounterMetricFamily("pagedkv_tenant_quota_waits", "Allocations a tenant's quota refused (its "
+                                "request waited or its own work gave way).", labels=["model_name", "tenant"]),
+        ]
+        for tenant, row in sorted(rows.items()):
+            for family, v in zip(families, row):
+                family.add_metric([self._model, tenant], float(v))
+        yield from families
 
 
     def _tier_metrics(self, s: Any, kv: Any, gauge, counter) -> Iterator[Metric]:
@@ -189,9 +221,9 @@ class EngineStatsCollector(Collector):
 class ServerMetrics:
     """The registry of one app: the engine collector plus the handlers' histograms and counters."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, public_tenants: frozenset[str] = frozenset()) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.engine = EngineStatsCollector(model_name)
+        self.engine = EngineStatsCollector(model_name, public_tenants)
         self.registry.register(self.engine)
         labels = ["model_name"]
         self._model = model_name

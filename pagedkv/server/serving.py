@@ -45,7 +45,7 @@ class ServerState:
     metrics: ServerMetrics
     served_model_names: list[str]
     max_num_seqs: int  # the engine's (EngineConfig owns it)
-    api_key: str | None = None
+    api_keys: dict[str, str | None] = field(default_factory=dict)  # key -> its tenant (None: none)
     max_queue: int | None = None  # engine requests beyond max_num_seqs allowed to wait; None = no limit
     limits: RequestLimits = field(default_factory=RequestLimits)
     draining: bool = False
@@ -133,6 +133,7 @@ class Generation:
     echo: bool = False
     cache_salt: str | None = None
     priority: int = 0
+    tenant: str | None = None  # the API key's tenant (None: the cache_salt is the tenant)
 
 
 async def serve_generation(state: ServerState, request: Request, gen: Generation) -> Response:
@@ -144,7 +145,7 @@ async def serve_generation(state: ServerState, request: Request, gen: Generation
         prompts = await _tokenize(state, gen)
         stream = await state.engine.add_requests(
             [(f"{base_id}-{i}", p) for i, p in enumerate(prompts)], gen.params,
-            cache_salt=gen.cache_salt, priority=gen.priority,
+            cache_salt=gen.cache_salt, priority=gen.priority, tenant=gen.tenant,
         )
     except EngineDeadError as exc:
         release()

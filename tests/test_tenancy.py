@@ -1,0 +1,159 @@
+"""Per-tenant KV quotas in the memory core (``memory/tenancy.py``) and the scheduler."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedkv.memory import KVCacheManager
+from pagedkv.memory.tenancy import TenantQuotaError, parse_quotas
+
+B = 4
+
+
+def _cache_prompt(mgr: KVCacheManager, seq_id: str, tokens: list[int], tenant: str) -> int:
+    """Run a whole prompt through the cache (allocate, compute, free) as the engine would; returns
+    the prompt tokens that were hits."""
+    cached = mgr.allocate_prompt(seq_id, tokens, salt=tenant, tenant=tenant)
+    mgr.mark_computed(seq_id, len(tokens) - cached)
+    mgr.free(seq_id)
+    mgr.check_integrity()
+    return cached
+
+
+def _quiet_hits(quotas: dict[str, float] | None) -> int:
+    mgr = KVCacheManager(64, B, tenant_quotas=quotas)
+    quiet = list(range(1000, 1033))  # 8 full blocks + 1 token
+    _cache_prompt(mgr, "q0", quiet, "quiet")
+    for i in range(40):  # the noisy tenant floods distinct long prompts (12 blocks each)
+        _cache_prompt(mgr, f"n{i}", [i * 100 + j for j in range(48)], "noisy")
+    return _cache_prompt(mgr, "q1", quiet, "quiet")
+
+
+def test_a_noisy_tenant_over_its_quota_evicts_its_own_blocks_first() -> None:
+    assert _quiet_hits(None) == 0  # without quotas the flood evicts the quiet tenant's prefix
+    assert _quiet_hits({"noisy": 0.5}) == 32  # with one, every block of it is still there
+
+
+def test_new_prompts_wait_over_the_quota_but_one_alone_always_runs() -> None:
+    mgr = KVCacheManager(40, B, default_tenant_quota=0.25)  # 10 blocks each
+    mgr.allocate_prompt("a0", list(range(32)), tenant="a")  # 8 blocks in use
+    with pytest.raises(TenantQuotaError, match="tenant 'a' is at its KV quota: holds 8 of 10 blocks"):
+        mgr.allocate_prompt("a1", list(range(100, 116)), tenant="a")  # 4 more: over
+    assert "a1" not in mgr
+    mgr.allocate_prompt("b0", list(range(200, 300)), tenant="b")  # 25 blocks, over its 10, but alone
+    mgr.check_integrity()
+    assert mgr.stats().tenants["a"] == (8, 0, 10) and mgr.stats().tenants["b"] == (25, 0, 10)
+    assert mgr.pool.tenants.quota_waits == {"a": 1}
+
+
+def test_growth_past_the_quota_never_takes_another_tenants_cache() -> None:
+    mgr = KVCacheManager(12, B, default_tenant_quota=0.5)  # 6 blocks each
+    _cache_prompt(mgr, "q", list(range(25)), "quiet")  # quiet: 6 cached-free blocks (and one freed)
+    mgr.allocate_prompt("n", list(range(100, 124)), tenant="noisy")  # noisy: its 6 blocks
+    tokens = mgr.seqs["n"].token_ids
+    mgr.mark_computed("n", 24)
+    tokens += [7] * 4
+    with pytest.raises(TenantQuotaError):  # the only free blocks are quiet's cached ones
+        mgr.allocate_slots("n", 4)
+    mgr.check_integrity()
+    assert mgr.stats().tenants["quiet"][1] == 6
+
+
+def test_quota_flags_parse() -> None:
+    assert parse_quotas(["a=0.5", "team=b=0.25"]) == {"a": 0.5, "team=b": 0.25}
+    for bad in (["a"], ["a=0"], ["a=1.5"], ["a=x"], ["a=0.1", "a=0.2"]):
+        with pytest.raises(ValueError, match="tenant_kv_quota"):
+            parse_quotas(bad)
+
+
+# ---------------------------------------------------------------------------- the engine
+from conftest_models import make_hf_checkpoint  # noqa: E402
+
+from pagedkv import SamplingParams  # noqa: E402
+from pagedkv.engine import LLMEngine  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory):
+    return make_hf_checkpoint(tmp_path_factory.mktemp("tenancy"), "llama", seed=3)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 250 + 1 for i in range(n)]
+
+
+def _run(engine: LLMEngine) -> dict[str, list[int]]:
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in done
+                done[out.request_id] = out.outputs[0].token_ids
+    return done
+
+
+def test_a_waiting_request_preempts_lower_priority_work_worst_first(folder) -> None:
+    engine = LLMEngine.from_options(str(folder), block_size=4, num_kv_blocks=24, max_num_seqs=3,
+                                    preemption_mode="recompute", debug_integrity=True)
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for rid, prio in (("p1", 1), ("p5", 5), ("p3", 3)):
+        engine.add_request(rid, _prompt(len(rid) + prio, 16), long, priority=prio)
+    engine.step()
+    assert {g.request_id for g in engine.scheduler.running} == {"p1", "p5", "p3"}
+    engine.add_request("same", _prompt(9, 16), long, priority=5)  # no better than the worst: waits
+    engine.step()
+    assert engine.scheduler.preemptions["recompute"] == 0
+    engine.add_request("urgent", _prompt(10, 16), long, priority=0)
+    engine.step()
+    # seats are full: the worst running request (p5) gives way, and urgent runs at once
+    assert engine.scheduler.groups["p5"].num_preemptions == 1
+    assert engine.scheduler.groups["urgent"].status.name == "RUNNING"
+    assert {g.request_id for g in engine.scheduler.running} == {"p1", "p3", "urgent"}
+    outputs = _run(engine)
+    assert set(outputs) == {"p1", "p5", "p3", "same", "urgent"}
+    assert engine.scheduler.groups == {} and engine.stats().kv.used_blocks == 0
+
+
+def test_engine_quota_keeps_a_quiet_tenants_prefix_cached(folder) -> None:
+    quiet = _prompt(1, 33)
+
+    def quiet_hits(**quota) -> int:
+        engine = LLMEngine.from_options(str(folder), block_size=4, num_kv_blocks=48, max_num_batched_tokens=256,
+                                        kv_offloading_size=0, debug_integrity=True, **quota)  # no host tier
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        engine.add_request("q0", quiet, params, tenant="quiet")
+        _run(engine)
+        for i in range(12):  # the noisy tenant's burst of long prompts, all queued at once
+            engine.add_request(f"n{i}", _prompt(100 + i, 40), params, tenant="noisy")
+        _run(engine)
+        engine.add_request("q1", quiet, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                           tenant="quiet")
+        engine.step()
+        hits = engine.scheduler.groups["q1"].num_cached_tokens
+        _run(engine)
+        assert engine.stats().kv.used_blocks == 0
+        return hits
+
+    assert quiet_hits() == 0
+    assert quiet_hits(tenant_kv_quota=["noisy=0.5"]) == 32
+
+
+def test_quotas_and_tenants_under_fault_injection_keep_outputs(folder) -> None:
+    prompts = [_prompt(i, n) for i, n in enumerate([5, 30, 14, 22, 9, 41, 3, 18])]
+
+    def run(**options) -> dict[str, list[int]]:
+        engine = LLMEngine.from_options(str(folder), block_size=4, max_num_batched_tokens=40, debug_integrity=True,
+                                        **options)
+        for i, p in enumerate(prompts):
+            params = SamplingParams(temperature=0.8, seed=i, max_tokens=12 + i, ignore_eos=True)
+            engine.add_request(f"r{i}", p, params, tenant=("a", "b", "c")[i % 3], priority=i % 2)
+        out = _run(engine)
+        stats = engine.stats()
+        assert stats.kv.used_blocks == 0 and set(stats.kv.tenants) <= {"a", "b", "c"}
+        return out
+
+    expected = run(num_kv_blocks=400)
+    for seed in range(4):
+        got = run(num_kv_blocks=40, tenant_kv_quota=["a=0.3"], default_tenant_kv_quota=0.4, swap_space=0.0002,
+                  fault_injection=f"seed={seed},rate=0.15")
+        assert got == expected, f"fault seed {seed} changed an output"
