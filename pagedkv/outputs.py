@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -54,3 +55,6 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # the prefix-cache outcome at first admission (memory.miss_reasons.CacheDetails; None with
+    # prefix caching off): hit tokens per tier, why the first missed block missed
+    cache_details: Any = None

@@ -87,3 +87,41 @@ def test_api_keys_from_flags_and_file(tmp_path: Path) -> None:
         read_api_keys(["k"], str(f))
     with pytest.raises(ValueError, match="cannot read"):
         read_api_keys([], str(tmp_path / "missing.json"))
+
+
+def test_return_cache_details_never_reveals_another_tenant(server: ServerThread) -> None:
+    prompt = "a prompt only team-a has sent before " * 4
+
+    def details(key: str) -> dict:
+        r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
+                       json={"model": "tiny", "prompt": prompt, "max_tokens": 2, "return_cache_details": True})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]
+
+    first = details("key-a")["cache_details"]["first_miss"]  # (BOS may be shared with its earlier prompts)
+    assert first["reason"] in ("never_seen", "partial_block") and first["block"] == 0
+    again = details("key-a")
+    assert again["cache_details"]["hit_tokens"] == again["cached_tokens"] > 0
+    assert again["cache_details"]["first_miss"] is None
+    other = details("key-b")  # the same prompt from another tenant: as if never sent
+    assert other["cached_tokens"] == 0
+    assert other["cache_details"]["hit_tokens"] == 0 and other["cache_details"]["first_miss"] == first
+    server.wait_idle()
+    text = httpx.get(server.url + "/metrics", timeout=30).text  # the true reason, counted only
+    assert 'pagedkv_prefix_cache_first_miss_total{model_name="tiny",reason="different_tenant",tenant="team-b"}' in text
+    r = httpx.post(server.url + "/v1/completions", headers={"Authorization": "Bearer key-a"}, timeout=60,
+                   json={"model": "tiny", "prompt": prompt, "max_tokens": 2})
+    assert "cache_details" not in r.json()["usage"]["prompt_tokens_details"]  # only when asked
+
+
+def test_conversation_pins_over_http(server: ServerThread) -> None:
+    headers = {"Authorization": "Bearer key-a"}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "remember the number seven " * 5}],
+            "max_tokens": 4, "conversation_id": "chat-42", "pin_ttl_s": 30}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    server.wait_idle()
+    assert server.engine_stats().kv.pins >= 1
+    r = httpx.post(server.url + "/v1/chat/completions", json={**body, "pin_ttl_s": 10 ** 6}, headers=headers,
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "pin_ttl_s"

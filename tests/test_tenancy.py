@@ -157,3 +157,52 @@ def test_quotas_and_tenants_under_fault_injection_keep_outputs(folder) -> None:
         got = run(num_kv_blocks=40, tenant_kv_quota=["a=0.3"], default_tenant_kv_quota=0.4, swap_space=0.0002,
                   fault_injection=f"seed={seed},rate=0.15")
         assert got == expected, f"fault seed {seed} changed an output"
+
+
+# ---------------------------------------------------------------------------- conversation pins
+def test_a_pinned_conversation_survives_other_traffic_until_its_ttl(folder, monkeypatch) -> None:
+    import pagedkv.engine.scheduler as scheduler_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(scheduler_module.time, "monotonic", lambda: clock[0])
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def next_turn_hits(pin: bool, wait_s: float) -> tuple[int, int]:
+        engine = LLMEngine.from_options(str(folder), block_size=4, num_kv_blocks=40, kv_offloading_size=0,
+                                        debug_integrity=True, max_pin_ttl_s=60)
+        first = _prompt(1, 21)
+        engine.add_request("t1", first, params, conversation_id="chat-1" if pin else None,
+                           pin_ttl_s=30 if pin else None)
+        history = first + _run(engine)["t1"]
+        clock[0] += wait_s
+        for i in range(8):  # other traffic that would evict it: 8 x 6 blocks through a 40-block pool
+            engine.add_request(f"o{i}", _prompt(50 + i, 21), params)
+            _run(engine)
+        engine.add_request("t2", history + _prompt(9, 5), params, conversation_id="chat-1" if pin else None)
+        engine.step()
+        hits = engine.scheduler.groups["t2"].num_cached_tokens
+        _run(engine)
+        stats = engine.stats().kv
+        assert stats.used_blocks == stats.pinned_blocks  # only the new turn's pin is left
+        return hits, (len(history) - 1) // 4 * 4
+
+    hits, full = next_turn_hits(pin=True, wait_s=5)
+    assert hits == full == 24  # the whole earlier turn, prompt and output
+    assert next_turn_hits(pin=False, wait_s=5)[0] == 0
+    assert next_turn_hits(pin=True, wait_s=31)[0] == 0  # past its TTL the pin is gone
+
+
+def test_pins_never_starve_running_work(folder) -> None:
+    engine = LLMEngine.from_options(str(folder), block_size=4, num_kv_blocks=24, kv_offloading_size=0,
+                                    debug_integrity=True)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for i in range(4):  # four conversations pin 6 blocks each (24 computed tokens): the whole pool
+        engine.add_request(f"c{i}", _prompt(i, 21), params, conversation_id=f"chat-{i}")
+        _run(engine)
+    assert engine.stats().kv.pins == 4 and engine.stats().kv.pinned_blocks == 24
+    engine.add_request("big", _prompt(99, 60), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert set(_run(engine)) == {"big"}  # it ran: the oldest pins gave way, and that is counted
+    kv = engine.stats().kv
+    assert kv.pins_released_under_pressure >= 1 and kv.pins < 4
+    with pytest.raises(ValueError, match="pin_ttl_s must be"):
+        engine.add_request("bad", _prompt(1, 8), params, conversation_id="x", pin_ttl_s=10_000)

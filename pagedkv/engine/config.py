@@ -54,6 +54,8 @@ class EngineConfig:
     ``tenant_kv_quota`` ("NAME=FRACTION" items) and ``default_tenant_kv_quota`` limit the device
     KV blocks each tenant holds, in use plus cached, as fractions of the pool (``memory/tenancy.py``):
     over its quota a tenant's own cached blocks go first and its new requests wait.
+    ``max_pin_ttl_s`` bounds (and is the default of) a request's ``pin_ttl_s``: how long a
+    conversation's prefix stays pinned after a turn (``memory/pins.py``).
     ``tokenizer`` (vLLM's ``--tokenizer``) replaces the model's tokenizer: a folder with
     tokenizer.json, a .gguf file, or a cached Hugging Face repo id (``pagedkv.models.load_tokenizer``).
     """
@@ -85,6 +87,7 @@ class EngineConfig:
     generation_config: str = "auto"
     tenant_kv_quota: tuple[str, ...] | list[str] | None = None
     default_tenant_kv_quota: float | None = None
+    max_pin_ttl_s: float = 600.0
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -108,6 +111,8 @@ class EngineConfig:
             parse_quotas(self.tenant_kv_quota)
         if self.default_tenant_kv_quota is not None:
             check_fraction(self.default_tenant_kv_quota, "default_tenant_kv_quota")
+        if not isinstance(self.max_pin_ttl_s, (int, float)) or not 0 < self.max_pin_ttl_s <= 86400:
+            raise ValueError(f"max_pin_ttl_s must be in (0, 86400] seconds, got {self.max_pin_ttl_s!r}")
         if self.threads is not None:
             _int_in("threads", self.threads, 1, 1024)
         for name in ("kv_offloading_size", "swap_space"):

@@ -67,6 +67,8 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
                         "(repeat the flag for more tenants)", {"action": "append", "metavar": "NAME=FRACTION"}),
     "default_tenant_kv_quota": ("the share of the device KV pool each tenant without a --tenant-kv-quota may "
                                 "hold (default: no limit)", {"type": float, "metavar": "FRACTION"}),
+    "max_pin_ttl_s": ("the longest a request's conversation_id may keep its prefix pinned in the KV cache "
+                      "(pin_ttl_s), and its default, in seconds", {"type": float, "metavar": "SECONDS"}),
     "generation_config": ("sampling defaults for fields a request leaves out: auto (the model folder's "
                           "generation_config.json), vllm (neutral defaults), or a folder holding a "
                           "generation_config.json", {"type": str}),

@@ -112,13 +112,17 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
                     *, cache_salt: str | None = None, priority: int = 0, beam_width: int = 0,
-                    length_penalty: float = 1.0, tenant: str | None = None) -> None:
+                    length_penalty: float = 1.0, tenant: str | None = None,
+                    conversation_id: str | None = None, pin_ttl_s: float | None = None) -> None:
         """Queue a request. Raises RequestRejectedError (RequestTooLongError when it can never
         fit) with a message saying what to change; the engine's other requests are untouched.
 
         ``tenant`` (e.g. an API key's) owns the request's KV blocks for quotas and keeps its
         prefix cache apart from every other tenant's; ``cache_salt`` then subdivides the tenant's
-        cache. Without a tenant the ``cache_salt`` is the tenant (no salt: the default tenant)."""
+        cache. Without a tenant the ``cache_salt`` is the tenant (no salt: the default tenant).
+        ``conversation_id``: when the request finishes, its prompt + output prefix stays cached
+        (pinned) for ``pin_ttl_s`` seconds (default and bound: ``max_pin_ttl_s``) or until the
+        conversation's next turn finishes (``memory/pins.py``)."""
         params = params or SamplingParams()
         if request_id in self.scheduler.groups:
             raise RequestRejectedError(f"request id {request_id!r} is already in use")
@@ -131,8 +135,10 @@ class LLMEngine:
             # Prompt logprobs need logits at every prompt position: a salt of its own means no
             # prefix-cache hit lets the request skip computing part of its prompt.
             salt = f"{salt or ''}\x00prompt-logprobs\x00{self._arrivals}"
+        ttl = self._pin_ttl(conversation_id, pin_ttl_s)
         group = SequenceGroup(request_id, text, ids, params, self._arrivals, priority, salt,
-                              tenant if tenant is not None else cache_salt, max_tokens, beam_width, length_penalty)
+                              tenant if tenant is not None else cache_salt, conversation_id, ttl, max_tokens,
+                              beam_width, length_penalty)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]  # nothing predicts the first prompt token
         group.seqs.append(self._new_seq(group, 0, list(ids)))
@@ -141,6 +147,17 @@ class LLMEngine:
         self._arrivals += 1
         self._prompt_tokens += len(ids)
         self.scheduler.add(group)
+
+    def _pin_ttl(self, conversation_id: str | None, pin_ttl_s: float | None) -> float:
+        limit = self.config.max_pin_ttl_s
+        if pin_ttl_s is None:
+            return limit
+        if not isinstance(pin_ttl_s, (int, float)) or isinstance(pin_ttl_s, bool) or not 0 < pin_ttl_s <= limit:
+            raise RequestRejectedError(f"pin_ttl_s must be a number of seconds in (0, {limit:g}] (the engine's "
+                                       f"max_pin_ttl_s), got {pin_ttl_s!r}", param="pin_ttl_s")
+        if conversation_id is None:
+            raise RequestRejectedError("pin_ttl_s needs a conversation_id", param="pin_ttl_s")
+        return float(pin_ttl_s)
 
     def _start_grammar(self, params: SamplingParams, beam_width: int):
         """The structured-output state of a new request, or None; RequestRejectedError (``param``
@@ -158,14 +175,16 @@ class LLMEngine:
 
     def add_requests(self, requests: list[tuple[str, PromptInput, SamplingParams]], *,
                      cache_salt: str | None = None, priorities: list[int] | None = None,
-                     tenant: str | None = None) -> None:
+                     tenant: str | None = None, conversation_id: str | None = None,
+                     pin_ttl_s: float | None = None) -> None:
         """Add ``(request_id, prompt, params)`` requests atomically: all of them, or (when one is
         rejected) none, and the error is raised."""
         added: list[str] = []
         try:
             for i, (rid, prompt, params) in enumerate(requests):
                 self.add_request(rid, prompt, params, cache_salt=cache_salt,
-                                 priority=priorities[i] if priorities else 0, tenant=tenant)
+                                 priority=priorities[i] if priorities else 0, tenant=tenant,
+                                 conversation_id=conversation_id, pin_ttl_s=pin_ttl_s)
                 added.append(rid)
         except BaseException:
             for rid in added:

@@ -95,6 +95,7 @@ class OutputProcessor:
             request_id=group.request_id, prompt=group.prompt,
             prompt_token_ids=list(group.prompt_token_ids), outputs=outs,
             finished=group.is_finished, num_cached_tokens=max(group.num_cached_tokens, 0),
+            cache_details=group.cache_details,
             metrics=dict(group.metrics), error=group.error,
             # Shared, not copied each step: an output is only made once the prompt is computed
             # (or the request failed), and the list never changes after that.

@@ -140,6 +140,8 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        if self.kv.pins:
+            self.kv.expire_pins(time.monotonic())
         scheduled: list[ScheduledSeq] = []
         copies: list[CopyPair] = []
         swap_out: list[CopyPair] = []
@@ -187,8 +189,12 @@ class Scheduler:
         for parent, child in result.forks:
             if child.finish_reason is None:
                 kv.fork(parent.seq_id, child.seq_id, child.token_ids)
-        for _, seq in result.finished:
+        for group, seq in result.finished:
             if seq.seq_id in kv:
+                if group.conversation_id is not None and seq is group.seqs[0] and result.computed \
+                        and seq.finish_reason in ("stop", "length"):  # the turn's prefix, for the next turn
+                    kv.pin_prefix(seq.seq_id, (group.tenant, group.conversation_id),
+                                  time.monotonic() + group.pin_ttl_s)
                 kv.free(seq.seq_id)
         for group in {id(g): g for g, _ in result.finished}.values():
             if group.num_live == 0:
@@ -368,8 +374,9 @@ class Scheduler:
             except OutOfBlocksError:
                 break
             self.waiting.pop(i)
-            if group.num_cached_tokens < 0:
+            if group.num_cached_tokens < 0:  # first admission: its prefix-cache outcome
                 group.num_cached_tokens = min(cached, len(group.prompt_token_ids))
+                group.cache_details = self.kv.cache_details(seq.seq_id, group.tenant)
             self._enqueue(self.running, group, GroupStatus.RUNNING)
             n = min(seq.num_tokens - cached, budget)
             scheduled.append(ScheduledSeq(group, seq, cached, n))

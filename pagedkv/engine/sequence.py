@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedkv.sampling_params import SamplingParams
 
@@ -73,6 +74,8 @@ class SequenceGroup:
     priority: int = 0         # lower runs first; the highest value is preempted first
     salt: str | None = None
     tenant: str | None = None  # whose KV quota it counts against (memory/tenancy.py); None: the default
+    conversation_id: str | None = None  # its prefix stays pinned pin_ttl_s after it finishes (memory/pins.py)
+    pin_ttl_s: float = 0.0
     max_tokens: int = 16      # resolved limit on generated tokens
     beam_width: int = 0       # > 0: native beam search (see engine.beam_search)
     length_penalty: float = 1.0
@@ -80,6 +83,7 @@ class SequenceGroup:
     status: GroupStatus = GroupStatus.WAITING
     forked: bool = False      # children created after the prompt was computed
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first admission
+    cache_details: Any = None  # memory.miss_reasons.CacheDetails of that admission
     finished_seqs: list[Sequence] = field(default_factory=list)  # beams that ended (beam search)
     beam_candidates: dict[str, tuple[list[float], list[int]]] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)

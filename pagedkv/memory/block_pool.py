@@ -38,6 +38,7 @@ class BlockPool:
         self.evictions = 0
         self.on_evict: Callable[[Block], None] | None = None  # told before a hash is dropped
         self.tenants: TenantLedger | None = None  # per-tenant quotas (memory/tenancy.py), when on
+        self.evict_cause = self.policy.name  # why the block on_evict hears of goes (miss reasons)
 
     @property
     def num_blocks(self) -> int:
@@ -61,8 +62,10 @@ class BlockPool:
             if error is not None:
                 ledger.quota_waits[tenant] += 1
                 raise error
+            self.evict_cause = "quota"
             for block in ledger.victims(tenant, n, len(self.free_queue)):
                 self._evict(block)  # emptied: to the head of the queue, taken below
+            self.evict_cause = self.policy.name
         out = self.free_queue.popleft_n(n) if self._lru else [self._pop_victim() for _ in range(n)]
         for block in out:
             if block.block_hash is not None:
@@ -141,8 +144,10 @@ class BlockPool:
         victims = [b for b in self.free_queue if b.block_hash is not None]
         if max_blocks is not None:
             victims = victims[:max_blocks]
+        self.evict_cause = "cleared"
         for block in victims:
             self._evict(block)
+        self.evict_cause = self.policy.name
         return len(victims)
 
     def _evict(self, block: Block) -> None:

@@ -155,9 +155,9 @@ def write_durably(final: Path, tmp: Path, chunks: tuple[bytes, ...]) -> None:
         raise
 
 
-def remove_block_files(blocks_dir: Path) -> int:
+def remove_block_files(blocks_dir: Path, keys: set[bytes] | None = None) -> int:
     """Delete the block and temporary files under ``blocks_dir`` and the folders left empty;
-    returns the number of block files removed."""
+    returns the number of block files removed (their keys added to ``keys`` when given)."""
     removed = 0
     try:
         fans = [e.path for e in os.scandir(blocks_dir) if e.is_dir(follow_symlinks=False)]
@@ -168,6 +168,9 @@ def remove_block_files(blocks_dir: Path) -> int:
             if entry.name.endswith(BLOCK_SUFFIX):
                 os.unlink(entry.path)
                 removed += 1
+                key = key_from_name(os.path.basename(fan), entry.name) if keys is not None else None
+                if key is not None:
+                    keys.add(key)
             elif entry.name.endswith(TMP_SUFFIX):
                 os.unlink(entry.path)
         with suppress(OSError):

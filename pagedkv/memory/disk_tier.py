@@ -135,6 +135,7 @@ class DiskTier:
         self._disabled_reason: str | None = None
         self._closed = False
         self._tmp_ids = count()
+        self.discarded_keys: set[bytes] = set()  # block keys removed at open for another fingerprint
         make_private_directory(self.directory)
         self._lock_fd = try_lock(self.directory)
         if self._lock_fd is None:
@@ -374,7 +375,7 @@ class DiskTier:
             found = {}
         if found == wanted:
             return
-        removed = remove_block_files(self._blocks_dir)
+        removed = remove_block_files(self._blocks_dir, self.discarded_keys)
         if found is not None or removed:
             logger.warning("KV disk tier %s: %s; removed %d block files written for another setup",
                            self.directory, describe_change(found, wanted), removed)

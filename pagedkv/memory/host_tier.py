@@ -32,6 +32,7 @@ class HostPrefixTier:
         self._offloaded_now: list[Block] = []  # host blocks this step's offloads or disk loads write
         self._loads: list[tuple[int, bytes]] = []  # (host block, payload) read from disk, this step
         self.disk_loaded_blocks = 0  # blocks read from the disk tier into this tier
+        self.from_disk: set[bytes] = set()  # hashes loaded from disk and not yet reloaded (cache details)
 
     def offload(self, block: Block) -> None:
         """Copy a cached device block that is being evicted down here (most recently used)."""
@@ -65,6 +66,9 @@ class HostPrefixTier:
         self._offloaded_now.append(target)
         self._loads.append((target.block_id, payload))
         self.disk_loaded_blocks += 1
+        if len(self.from_disk) > host.num_blocks:  # forget loads whose blocks left this tier unused
+            self.from_disk &= host.cached.keys()
+        self.from_disk.add(block_hash)
         return True
 
     def match(self, block_hashes: Iterable[bytes]) -> list[Block]:

@@ -13,6 +13,7 @@ from pagedkv.memory.errors import IntegrityError
 from pagedkv.memory.kv_groups import RELEASED, first_visible_block
 from pagedkv.memory.prefix_hash import group_hash
 from pagedkv.memory.stats import KVStats
+from pagedkv.memory.tenancy import DEFAULT_TENANT
 
 if TYPE_CHECKING:
     from pagedkv.memory.kv_cache_manager import KVCacheManager, SeqState
@@ -56,7 +57,18 @@ def kv_stats(mgr: KVCacheManager) -> KVStats:
                                         reloaded_blocks=tier.reloaded_blocks)),
         **({} if pool.tenants is None else dict(tenants=pool.tenants.snapshot(),
                                                 tenant_quota_waits=dict(pool.tenants.quota_waits))),
+        first_misses=_first_misses(mgr), pins=len(mgr.pins), pinned_blocks=len(mgr.pins.refs()),
+        pins_expired=mgr.pins.expired, pins_replaced=mgr.pins.replaced,
+        pins_released_under_pressure=mgr.pins.released_under_pressure,
         **_disk_stats(mgr))
+
+
+def _first_misses(mgr: KVCacheManager) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for (reason, tenant), n in mgr.first_misses.items():
+        per = out.setdefault(reason, {})
+        per[tenant or DEFAULT_TENANT] = per.get(tenant or DEFAULT_TENANT, 0) + n
+    return out
 
 
 def _disk_stats(mgr: KVCacheManager) -> dict[str, int | bool]:
@@ -87,6 +99,7 @@ def check_integrity(mgr: KVCacheManager) -> None:
     refs = {tier: Counter[int]() for tier in mgr.tiers}
     if mgr.host_tier is not None:  # held for this step's tier copies
         refs["host"].update(b.block_id for b in mgr.host_tier.held)
+    refs["device"].update(mgr.pins.refs())  # conversation pins (memory/pins.py)
     for seq in mgr.seqs.values():
         table = seq.block_table
         held = seq.block_ids()

@@ -45,6 +45,8 @@ from pagedkv.memory.kv_groups import (
     prefix_hit,
     release_out_of_window,
 )
+from pagedkv.memory.miss_reasons import UNSALTED_ROOT, CacheDetails, CacheHistory
+from pagedkv.memory.pins import ConversationPins
 from pagedkv.memory.prefix_hash import chain_hashes, root_hash
 from pagedkv.memory.prefix_index import make_prefix_index
 from pagedkv.memory.stats import KVStats
@@ -71,6 +73,10 @@ class SeqState:
     # many leading blocks each has released (memory/kv_groups.py)
     group_tables: list[list[int]] = field(default_factory=list)
     released: list[int] = field(default_factory=list)
+    content_hashes: list[bytes] = field(default_factory=list)  # unsalted chain of a salted root (miss reasons)
+    # the last allocate_prompt's outcome, for cache_details(): hit blocks per tier, the most that
+    # could hit, and whether the host tier held more than was reloaded
+    hits: tuple[int, int, int, int, bool] = (0, 0, 0, 0, False)  # device, host, disk, max, skipped
 
     @property
     def on_device(self) -> bool:
@@ -148,6 +154,18 @@ class KVCacheManager:
         # The pool's hash map always names cached blocks; the index finds a prompt's hits in it
         # (hash chain) or in a radix tree kept in step (check_integrity proves they agree).
         self.index = make_prefix_index(prefix_index, self.pool, block_size)
+        # Why prompts miss (memory/miss_reasons.py): a bounded history of evictions and cached blocks.
+        self.history = CacheHistory(block_size, capacity=max(1 << 16, 4 * (num_blocks + num_host_blocks)))
+        self.first_misses: dict[tuple[str, str | None], int] = {}  # (reason, tenant) -> requests
+        self.pins = ConversationPins(self.pool)  # conversations' prefixes held until a TTL (memory/pins.py)
+        history, index_evict = self.history, self.pool.on_evict
+
+        def on_device_evict(block: Block) -> None:
+            if index_evict is not None:
+                index_evict(block)
+            history.on_evicted(block.block_hash, DEVICE, self.pool.evict_cause)  # type: ignore[arg-type]
+        self.pool.on_evict = on_device_evict
+        self.host_pool.on_evict = lambda block: history.on_evicted(block.block_hash, HOST, "lru")
         self.seqs: dict[Hashable, SeqState] = {}
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -164,6 +182,7 @@ class KVCacheManager:
             lookup = None
             if disk is not None:
                 self.disk_lookup = lookup = DiskLookup(disk, self.pool, tier, self.costs, block_size)
+                self.history.fingerprint_discarded = disk.disk.discarded_keys
             index_on_evict = self.pool.on_evict
 
             def on_evict(block: Block) -> None:
@@ -282,6 +301,7 @@ class KVCacheManager:
         hits: list[Block] = []
         host_hits: list[Block] = []
         found: list[Block] = []
+        max_hits = 0
         if self.enable_prefix_caching:
             self._hash_full_blocks(seq, len(token_ids) // B)
             # The block holding the last prompt token is never a hit: it must be computed.
@@ -296,6 +316,7 @@ class KVCacheManager:
         num_new = remaining if num_new_tokens is None else max(1, min(num_new_tokens, remaining))
         need = _cdiv(num_cached + num_new, B) - len(hits)
         revived = sum(1 for b in hits if b.ref_count == 0)
+        self._unstarve(need + revived + self.watermark_blocks, admission=True)
         available = pool.num_free - revived - self.watermark_blocks
         if need > available:
             raise OutOfBlocksError(need, max(available, 0))
@@ -308,6 +329,7 @@ class KVCacheManager:
         seq.block_table = [b.block_id for b in hits] + [b.block_id for b in fresh]
         if host_hits:
             self.host_tier.reload(host_hits, fresh, B)  # type: ignore[union-attr]
+        seq.hits = (len(hits), len(host_hits), self._from_disk(host_hits), max_hits, bool(found) and not host_hits)
         seq.num_computed = num_cached
         seq.num_cached_blocks = len(hits)
         self.seqs[seq.seq_id] = seq
@@ -342,7 +364,9 @@ class KVCacheManager:
         on_device = [b for b, h in pairs if not h]
         on_host = [b for b, h in pairs if h]
         need = per_group * G + len(on_host)
-        available = pool.num_free - sum(1 for b in on_device if b.ref_count == 0) - self.watermark_blocks
+        revived = sum(1 for b in on_device if b.ref_count == 0)
+        self._unstarve(need + revived + self.watermark_blocks, admission=True)
+        available = pool.num_free - revived - self.watermark_blocks
         if need > available:
             raise OutOfBlocksError(need, max(available, 0))
         self._check_quota(seq.tenant, need, on_device)
@@ -370,6 +394,8 @@ class KVCacheManager:
                 seq.group_tables.append(table)
                 seq.released.append(released)
         seq.num_computed = num_cached
+        host0 = [b for b, h in zip(hit.blocks[0], hit.on_host[0]) if h] if hit.blocks else []
+        seq.hits = (k - len(host0), len(host0), self._from_disk(host0), (len(token_ids) - 1) // B, reload is False)
         seq.num_cached_blocks = 0 if on_host else k  # reloaded blocks are cached again below
         self.seqs[seq.seq_id] = seq
         if on_host:
@@ -411,6 +437,62 @@ class KVCacheManager:
             return False
         limit = ledger.limit(tenant or DEFAULT_TENANT)
         return limit is not None and ledger.held[tenant or DEFAULT_TENANT] < limit
+
+    # ------------------------------------------------------------------ conversation pins
+    def pin_prefix(self, seq_id: Hashable, key: Hashable, expires_at: float) -> int:
+        """Hold the sequence's cached prefix (its full computed blocks, every KV group) on the
+        device until ``expires_at`` (``memory/pins.py``), replacing ``key``'s earlier pin; call
+        before freeing the sequence. Returns the blocks pinned (0: nothing cached to hold)."""
+        seq = self.seqs[seq_id]
+        if not self.enable_prefix_caching or not seq.on_device:
+            return 0
+        blocks = self.pool.blocks
+        ids = [table[i] for table in seq.tables() for i in range(min(seq.num_cached_blocks, len(table)))
+               if table[i] != RELEASED and blocks[table[i]].block_hash is not None]
+        if ids:
+            self.pins.pin(key, ids, expires_at)
+        return len(ids)
+
+    def expire_pins(self, now: float) -> int:
+        """Release the pins whose TTL has passed (``now`` on the clock the pins were given)."""
+        return self.pins.expire(now) if self.pins else 0
+
+    def _unstarve(self, need: int, admission: bool = False) -> None:
+        """Pins never starve work: let go of the oldest until ``need`` blocks are free. A new prompt
+        may only take them when no sequence holds device blocks (it would wait for ever otherwise)."""
+        if not self.pins or self.pool.num_free >= need:
+            return
+        if admission and any(seq.on_device for seq in self.seqs.values()):
+            return
+        self.pins.release_for(need)
+
+    def _from_disk(self, host_hits: list[Block]) -> int:
+        """Of these host blocks about to be reloaded, how many came from the disk tier."""
+        from_disk = self.host_tier.from_disk if self.host_tier is not None else None
+        if not from_disk:
+            return 0
+        keys = [b.block_hash for b in host_hits if b.block_hash in from_disk]
+        from_disk.difference_update(keys)
+        return len(keys)
+
+    def cache_details(self, seq_id: Hashable, tenant: str | None = None) -> CacheDetails | None:
+        """The prefix-cache outcome of the sequence's last ``allocate_prompt``: hit tokens per tier
+        and why its first missed block missed (``memory/miss_reasons.py``), counted per reason and
+        ``tenant`` in ``first_misses``; None with prefix caching off. Call once per request."""
+        seq = self.seqs.get(seq_id)
+        if seq is None or not self.enable_prefix_caching:
+            return None
+        B = self.block_size
+        device, host, disk, max_hits, skipped = seq.hits
+        hits = device + host
+        reason, caller_reason, extra = self.history.explain(seq.root, seq.token_ids, seq.block_hashes, hits,
+                                                            max_hits, in_host=skipped)
+        details = CacheDetails(len(seq.token_ids), hits * B, {"device": device * B, "host": (host - disk) * B,
+                                                             "disk": disk * B},
+                               reason, caller_reason, None if reason == "none" else hits, **extra)
+        key = (reason, tenant)
+        self.first_misses[key] = self.first_misses.get(key, 0) + 1
+        return details
 
     def _check_quota(self, tenant: str | None, need: int, hits: list[Block]) -> None:
         """Raise TenantQuotaError, changing nothing, when a new prompt of ``tenant`` needing
@@ -515,6 +597,7 @@ class KVCacheManager:
         total = sum(len(shared) + missing for _, shared, missing in plans)
         if total == 0:
             return []
+        self._unstarve(total)
         if total > self.pool.num_free:
             raise OutOfBlocksError(total, self.pool.num_free)
         fresh = iter(self.pool.allocate(total, seq.tenant))
@@ -563,6 +646,14 @@ class KVCacheManager:
         self._hash_full_blocks(seq, full)
         blocks = self.pool.blocks
         start = seq.num_cached_blocks
+        content = None
+        if seq.root != UNSALTED_ROOT:  # the same tokens' unsalted chain (another tenant's view)
+            done = len(seq.content_hashes)
+            if full > done:
+                seq.content_hashes += chain_hashes(seq.content_hashes[-1] if done else UNSALTED_ROOT,
+                                                   seq.token_ids, self.block_size, done, full)
+            content = seq.content_hashes
+        self.history.on_cached(seq.root, seq.block_hashes, seq.token_ids, start, full, content)
         self.pool.cache((blocks[i] for i in seq.block_table[start:full]), seq.block_hashes[start:full])
         self.index.on_cached(seq.root, seq.token_ids, seq.block_table, seq.block_hashes, full)
         if seq.group_tables:
@@ -587,7 +678,8 @@ class KVCacheManager:
                              f"the first {n} tokens of {parent_id!r}")
         child = SeqState(child_id, token_ids, parent.root, parent.tenant, list(parent.block_table),
                          parent.num_computed, list(parent.block_hashes), parent.num_cached_blocks,
-                         group_tables=[list(t) for t in parent.group_tables], released=list(parent.released))
+                         group_tables=[list(t) for t in parent.group_tables], released=list(parent.released),
+                         content_hashes=list(parent.content_hashes))
         blocks = self.pool.blocks
         for block_id in child.block_ids():
             self.pool.touch(blocks[block_id])
@@ -655,6 +747,7 @@ class KVCacheManager:
             # them so that an offload later in the step cannot take one and write it first.
             host = self.host_pool
             sources = [host.blocks[i] for i in dict.fromkeys(i for seq in seqs for i in seq.block_ids())]
+            self._unstarve(len(sources))
             if len(sources) > self.pool.num_free:
                 raise OutOfBlocksError(len(sources), self.pool.num_free, self.pool.name)
             self.host_tier.hold(sources)

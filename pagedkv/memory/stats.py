@@ -58,6 +58,14 @@ class KVStats:
     # Per-tenant quotas (empty when off): {tenant: (blocks held, of them cached-free, limit or None)}
     tenants: dict[str, tuple[int, int, int | None]] = field(default_factory=dict)
     tenant_quota_waits: dict[str, int] = field(default_factory=dict)  # allocations a quota refused
+    # requests by the reason their first missed block missed (memory/miss_reasons.py), then tenant
+    first_misses: dict[str, dict[str, int]] = field(default_factory=dict)
+    # conversation pins (memory/pins.py): held now, blocks they hold, and how pins ended
+    pins: int = 0
+    pinned_blocks: int = 0
+    pins_expired: int = 0
+    pins_replaced: int = 0
+    pins_released_under_pressure: int = 0
 
     @property
     def usage(self) -> float:

@@ -173,6 +173,8 @@ def _api_router(state: ServerState) -> APIRouter:
             prompts=body.prompts(), params=params, fmt=CompletionFormat(body.logprobs or 0),
             stream=body.stream, include_usage=body.include_usage_in_stream, echo=body.echo,
             cache_salt=body.cache_salt, priority=body.priority, tenant=request.state.tenant,
+            return_cache_details=body.return_cache_details, conversation_id=body.conversation_id,
+            pin_ttl_s=body.pin_ttl_s,
         )
         if len(gen.prompts) * params.n > MAX_CHOICES:
             raise bad_request(f"at most {MAX_CHOICES} choices (prompts times n) per request", param="n")
@@ -199,6 +201,8 @@ def _api_router(state: ServerState) -> APIRouter:
             prompts=[await asyncio.to_thread(render)], params=params, fmt=ChatFormat(body.top_logprobs or 0),
             stream=body.stream, include_usage=body.include_usage_in_stream,
             cache_salt=body.cache_salt, priority=body.priority, tenant=request.state.tenant,
+            return_cache_details=body.return_cache_details, conversation_id=body.conversation_id,
+            pin_ttl_s=body.pin_ttl_s,
         )
         return await serve_generation(state, request, gen)
 

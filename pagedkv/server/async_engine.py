@@ -146,6 +146,8 @@ class AsyncEngine:
         cache_salt: str | None = None,
         priority: int = 0,
         tenant: str | None = None,
+        conversation_id: str | None = None,
+        pin_ttl_s: float | None = None,
     ) -> OutputStream:
         """Add ``(request_id, prompt)`` pairs atomically: all are added, or none and the error is raised.
 
@@ -157,7 +159,8 @@ class AsyncEngine:
 
         def add() -> None:
             self.engine.add_requests([(rid, prompt, params) for rid, prompt in prompts],
-                                     cache_salt=cache_salt, priorities=[priority] * len(prompts), tenant=tenant)
+                                     cache_salt=cache_salt, priorities=[priority] * len(prompts), tenant=tenant,
+                                     conversation_id=conversation_id, pin_ttl_s=pin_ttl_s)
             for rid in request_ids:
                 self._streams[rid] = stream
             self._num_in_flight += len(request_ids)

@@ -141,17 +141,33 @@ class EngineStatsCollector(Collector):
             yield counter("engine_steps", "Engine scheduling steps run.", s.num_steps)
         if getattr(kv, "tenants", None):
             yield from self._tenant_metrics(kv)
+        if getattr(kv, "first_misses", None):
+            misses = CounterMetricFamily(
+                "pagedkv_prefix_cache_first_miss", "Requests by why the first block of their prompt that "
+                "was not a prefix-cache hit missed (none: every block that could hit did).",
+                labels=["model_name", "reason", "tenant"])
+            rows: dict[tuple[str, str], int] = {}
+            for reason, per_tenant in sorted(kv.first_misses.items()):
+                for tenant, n in per_tenant.items():
+                    key = (reason, self._label(tenant))
+                    rows[key] = rows.get(key, 0) + n
+            for (reason, tenant), n in sorted(rows.items()):
+                misses.add_metric([self._model, reason, tenant], float(n))
+            yield misses
+
+    def _label(self, tenant: str) -> str:
+        return tenant if tenant in self._public_tenants else "other"
 
     def _tenant_metrics(self, kv: Any) -> Iterator[Metric]:
         """Per-tenant KV quotas: blocks held, of them cached, the limit, and allocations refused."""
         rows: dict[str, list[float]] = {}
         for tenant, (held, cached, limit) in kv.tenants.items():
-            row = rows.setdefault(tenant if tenant in self._public_tenants else "other", [0, 0, 0, 0])
+            row = rows.setdefault(self._label(tenant), [0, 0, 0, 0])
             row[0] += held
             row[1] += cached
             row[2] += limit or 0
         for tenant, waits in kv.tenant_quota_waits.items():
-            rows.setdefault(tenant if tenant in self._public_tenants else "other", [0, 0, 0, 0])[3] += waits
+            rows.setdefault(self._label(tenant), [0, 0, 0, 0])[3] += waits
         families = [
             GaugeMetricFamily("pagedkv_tenant_kv_blocks", "Device KV blocks a tenant holds (in use plus cached).",
                               labels=["model_name", "tenant"]),

@@ -90,6 +90,9 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(default=None, min_length=1)
     priority: int = 0
+    return_cache_details: bool = False  # pagedkv's: usage.prompt_tokens_details.cache_details
+    conversation_id: str | None = Field(default=None, min_length=1, max_length=256)  # pagedkv's: pinning
+    pin_ttl_s: float | None = Field(default=None, gt=0)
     include_stop_str_in_output: bool = False  # vLLM's extras
     skip_special_tokens: bool = True
     user: str | None = None

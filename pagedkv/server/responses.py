@@ -7,7 +7,7 @@ the serving code (``serving.py``) is the same for completions and chat.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pagedkv.outputs import Logprob, RequestOutput
@@ -24,18 +24,26 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # return_cache_details: each prompt's prefix-cache outcome as its caller may see it, in order
+    cache_details: list[Json | None] | None = field(default=None)
 
     def add_request(self, final: RequestOutput) -> None:
         self.prompt_tokens += len(final.prompt_token_ids)
         self.cached_tokens += final.num_cached_tokens
         self.completion_tokens += sum(len(c.token_ids) for c in final.outputs)
+        if self.cache_details is not None:
+            details = final.cache_details
+            self.cache_details.append(details.for_caller() if details is not None else None)
 
     def to_json(self) -> Json:
+        details: Json = {"cached_tokens": self.cached_tokens}
+        if self.cache_details is not None:  # one prompt: its details; several: a list, in prompt order
+            details["cache_details"] = self.cache_details[0] if len(self.cache_details) == 1 else self.cache_details
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "prompt_tokens_details": details,
         }
 
 

@@ -134,6 +134,9 @@ class Generation:
     cache_salt: str | None = None
     priority: int = 0
     tenant: str | None = None  # the API key's tenant (None: the cache_salt is the tenant)
+    return_cache_details: bool = False  # usage.prompt_tokens_details.cache_details
+    conversation_id: str | None = None  # pin the turn's prefix (memory/pins.py) for pin_ttl_s
+    pin_ttl_s: float | None = None
 
 
 async def serve_generation(state: ServerState, request: Request, gen: Generation) -> Response:
@@ -146,6 +149,7 @@ async def serve_generation(state: ServerState, request: Request, gen: Generation
         stream = await state.engine.add_requests(
             [(f"{base_id}-{i}", p) for i, p in enumerate(prompts)], gen.params,
             cache_salt=gen.cache_salt, priority=gen.priority, tenant=gen.tenant,
+            conversation_id=gen.conversation_id, pin_ttl_s=gen.pin_ttl_s,
         )
     except EngineDeadError as exc:
         release()
@@ -280,8 +284,8 @@ class _Rendering:
         return {key: prompt[key] + body[key] for key in body}
 
     def _usage(self) -> Usage:
-        usage = Usage()
-        for out in self.tracker.final.values():
+        usage = Usage(cache_details=[] if self.gen.return_cache_details else None)
+        for out in sorted(self.tracker.final.values(), key=lambda o: int(o.request_id.rsplit("-", 1)[1])):
             usage.add_request(out)
         return usage
 

@@ -1,0 +1,128 @@
+"""Why a prompt missed the prefix cache: a bounded history of what the cache held, and the reason
+for a request's first missed block.
+
+``CacheHistory`` remembers, for the most recent events only (``capacity`` entries per map, oldest
+forgotten first):
+
+- blocks evicted, by hash: from which tier (device, host) and why (the eviction policy's name,
+  ``quota`` for a tenant over its quota, ``cleared`` for a cache reset or a failed step);
+- for each cached block, the tokens of the block that followed its parent, so a prompt that shares
+  a prefix ending inside a block can be told apart (``partial_block``);
+- for each cached block, its tokens' unsalted hash and the salted root (tenant) that cached them,
+  so a miss on content another tenant holds is seen (``different_tenant``);
+- the keys of disk blocks removed at start for a changed fingerprint (``fingerprint_mismatch``).
+
+``explain`` gives the reason for the first block of a prompt that was not a hit, in this order:
+``none`` (every block that could be a hit was: the one holding the last prompt token is always
+computed), ``reload_skipped`` (the host tier holds it, but recomputing was measured cheaper),
+``evicted``, ``different_tenant``, ``partial_block``, ``fingerprint_mismatch``, ``never_seen``.
+A caller never sees ``different_tenant``: it gets the reason its own tenant's history gives
+(``partial_block``, ``fingerprint_mismatch`` or ``never_seen``), so another tenant's cache state
+is never revealed; the true reason goes only to aggregate counters. Pure Python.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedkv.memory.prefix_hash import chain_hashes, root_hash
+
+REASONS = ("none", "reload_skipped", "evicted", "partial_block", "different_tenant", "fingerprint_mismatch",
+           "never_seen")
+UNSALTED_ROOT = root_hash(None, None)
+
+
+@dataclass(slots=True)
+class CacheDetails:
+    """One request's prefix-cache outcome at its first admission."""
+
+    prompt_tokens: int
+    hit_tokens: int
+    tier_hits: dict[str, int]  # hit tokens per tier: device, host, disk
+    reason: str  # of the first missed block (REASONS), the true one (aggregate counters only)
+    caller_reason: str  # the same as its caller may see it: never "different_tenant"
+    miss_block: int | None = None  # its index in the prompt, None for "none"
+    evicted_from: str | None = None  # "evicted": the tier it left last
+    evicted_by: str | None = None  # "evicted": the policy (lru, fifo, lrc), "quota" or "cleared"
+    shared_tokens: int = 0  # "partial_block": tokens of the block shared with a cached one
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def for_caller(self) -> dict[str, Any]:
+        """What the request's own caller may see: another tenant's cache is "never_seen"."""
+        reason = self.caller_reason
+        out: dict[str, Any] = {"hit_tokens": self.hit_tokens, "tier_hits": dict(self.tier_hits),
+                               "first_miss": None}
+        if reason != "none":
+            miss: dict[str, Any] = {"reason": reason, "block": self.miss_block}
+            if reason == "evicted":
+                miss.update(tier=self.evicted_from, policy=self.evicted_by)
+            if reason == "partial_block":
+                miss["shared_tokens"] = self.shared_tokens
+            out["first_miss"] = miss
+        return out
+
+
+class _Bounded(OrderedDict):
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+
+    def put(self, key: Any, value: Any) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        if len(self) > self.capacity:
+            self.popitem(last=False)
+
+
+class CacheHistory:
+    def __init__(self, block_size: int, capacity: int = 1 << 16) -> None:
+        self.block_size = block_size
+        self.evicted: _Bounded = _Bounded(capacity)  # block hash -> (tier, cause)
+        self.children: _Bounded = _Bounded(capacity)  # parent hash -> tokens of a cached next block
+        self.content: _Bounded = _Bounded(capacity)  # unsalted hash -> the salted root that cached it
+        self.fingerprint_discarded: set[bytes] = set()  # disk keys removed for another fingerprint
+
+    # ------------------------------------------------------------------ events
+    def on_evicted(self, block_hash: bytes, tier: str, cause: str) -> None:
+        self.evicted.put(block_hash, (tier, cause))
+
+    def on_cached(self, root: bytes, block_hashes: list[bytes], token_ids: list[int], start: int, end: int,
+                  content_hashes: list[bytes] | None) -> None:
+        """Blocks ``start .. end-1`` of a sequence were cached (``block_hashes``: its chain from
+        ``root``); ``content_hashes``: the same tokens' unsalted chain when ``root`` is salted."""
+        B = self.block_size
+        for i in range(start, end):
+            self.children.put(block_hashes[i - 1] if i else root, tuple(token_ids[i * B:(i + 1) * B]))
+            self.content.put(content_hashes[i] if content_hashes is not None else block_hashes[i], root)
+
+    # ------------------------------------------------------------------ the question
+    def explain(self, root: bytes, token_ids: list[int], block_hashes: list[bytes], hits: int, max_hits: int,
+                *, in_host: bool) -> tuple[str, str, dict[str, Any]]:
+        """Why block ``hits`` (the first not served) of the prompt missed: the true reason, the
+        reason its caller may see (never another tenant's cache), and details for both."""
+        if hits >= max_hits:
+            return "none", "none", {}
+        h = block_hashes[hits]
+        if in_host:
+            return "reload_skipped", "reload_skipped", {}
+        if h in self.evicted:
+            tier, cause = self.evicted[h]
+            return "evicted", "evicted", {"evicted_from": tier, "evicted_by": cause}
+        B = self.block_size
+        own = "fingerprint_mismatch" if h in self.fingerprint_discarded else "never_seen"
+        extra: dict[str, Any] = {}
+        sibling = self.children.get(block_hashes[hits - 1] if hits else root)
+        if sibling is not None:
+            mine = token_ids[hits * B:(hits + 1) * B]
+            shared = next((k for k, (a, b) in enumerate(zip(mine, sibling)) if a != b), min(len(mine), len(sibling)))
+            if shared == len(mine):  # the very block was cached once; its eviction is forgotten
+                return "evicted", "evicted", {}
+            if shared:
+                own, extra = "partial_block", {"shared_tokens": shared}
+        unsalted = h if root == UNSALTED_ROOT else chain_hashes(UNSALTED_ROOT, token_ids, B, 0, hits + 1)[-1]
+        owner = self.content.get(unsalted)
+        if owner is not None and owner != root:
+            return "different_tenant", own, extra
+        return own, own, extra
