@@ -39,6 +39,7 @@ def add_generate_parser(subparsers) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     from pagedkv.engine import RequestRejectedError
     from pagedkv.engine.flags import engine_options
+    from pagedkv.engine.stats import cache_report
     from pagedkv.llm import LLM
     from pagedkv.sampling_params import SamplingParams
 
@@ -76,6 +77,7 @@ def run_generate(args: argparse.Namespace) -> int:
               f"KV dtype {s.kv_cache_dtype}, {s.kv_bytes_per_block:,} bytes per block"
               + (f", quantization error (relative RMS, worst layer) {s.kv_quant_error_max:.4f}"
                  if s.kv_quant_error_max is not None else ""), file=sys.stderr)
+        print(cache_report(s), file=sys.stderr)
     return 0
 
 

@@ -26,6 +26,7 @@ def test_generate_prints_a_completion(tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "blocks used" in out.stderr and "KV dtype float32" in out.stderr and out.stdout.strip()
+    assert "prefix cache: 0/3 prompt tokens hit" in out.stderr and "first miss per request: none 1" in out.stderr
 
 
 def test_generate_with_an_int8_kv_cache(tmp_path):

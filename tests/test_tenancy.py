@@ -206,3 +206,50 @@ def test_pins_never_starve_running_work(folder) -> None:
     assert kv.pins_released_under_pressure >= 1 and kv.pins < 4
     with pytest.raises(ValueError, match="pin_ttl_s must be"):
         engine.add_request("bad", _prompt(1, 8), params, conversation_id="x", pin_ttl_s=10_000)
+
+
+def test_when_all_tenants_are_busy_each_gets_its_share(folder) -> None:
+    """Tenant a fills the pool before b arrives; with 0.5 quotas b's waiting requests preempt a's
+    work (a is over its quota, b under) until both hold about half while both still wait."""
+
+    def held_while_both_wait(quota: float) -> list[tuple[int, int]]:
+        engine = LLMEngine.from_options(str(folder), block_size=4, num_kv_blocks=40, kv_offloading_size=0,
+                                        max_num_batched_tokens=64, debug_integrity=True,
+                                        default_tenant_kv_quota=quota)
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        for i in range(8):
+            engine.add_request(f"a{i}", _prompt(i, 12), params, tenant="a")
+        for _ in range(6):
+            engine.step()
+        for i in range(8):
+            engine.add_request(f"b{i}", _prompt(100 + i, 12), params, tenant="b")
+        samples = []
+        while engine.has_unfinished_requests():
+            engine.step()
+            if {g.tenant for g in engine.scheduler.waiting} == {"a", "b"}:  # both busy: the blocks each holds
+                held = engine.stats().kv.tenants
+                samples.append((held.get("a", (0,))[0], held.get("b", (0,))[0]))
+        assert engine.stats().kv.used_blocks == 0
+        return samples
+
+    fair = held_while_both_wait(0.5)
+    assert len(fair) > 20
+    assert all(a >= 15 and b >= 15 for a, b in fair[20:]), str(fair)  # each about its 20 blocks
+    unfair = held_while_both_wait(1.0)  # quotas that never bind: a keeps the pool it filled first
+    assert max(b for _, b in unfair) < 15, unfair
+
+
+def test_cache_report_sums_up_tenants_misses_and_pins(folder) -> None:
+    from pagedkv.engine.stats import cache_report
+
+    engine = LLMEngine.from_options(str(folder), block_size=4, num_kv_blocks=40, tenant_kv_quota=["a=0.5"])
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("r0", _prompt(1, 21), params, tenant="a", conversation_id="c")
+    _run(engine)
+    engine.add_request("r1", _prompt(1, 21), params, tenant="a")
+    _run(engine)
+    report = cache_report(engine.stats())
+    assert "prefix cache: 20/42 prompt tokens hit (47.6%)" in report
+    assert "first miss per request: none 1, never_seen 1" in report
+    assert "tenant a: 6 blocks held" in report and "quota 20" in report
+    assert "conversation pins: 1 holding 6 blocks" in report

@@ -35,3 +35,22 @@ class EngineStats:
         d = asdict(self)
         d["kv"] = self.kv.as_dict()
         return d
+
+
+def cache_report(stats: EngineStats) -> str:
+    """A few readable lines on the prefix cache, tenants and pins (``pagedkv generate --stats``)."""
+    kv = stats.kv
+    q = kv.prefix_query_tokens
+    lines = [f"prefix cache: {kv.prefix_hit_tokens}/{q} prompt tokens hit ({kv.prefix_hit_rate:.1%}); "
+             f"per tier: " + ", ".join(f"{t} {n}" for t, n in kv.tier_hit_tokens.items()) + " tokens"]
+    if kv.first_misses:
+        reasons = sorted(((sum(per.values()), reason) for reason, per in kv.first_misses.items()), reverse=True)
+        lines.append("first miss per request: " + ", ".join(f"{reason} {n}" for n, reason in reasons))
+    for tenant, (held, cached, limit) in kv.tenants.items():
+        waits = kv.tenant_quota_waits.get(tenant, 0)
+        lines.append(f"tenant {tenant}: {held} blocks held ({cached} cached), quota "
+                     f"{limit if limit is not None else 'none'}, {waits} allocations refused by it")
+    if kv.pins or kv.pins_expired or kv.pins_replaced or kv.pins_released_under_pressure:
+        lines.append(f"conversation pins: {kv.pins} holding {kv.pinned_blocks} blocks; {kv.pins_expired} expired, "
+                     f"{kv.pins_replaced} replaced, {kv.pins_released_under_pressure} released under pressure")
+    return "\n".join(lines)
