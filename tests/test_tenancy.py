@@ -138,7 +138,7 @@ def test_engine_quota_keeps_a_quiet_tenants_prefix_cached(folder) -> None:
     assert quiet_hits(tenant_kv_quota=["noisy=0.5"]) == 32
 
 
-def test_quotas_and_tenants_under_fault_injection_keep_outputs(folder) -> None:
+def test_quotas_tenants_and_pins_under_fault_injection_keep_outputs(folder) -> None:
     prompts = [_prompt(i, n) for i, n in enumerate([5, 30, 14, 22, 9, 41, 3, 18])]
 
     def run(**options) -> dict[str, list[int]]:
@@ -146,10 +146,12 @@ def test_quotas_and_tenants_under_fault_injection_keep_outputs(folder) -> None:
                                         **options)
         for i, p in enumerate(prompts):
             params = SamplingParams(temperature=0.8, seed=i, max_tokens=12 + i, ignore_eos=True)
-            engine.add_request(f"r{i}", p, params, tenant=("a", "b", "c")[i % 3], priority=i % 2)
+            engine.add_request(f"r{i}", p, params, tenant=("a", "b", "c")[i % 3], priority=i % 2,
+                               conversation_id=f"chat-{i % 4}" if i % 2 else None)
         out = _run(engine)
         stats = engine.stats()
-        assert stats.kv.used_blocks == 0 and set(stats.kv.tenants) <= {"a", "b", "c"}
+        assert stats.kv.used_blocks == stats.kv.pinned_blocks and set(stats.kv.tenants) <= {"a", "b", "c"}
+        assert stats.kv.pins + stats.kv.pins_replaced + stats.kv.pins_released_under_pressure >= 2
         return out
 
     expected = run(num_kv_blocks=400)

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedkv.engine.sequence import GroupStatus, Sequence, SequenceGroup
-from pagedkv.memory import CopyPair, KVCacheManager, OutOfBlocksError, TenantQuotaError
+from pagedkv.memory import DEFAULT_TENANT, CopyPair, KVCacheManager, OutOfBlocksError, TenantQuotaError
 
 PREFETCH_LOOKAHEAD = 4  # waiting requests whose disk reads are issued ahead of their admission
 
@@ -193,7 +193,7 @@ class Scheduler:
             if seq.seq_id in kv:
                 if group.conversation_id is not None and seq is group.seqs[0] and result.computed \
                         and seq.finish_reason in ("stop", "length"):  # the turn's prefix, for the next turn
-                    kv.pin_prefix(seq.seq_id, (group.tenant, group.conversation_id),
+                    kv.pin_prefix(seq.seq_id, (group.tenant or DEFAULT_TENANT, group.conversation_id),
                                   time.monotonic() + group.pin_ttl_s)
                 kv.free(seq.seq_id)
         for group in {id(g): g for g, _ in result.finished}.values():

@@ -501,10 +501,14 @@ class KVCacheManager:
         if ledger is None or tenant is None:
             return
         revived = sum(1 for b in hits if b.ref_count == 0 and b.tenant == tenant)
-        error = ledger.allocation_error(tenant, need, self.pool.num_free, admit=True, revived=revived)
-        if error is not None:
-            ledger.quota_waits[tenant] += 1
-            raise error
+        while True:
+            error = ledger.allocation_error(tenant, need, self.pool.num_free, admit=True, revived=revived)
+            if error is None:
+                return
+            # its own conversation pins fill its quota: they give way rather than block it for ever
+            if not self.pins.release_oldest_of(tenant):
+                ledger.quota_waits[tenant] += 1
+                raise error
 
     def prefetch(self, seq_id: Hashable, token_ids: list[int], *, salt: str | None = None,
                  adapter_id: str | None = None, count: bool = True) -> bool:

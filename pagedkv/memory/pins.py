@@ -7,8 +7,9 @@ per ``(tenant, conversation)``: a newer turn replaces the older turn's pin (the 
 taken before the old ones are let go, so the prefix they share is never free in between).
 
 Pins never starve work: ``release_for(n)`` lets go of the oldest pins until ``n`` blocks are free,
-counting each one it releases (``released_under_pressure``); expired pins go at the start of each
-step (``expire``). Pure Python.
+and ``release_oldest_of(tenant)`` one of a tenant's whose quota its pins fill, counting each one
+released (``released_under_pressure``); expired pins go at the start of each step (``expire``).
+Pure Python.
 """
 
 from __future__ import annotations
@@ -73,6 +74,16 @@ class ConversationPins:
             released += 1
         self.released_under_pressure += released
         return released
+
+    def release_oldest_of(self, tenant: str | None) -> bool:
+        """Let go of ``tenant``'s oldest pin (keys are ``(tenant, conversation)``), counted as
+        released under pressure; False when it has none."""
+        key = next((k for k in self.pins if isinstance(k, tuple) and k and k[0] == tenant), None)
+        if key is None:
+            return False
+        self._free(self.pins.pop(key))
+        self.released_under_pressure += 1
+        return True
 
     def refs(self) -> Counter[int]:
         """References the pins hold, per block id (for ``check_integrity``)."""
