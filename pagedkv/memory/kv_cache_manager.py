@@ -155,7 +155,8 @@ class KVCacheManager:
         # (hash chain) or in a radix tree kept in step (check_integrity proves they agree).
         self.index = make_prefix_index(prefix_index, self.pool, block_size)
         # Why prompts miss (memory/miss_reasons.py): a bounded history of evictions and cached blocks.
-        self.history = CacheHistory(block_size, capacity=max(1 << 16, 4 * (num_blocks + num_host_blocks)))
+        # (about 300 bytes an entry and map: twice the pools' blocks, at least 4096)
+        self.history = CacheHistory(block_size, capacity=max(4096, 2 * (num_blocks + num_host_blocks)))
         self.first_misses: dict[tuple[str, str | None], int] = {}  # (reason, tenant) -> requests
         self.pins = ConversationPins(self.pool)  # conversations' prefixes held until a TTL (memory/pins.py)
         history, index_evict = self.history, self.pool.on_evict

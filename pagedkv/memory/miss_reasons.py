@@ -77,7 +77,7 @@ class _Bounded(OrderedDict):
 
 
 class CacheHistory:
-    def __init__(self, block_size: int, capacity: int = 1 << 16) -> None:
+    def __init__(self, block_size: int, capacity: int = 4096) -> None:
         self.block_size = block_size
         self.evicted: _Bounded = _Bounded(capacity)  # block hash -> (tier, cause)
         self.children: _Bounded = _Bounded(capacity)  # parent hash -> tokens of a cached next block
