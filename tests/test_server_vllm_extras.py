@@ -232,3 +232,23 @@ def test_inter_token_latency_and_iteration_tokens(server: ServerThread) -> None:
     assert delta("pagedkv_inter_token_latency_seconds_sum") > 0
     assert delta("pagedkv_iteration_tokens_total_sum") == n_prompt + 5
     assert delta("pagedkv_iteration_tokens_total_count") >= 6  # a prefill step and five decode steps
+
+
+@pytest.mark.parametrize("field,value,neutral", [
+    ("tool_choice", {"type": "function", "function": {"name": "f"}}, "none"),
+    ("guided_grammar", "root ::= 'a'", None),
+    ("prompt_logprobs", 1, None),
+    ("use_beam_search", True, False),
+    ("allowed_token_ids", [1, 2], None),
+    ("bad_words", ["x"], []),
+    ("truncate_prompt_tokens", 8, None),
+])
+def test_fields_that_would_change_the_output_are_refused_not_ignored(server: ServerThread, field: str, value,
+                                                                      neutral) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = _post(server, "/v1/chat/completions", {**body, field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    r = _post(server, "/v1/chat/completions", {**body, field: neutral})  # absent, null or neutral: served
+    assert r.status_code == 200, r.text
+    r = _post(server, "/v1/chat/completions", {**body, "some_new_client_extra": {"x": 1}})  # unknown: ignored
+    assert r.status_code == 200, r.text

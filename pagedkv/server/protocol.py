@@ -61,6 +61,36 @@ class _Body(BaseModel):
         return data
 
 
+# OpenAI and vLLM fields that would change the output if ignored: a 400 naming them unless absent,
+# null or at the neutral value listed (other unknown fields are ignored, as clients send extras).
+UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "tool_choice": (("none", "auto"), "tool calling is not supported"),
+    "functions": (([],), "function calling is not supported"),
+    "function_call": (("none", "auto"), "function calling is not supported"),
+    "guided_grammar": ((), "grammars (guided_grammar) are not supported: use guided_json, guided_regex, "
+                           "guided_choice or response_format"),
+    "prompt_logprobs": ((), "prompt_logprobs is not supported over HTTP: use echo with logprobs (completions)"),
+    "use_beam_search": ((False,), "beam search is not served over HTTP (LLMEngine.add_request(beam_width=))"),
+    "length_penalty": ((1, 1.0), "length_penalty applies to beam search, which is not served over HTTP"),
+    "truncate_prompt_tokens": ((), "truncate_prompt_tokens is not supported"),
+    "allowed_token_ids": ((), "allowed_token_ids is not supported (logit_bias can forbid tokens)"),
+    "bad_words": (([],), "bad_words is not supported (logit_bias can forbid tokens)"),
+    "documents": (([],), "documents (RAG chat templates) are not supported"),
+    "prediction": ((), "predicted outputs are not supported"),
+    "audio": ((), "audio output is not supported"),
+    "modalities": ((["text"],), "only the text modality is supported"),
+    "web_search_options": ((), "web search is not supported"),
+}
+
+
+def reject_unsupported_fields(body: dict[str, Any]) -> None:
+    """400 naming the first field of ``UNSUPPORTED_FIELDS`` given with a value that matters."""
+    for name, (neutral, message) in UNSUPPORTED_FIELDS.items():
+        value = body.get(name)
+        if value is not None and not any(value == v and type(value) is type(v) for v in neutral):
+            raise bad_request(message, param=name)
+
+
 NonNegInt = Annotated[int, Field(ge=0)]
 # Sampling fields that are None when a request leaves them out: the engine's defaults fill them.
 _DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -311,6 +341,8 @@ def parse_body(raw: bytes, model: type[Body]) -> Body:
         raise bad_request("request body must be a JSON object", code="invalid_json")
     if _SURROGATE_ESCAPE.search(raw):  # only an escape can put a surrogate into a str
         _reject_lone_surrogates(obj)
+    if issubclass(model, _SamplingFields):
+        reject_unsupported_fields(obj)
     try:
         return model.model_validate(obj)
     except RecursionError as exc:
