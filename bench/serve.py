@@ -18,7 +18,6 @@ import json
 import math
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -165,12 +164,9 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
 
 
 def stop_server(proc: subprocess.Popen[str]) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    from server_helpers import stop_server as stop
+
+    stop(proc, timeout=30)
 
 
 def main(argv: list[str] | None = None) -> int:

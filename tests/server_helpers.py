@@ -8,6 +8,7 @@ free loopback port, a server process, an engine on the tiny model.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -106,6 +107,16 @@ class ServerThread:
         self.server.should_exit = True
         self._thread.join(60)
 
+
+
+def stop_server(proc: subprocess.Popen[str], timeout: float = 60.0) -> None:
+    """SIGTERM a server process (it drains), killing it if it has not exited after ``timeout`` s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 def tiny_engine(folder: str | Path, **options: Any) -> Any:
     """An engine on the tiny model folder written by :func:`write_tiny_model`."""

@@ -18,7 +18,6 @@ import copy
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ import promql_parser
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import free_port, spawn_server
+from server_helpers import free_port, spawn_server, stop_server
 from tiny_model import write_tiny_model
 
 from pagedkv.engine.config import EngineConfig
@@ -140,12 +139,7 @@ def exported_metrics(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
         assert httpx.get(f"{base}/v1/no-such-route", timeout=10).status_code == 404
         text = httpx.get(f"{base}/metrics", timeout=10).text
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
     return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
 
 

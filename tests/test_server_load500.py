@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +32,7 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import free_port, spawn_server
+from server_helpers import free_port, spawn_server, stop_server
 from test_server_soak import rss_bytes, wait_idle
 from tiny_model import write_tiny_model
 
@@ -215,9 +214,4 @@ def test_500_concurrent_streams_with_disconnects(tmp_path: Path) -> None:
         print(f"RSS growth from round 1 to round 2: {growth:+.2%}")
         assert rss[2] <= rss[1] * 1.01, growth
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except Exception:  # noqa: BLE001
-            proc.kill()
-            proc.wait()
+        stop_server(proc)

@@ -11,14 +11,13 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import signal
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import free_port, spawn_server
+from server_helpers import free_port, spawn_server, stop_server
 from tiny_model import write_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -106,9 +105,4 @@ def test_rss_stays_flat_over_rounds_of_streams_with_disconnects(tmp_path: Path) 
         assert all(g < 0.01 for g in growth), growth
         assert (rss[-1] - rss[1]) / rss[1] < 0.01 * ROUNDS
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except Exception:  # noqa: BLE001
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
