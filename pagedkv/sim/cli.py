@@ -38,7 +38,17 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     w = p.add_argument_group("workload")
     _add_dataset_flags(w)
     w.add_argument("--trace", metavar="CSV",
-                   help="rows of prompt_len,output_len[,n,beam_width,prefix_id] (replaces --dataset)")
+                   help="rows of prompt_len,output_len[,n,beam_width,prefix_id[,tenant[,arrival_step]]], or "
+                        "columns named by a header row (replaces --dataset); tenant: who owns the request's KV "
+                        "(its own prefix cache, its quota); arrival_step: fixed arrival, else --rate/--clients")
+    w.add_argument("--tenant", action="append", metavar="NAME:KEY=VALUE,...", dest="tenants",
+                   help="one tenant's traffic, repeat for more (replaces --dataset/--trace, --num-requests, "
+                        "--rate, --clients, --turns, --prefix-len): requests=N (100), rate=R (Poisson arrivals "
+                        "per step) or every=S (an arrival every S steps; neither: all at start), burst=K "
+                        "(requests per arrival, 1), start=STEP (0), prefix=TOKENS (its own system prompt, 0), "
+                        "prompt=DIST and output=DIST (as --prompt-len; prompt counts the tokens after the "
+                        "system prompt; default: --dataset's); e.g. noisy:requests=48,every=60,burst=8,"
+                        "prompt=fixed:400,output=fixed:48")
     w.add_argument("--num-requests", type=int, default=500)
     w.add_argument("--rate", type=float, default=math.inf,
                    help="Poisson arrivals in requests per step (default inf: all at step 0)")
@@ -67,6 +77,14 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="paged: fraction of blocks a new prompt must leave free")
     m.add_argument("--eviction-policy", default="lru",
                    help="paged+prefix: which cached block to evict first (lru, fifo, lrc)")
+    m.add_argument("--tenant-kv-quota", action="append", metavar="NAME=FRACTION",
+                   help="paged: the share of the KV pool tenant NAME may hold, in use plus cached; over it, "
+                        "its own cached blocks are evicted first and its new requests wait while other "
+                        "tenants' go on (repeat for more tenants; as pagedkv serve; contiguous and buddy "
+                        "ignore tenants and quotas)")
+    m.add_argument("--default-tenant-kv-quota", metavar="FRACTION",
+                   help="paged: the share of the KV pool each tenant without a --tenant-kv-quota may hold "
+                        "(default: no limit; requests naming no tenant are tenant 'default')")
     s = p.add_argument_group("policies and output")
     s.add_argument("--policies", default=DEFAULT_POLICIES,
                    help="contiguous-max, contiguous-oracle, buddy, paged[+prefix][+cow][@B]")
@@ -170,9 +188,15 @@ def _group_windows(args: argparse.Namespace) -> tuple[int | None, ...]:
 def run_simulate(args: argparse.Namespace) -> int:
     """``pagedkv simulate``: run every policy on one trace, print a table (or ``--json``)."""
     from pagedkv.sim.policies import parse_block_sizes, parse_policies
-    from pagedkv.sim.report import plot_results, simulate_table
+    from pagedkv.sim.report import plot_results, simulate_table, tenant_table
     from pagedkv.sim.simulator import SimConfig, simulate
-    from pagedkv.sim.workload import WorkloadConfig, generate_workload, load_trace
+    from pagedkv.sim.workload import (
+        WorkloadConfig,
+        generate_tenant_workload,
+        generate_workload,
+        load_trace,
+        parse_tenant_spec,
+    )
 
     try:
         shape = resolve_shape(args.dataset, args.prompt_len, args.output_len)
@@ -182,13 +206,22 @@ def run_simulate(args: argparse.Namespace) -> int:
             rate=args.rate, clients=args.clients, think_steps=args.think_steps, turns=args.turns,
             prefix_len=args.prefix_len, num_prefixes=args.num_prefixes, n=args.n,
             beam_width=args.beam_width, seed=args.seed)
-        requests = load_trace(args.trace, workload) if args.trace else generate_workload(workload)
+        if args.tenants and args.trace:
+            raise ValueError("--tenant and --trace: give one or the other (a trace names tenants in a column)")
+        if args.tenants:
+            requests = generate_tenant_workload([parse_tenant_spec(t) for t in args.tenants], workload)
+        elif args.trace:
+            requests = load_trace(args.trace, workload)
+        else:
+            requests = generate_workload(workload)
+        quotas, default_quota = _tenant_quotas(args)
         config = SimConfig(capacity=_capacity(args), max_model_len=args.max_model_len,
                            kv_group_windows=_group_windows(args),
                            max_num_seqs=args.max_num_seqs, watermark=args.watermark,
                            eviction_policy=args.eviction_policy,
                            beam_reshuffle=args.beam_reshuffle, sample_every=args.sample_every,
-                           seed=args.seed)
+                           seed=args.seed, tenant_quotas=tuple(quotas.items()),
+                           default_tenant_quota=default_quota)
         config.validate()
     except (ValueError, OSError) as exc:
         print(f"pagedkv simulate: error: {exc}", file=sys.stderr)
@@ -204,6 +237,12 @@ def run_simulate(args: argparse.Namespace) -> int:
     bar.close()
     trace = args.trace or f"{shape.name}: prompt {shape.prompt.describe()}, " \
                           f"output {shape.output.describe()}"
+    if args.tenants:
+        trace = "tenants " + "; ".join(args.tenants)
+    tenant_counts: dict[str, int] = {}  # requests per tenant, when the trace names tenants
+    if any(r.tenant is not None for r in requests):
+        for r in requests:
+            tenant_counts[r.tenant or "default"] = tenant_counts.get(r.tenant or "default", 0) + 1
     if args.plot:
         plot_results(results, args.plot, title=f"{trace}, {config.capacity:,} KV slots")
     if args.json:
@@ -212,16 +251,40 @@ def run_simulate(args: argparse.Namespace) -> int:
                          "mean_prompt_len": sum(r.prompt_len for r in requests) / len(requests),
                          "mean_output_len": sum(r.output_len for r in requests) / len(requests),
                          "rate": None if math.isinf(args.rate) else args.rate,
-                         "clients": args.clients, "seed": args.seed},
+                         "clients": args.clients, "seed": args.seed,
+                         "tenants": tenant_counts or None},
             "kv_tokens": config.capacity, "max_model_len": config.max_model_len,
             "max_num_seqs": config.max_num_seqs,
+            "tenant_kv_quotas": dict(config.tenant_quotas),
+            "default_tenant_kv_quota": config.default_tenant_quota,
             "policies": [r.as_dict() for r in results],
         }, indent=2))
     else:
         print(f"workload: {len(requests)} requests, {trace}; KV capacity {config.capacity:,} "
               f"token slots; max_model_len {config.max_model_len}")
         print(simulate_table(results))
+        if any(r.tenants for r in results):
+            limits = [f"{n}={f:g}" for n, f in config.tenant_quotas]
+            if config.default_tenant_quota is not None:
+                limits.append(f"others={config.default_tenant_quota:g}")
+            print(f"\nper tenant (steps; KV quotas: {', '.join(limits) or 'none'}; paged policies only):")
+            print(tenant_table(results))
     return 0
+
+
+def _tenant_quotas(args: argparse.Namespace) -> tuple[dict[str, float], float | None]:
+    """``--tenant-kv-quota`` items and ``--default-tenant-kv-quota`` as fractions; ValueError names
+    the flag and the bad item."""
+    from pagedkv.memory.tenancy import check_fraction, parse_quotas
+
+    try:
+        quotas = parse_quotas(args.tenant_kv_quota)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("tenant_kv_quota", "--tenant-kv-quota", 1)) from None
+    default = args.default_tenant_kv_quota
+    if default is not None:
+        default = check_fraction(default, "--default-tenant-kv-quota")
+    return quotas, default
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,7 +95,8 @@ class ReservationPolicy:
     """Reserve ``reserve(request)`` slots per sequence at admission, from ``allocator``.
 
     Growth never allocates: the reservation already covers the sequence's final length, so these
-    policies never preempt. ``never`` slots are ``reserved - final_len`` per sequence.
+    policies never preempt. ``never`` slots are ``reserved - final_len`` per sequence. Tenants
+    and their KV quotas do not apply (no prefix cache, nothing to share or cap).
     """
 
     def __init__(self, name: str, allocator: SlotAllocator,
@@ -109,6 +110,7 @@ class ReservationPolicy:
         self.held: dict[int, list[int]] = {}
         self.filled = 0
         self.never = 0
+        self.last_hit_tokens = 0
 
     def admit(self, request: Request, seqs: list[SimSeq]) -> bool:
         size = self.reserve(request)
@@ -160,6 +162,18 @@ class ReservationPolicy:
 
     def counters(self) -> dict[str, int]:
         return {}
+
+    def quota_status(self, tenant: str | None) -> int | None:
+        return None
+
+    def fits(self, request: Request, seqs: list[SimSeq]) -> bool:
+        """Free holes large enough hold every reservation (exact for one sequence; the simulator
+        asks only with quotas, which these policies ignore)."""
+        size = self.reserve(request)
+        return self.allocator.free_slots - self.allocator.unusable(size) >= size * len(seqs)
+
+    def within_quota(self, request: Request, seqs: list[SimSeq]) -> bool:
+        return False
 
     def check_integrity(self) -> None:
         """Held + free slots == capacity; running counts match the held entries."""

@@ -10,6 +10,12 @@ simulator drives every policy through the same five calls, in the same order, on
     release(seqs)            the request finished or was preempted: free everything it holds
     usage()                  slots allocated and slots holding a token, for the waste metrics
 
+Tenants (paged memory only; the others ignore them): a sequence's ``tenant`` salts its prefix-cache
+keys and is charged for its blocks. With KV quotas, ``admit`` and ``grow`` raise ``TenantQuotaError``
+(changing nothing) when the tenant is at its quota, where a plain shortage returns False, and
+``quota_status``, ``fits`` and ``within_quota`` let the simulator preempt over-quota work for a
+waiting tenant, as the engine's scheduler does.
+
 Slot accounting terms used by every policy (see docs/sizing.md):
 
     allocated  slots held by running sequences (reserved or in blocks)
@@ -29,12 +35,13 @@ from pagedkv.sim.workload import Request
 @dataclass(slots=True)
 class SimSeq:
     """One running sequence: its id, its tokens so far (prompt + generated), the stream its next
-    generated tokens come from, and the length it will reach when done."""
+    generated tokens come from, the length it will reach when done, and its request's tenant."""
 
     seq_id: int
     tokens: list[int]
     stream: int
     final_len: int
+    tenant: str | None = None
 
 
 class MemoryUsage(NamedTuple):
@@ -54,6 +61,7 @@ class MemoryPolicy(Protocol):
     name: str
     block_size: int | None
     capacity: int
+    last_hit_tokens: int  # prompt tokens the last successful ``admit`` found in the prefix cache
 
     def admit(self, request: Request, seqs: list[SimSeq]) -> bool: ...
 
@@ -71,6 +79,20 @@ class MemoryPolicy(Protocol):
 
     def counters(self) -> dict[str, int]:
         """Policy-specific totals: prefix_query_tokens, prefix_hit_tokens, evictions, cow_copies."""
+        ...
+
+    def quota_status(self, tenant: str | None) -> int | None:
+        """With KV quotas: -1 under its quota, 0 at it, 1 over it, None without a quota for it (or
+        without quotas, or tenants, at all)."""
+        ...
+
+    def fits(self, request: Request, seqs: list[SimSeq]) -> bool:
+        """Whether ``admit`` would find room now (a quota aside). Changes nothing."""
+        ...
+
+    def within_quota(self, request: Request, seqs: list[SimSeq]) -> bool:
+        """With a KV quota for the request's tenant: whether the tenant's blocks in use plus those
+        ``admit`` would take (or more) stay within it. False without a quota. Changes nothing."""
         ...
 
     def check_integrity(self) -> None:

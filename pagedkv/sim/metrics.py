@@ -19,17 +19,123 @@ Definitions (time averages are ratios of sums over the sampled steps, so busy st
     throughput     completed requests per simulated step.
     prefix_hit_rate         prompt tokens served from the prefix cache / prompt tokens looked
                    up (including re-prefills after preemption); None without prefix caching.
+
+Per tenant (``tenants``: only when some request names a tenant; requests naming none are
+``default``), in steps of the simulation (see ``pagedkv.sim.simulator``: a request arriving at step
+``a`` and admitted at once gets its first token at ``a + 1`` and completes at ``a + output_len``):
+
+    prefix_hit_rate  prompt tokens found in the prefix cache at each request's first admission
+                   / its prompt tokens, over the tenant's admitted requests (0..1; block-aligned
+                   and short of the last prompt token, so a fully shared prompt stays below 1);
+                   None without prefix caching.
+    latency        completion step - arrival step, over completed requests: mean, p50, p95
+                   (nearest rank).
+    ttft           step of the first generated token - arrival step: mean, p50, p95.
+    preemptions    times the tenant's running requests were preempted.
+    quota_waits    admission attempts refused by the tenant's KV quota (at most one a step: its
+                   later requests wait behind the refused one).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedkv.sim.memory_policy import MemoryUsage
 
 if TYPE_CHECKING:
     from pagedkv.sim.policies import PolicySpec
+
+
+@dataclass(slots=True)
+class TenantResult:
+    """One tenant's figures on one trace under one policy (see the module docstring)."""
+
+    requests: int
+    completed: int
+    rejected: int
+    preemptions: int
+    quota_waits: int
+    prompt_tokens: int
+    hit_tokens: int
+    prefix_hit_rate: float | None
+    mean_latency: float | None
+    p50_latency: int | None
+    p95_latency: int | None
+    mean_ttft: float | None
+    p50_ttft: int | None
+    p95_ttft: int | None
+
+
+@dataclass(slots=True)
+class _TenantTally:
+    requests: int = 0
+    rejected: int = 0
+    preemptions: int = 0
+    quota_waits: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    latencies: list[int] = field(default_factory=list)
+    ttfts: list[int] = field(default_factory=list)
+
+
+class TenantAccumulator:
+    """Per-tenant tallies, fed by the simulator as requests are admitted, start and finish."""
+
+    __slots__ = ("tallies",)
+
+    def __init__(self, tenants: list[str]) -> None:
+        self.tallies = {t: _TenantTally() for t in tenants}
+
+    def arrived(self, tenant: str) -> None:
+        self.tallies[tenant].requests += 1
+
+    def admitted(self, tenant: str, prompt_tokens: int, hit_tokens: int) -> None:
+        """A request's first admission."""
+        tally = self.tallies[tenant]
+        tally.prompt_tokens += prompt_tokens
+        tally.hit_tokens += hit_tokens
+
+    def first_token(self, tenant: str, steps: int) -> None:
+        self.tallies[tenant].ttfts.append(steps)
+
+    def completed(self, tenant: str, steps: int) -> None:
+        self.tallies[tenant].latencies.append(steps)
+
+    def rejected(self, tenant: str) -> None:
+        self.tallies[tenant].rejected += 1
+
+    def preempted(self, tenant: str) -> None:
+        self.tallies[tenant].preemptions += 1
+
+    def quota_wait(self, tenant: str) -> None:
+        self.tallies[tenant].quota_waits += 1
+
+    def result(self, prefix: bool) -> dict[str, TenantResult]:
+        out: dict[str, TenantResult] = {}
+        for name, t in self.tallies.items():
+            rate = (t.hit_tokens / t.prompt_tokens if t.prompt_tokens else 0.0) if prefix else None
+            out[name] = TenantResult(
+                requests=t.requests, completed=len(t.latencies), rejected=t.rejected,
+                preemptions=t.preemptions, quota_waits=t.quota_waits, prompt_tokens=t.prompt_tokens,
+                hit_tokens=t.hit_tokens, prefix_hit_rate=rate,
+                mean_latency=_mean(t.latencies), p50_latency=_percentile(t.latencies, 0.5),
+                p95_latency=_percentile(t.latencies, 0.95), mean_ttft=_mean(t.ttfts),
+                p50_ttft=_percentile(t.ttfts, 0.5), p95_ttft=_percentile(t.ttfts, 0.95))
+        return out
+
+
+def _mean(values: list[int]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _percentile(values: list[int], q: float) -> int | None:
+    """Nearest rank: the smallest value with at least ``q`` of the values at or below it."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 @dataclass(slots=True)
@@ -58,6 +164,7 @@ class PolicyResult:
     prefix_hit_rate: float | None
     evictions: int
     cow_copies: int
+    tenants: dict[str, TenantResult] | None = None
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -97,7 +204,8 @@ class MetricsAccumulator:
         self.samples += 1
 
     def result(self, spec: PolicySpec, *, steps: int, completed: int, rejected: int,
-               preemptions: int, counters: dict[str, int]) -> PolicyResult:
+               preemptions: int, counters: dict[str, int],
+               tenants: TenantAccumulator | None = None) -> PolicyResult:
         alloc = self.allocated
         waste = (alloc - self.filled) / alloc if alloc else 0.0
         internal = self.never / alloc if alloc else 0.0
@@ -120,4 +228,5 @@ class MetricsAccumulator:
             saturated_concurrency=self.sat_sum / self.sat_steps if self.sat_steps else None,
             throughput=completed / steps if steps else 0.0,
             prefix_hit_rate=hit_rate,
-            evictions=counters.get("evictions", 0), cow_copies=counters.get("cow_copies", 0))
+            evictions=counters.get("evictions", 0), cow_copies=counters.get("cow_copies", 0),
+            tenants=tenants.result(spec.prefix) if tenants is not None else None)

@@ -12,6 +12,13 @@ manager's. The adapter only maps the simulator's calls onto the manager's API::
     grow     allocate_slots(seq, 1), mark_computed(seq, 1) (the simulator appended the token)
     replace  cow: free(loser), fork(winner, new); else free(loser), allocate_prompt(new, copy)
 
+Every ``allocate_prompt`` passes ``salt=tenant, tenant=tenant`` (the request's tenant; None when the
+trace names none, which keeps a trace without tenants exactly as before): each tenant hits only its
+own cached prefixes and, with ``tenant_quotas`` / ``default_tenant_quota``, is held to its share of the
+pool. ``admit`` and ``grow`` then let the manager's ``TenantQuotaError`` through (after undoing a
+partial admission) so the simulator can make that tenant wait, or preempt its own work, as the
+engine's scheduler does.
+
 The manager reads each ``SimSeq.tokens`` list; only the simulator writes it.
 
 Usage comes from the manager: allocated = used blocks x block size; filled = allocated minus the
@@ -21,7 +28,7 @@ empty tails of the live sequences' last blocks, each physical block once: the sa
 
 from __future__ import annotations
 
-from pagedkv.memory import IntegrityError, KVCacheManager, OutOfBlocksError
+from pagedkv.memory import DEFAULT_TENANT, IntegrityError, KVCacheManager, OutOfBlocksError, TenantQuotaError
 from pagedkv.sim.memory_policy import MemoryUsage, SimSeq
 from pagedkv.sim.workload import Request
 
@@ -31,7 +38,9 @@ class PagedPolicy:
 
     def __init__(self, name: str, capacity: int, block_size: int, *, prefix_caching: bool,
                  cow: bool, watermark: float = 0.01, eviction_policy: str = "lru",
-                 kv_group_windows: tuple[int | None, ...] = (None,)) -> None:
+                 kv_group_windows: tuple[int | None, ...] = (None,),
+                 tenant_quotas: dict[str, float] | None = None,
+                 default_tenant_quota: float | None = None) -> None:
         if capacity < block_size:
             raise ValueError(f"--kv-tokens: capacity {capacity} is below block size {block_size}")
         self.name = name
@@ -41,18 +50,23 @@ class PagedPolicy:
         self.manager = KVCacheManager(capacity // block_size, block_size,
                                       enable_prefix_caching=prefix_caching,
                                       eviction_policy=eviction_policy, watermark=watermark,
-                                      kv_group_windows=kv_group_windows)
+                                      kv_group_windows=kv_group_windows,
+                                      tenant_quotas=tenant_quotas or None,
+                                      default_tenant_quota=default_tenant_quota)
         self.live: dict[int, SimSeq] = {}
+        self.last_hit_tokens = 0
 
     def admit(self, request: Request, seqs: list[SimSeq]) -> bool:
         mgr = self.manager
         done: list[SimSeq] = []
         root = ("prompt", seqs[0].seq_id)  # the CoW path's shared prompt, freed once forked
+        tenant = request.tenant
+        hits = 0
         try:
             if self.cow and len(seqs) > 1:
                 # The prompt is computed once, as a sequence of its own that every sample forks.
                 prompt = request.prompt
-                cached = mgr.allocate_prompt(root, prompt)
+                cached = hits = mgr.allocate_prompt(root, prompt, salt=tenant, tenant=tenant)
                 mgr.mark_computed(root, len(prompt) - cached)
                 for seq in seqs:
                     mgr.fork(root, seq.seq_id, seq.tokens)
@@ -65,22 +79,29 @@ class PagedPolicy:
                         mgr.mark_computed(seq.seq_id, generated)
             else:
                 for seq in seqs:
-                    cached = mgr.allocate_prompt(seq.seq_id, seq.tokens)
+                    cached = mgr.allocate_prompt(seq.seq_id, seq.tokens, salt=tenant, tenant=tenant)
+                    if not done:
+                        hits = cached
                     done.append(seq)
                     mgr.mark_computed(seq.seq_id, len(seq.tokens) - cached)
-        except OutOfBlocksError:
+        except OutOfBlocksError as exc:
             for seq_id in [s.seq_id for s in done] + [root]:
                 if seq_id in mgr:
                     mgr.free(seq_id)
+            if isinstance(exc, TenantQuotaError):
+                raise
             return False
         for seq in seqs:
             self.live[seq.seq_id] = seq
+        self.last_hit_tokens = hits
         return True
 
     def grow(self, seq: SimSeq) -> bool:
         mgr = self.manager
         try:
             mgr.allocate_slots(seq.seq_id, 1)
+        except TenantQuotaError:
+            raise  # its tenant is at its quota: the simulator preempts that tenant's own work
         except OutOfBlocksError:
             return False
         mgr.mark_computed(seq.seq_id, 1)
@@ -93,7 +114,7 @@ class PagedPolicy:
             mgr.fork(winner.seq_id, new.seq_id, new.tokens)
         else:
             try:
-                cached = mgr.allocate_prompt(new.seq_id, new.tokens)
+                cached = mgr.allocate_prompt(new.seq_id, new.tokens, salt=new.tenant, tenant=new.tenant)
             except OutOfBlocksError:
                 return False
             mgr.mark_computed(new.seq_id, len(new.tokens) - cached)
@@ -126,6 +147,34 @@ class PagedPolicy:
 
     def unusable_free_slots(self, request: Request) -> int:
         return 0  # any free block can hold any token
+
+    def quota_status(self, tenant: str | None) -> int | None:
+        ledger = self.manager.pool.tenants
+        name = tenant or DEFAULT_TENANT
+        if ledger is None or (limit := ledger.limit(name)) is None:
+            return None
+        held = ledger.held[name]
+        return (held > limit) - (held < limit)
+
+    def fits(self, request: Request, seqs: list[SimSeq]) -> bool:
+        """The engine's check before it preempts for a waiting request: the first sequence's
+        blocks (its prefix hits revived, fresh ones) within the free blocks above the watermark."""
+        mgr = self.manager
+        need = mgr.blocks_to_admit(seqs[0].tokens, salt=request.tenant)
+        return need <= mgr.num_free_blocks - mgr.watermark_blocks
+
+    def within_quota(self, request: Request, seqs: list[SimSeq]) -> bool:
+        """The tenant's blocks in use (held minus its cached-free ones, which it gives up first) plus
+        every sequence's blocks, each counted as if alone (at least what ``admit`` takes: shared
+        prompt blocks count once per sequence), within its quota."""
+        mgr = self.manager
+        ledger = mgr.pool.tenants
+        name = request.tenant or DEFAULT_TENANT
+        if ledger is None or (limit := ledger.limit(name)) is None:
+            return False
+        in_use = ledger.held[name] - ledger.own_cached(name)
+        need = sum(mgr.blocks_to_admit(seq.tokens, salt=request.tenant) for seq in seqs)
+        return in_use + need <= limit
 
     def check_integrity(self) -> None:
         """The manager's own checks, plus: this adapter's usage equals ``stats()`` and it holds

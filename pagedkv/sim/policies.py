@@ -12,6 +12,9 @@ Names (``--policies``, comma-separated):
                         caching, ``+cow`` forks parallel samples and beams from the prompt
                         (copy-on-write) instead of giving each its own copy. Without ``@B`` the
                         policy runs once per ``--block-sizes`` entry.
+
+Tenant KV quotas (``tenant_quotas``, ``default_tenant_quota``) apply to the paged policies only:
+contiguous and buddy reservations have no prefix cache to isolate and ignore tenants.
 """
 
 from __future__ import annotations
@@ -91,11 +94,14 @@ def parse_policies(text: str, block_sizes: tuple[int, ...]) -> list[PolicySpec]:
 
 def build_policy(spec: PolicySpec, capacity: int, max_model_len: int, *,
                  watermark: float = 0.01, eviction_policy: str = "lru",
-                 kv_group_windows: tuple[int | None, ...] = (None,)) -> MemoryPolicy:
+                 kv_group_windows: tuple[int | None, ...] = (None,),
+                 tenant_quotas: dict[str, float] | None = None,
+                 default_tenant_quota: float | None = None) -> MemoryPolicy:
     """A fresh policy holding ``capacity`` KV token slots. A hybrid model's (``kv_group_windows``,
     one entry per KV group) slots each hold one group's layers: paged memory keeps a table per
     group and releases what leaves a window; the contiguous policies keep every layer of every
-    token, so a token takes one slot per group."""
+    token, so a token takes one slot per group. Tenant quotas (fractions of the pool) reach the
+    paged policies only."""
     if spec.kind != "paged":
         capacity //= len(kv_group_windows)
     if spec.kind == "contiguous-max":
@@ -107,7 +113,8 @@ def build_policy(spec: PolicySpec, capacity: int, max_model_len: int, *,
     assert spec.block_size is not None
     return PagedPolicy(spec.name, capacity, spec.block_size, prefix_caching=spec.prefix,
                        cow=spec.cow, watermark=watermark, eviction_policy=eviction_policy,
-                       kv_group_windows=kv_group_windows)
+                       kv_group_windows=kv_group_windows, tenant_quotas=tenant_quotas,
+                       default_tenant_quota=default_tenant_quota)
 
 
 def _final_len(request: Request) -> int:

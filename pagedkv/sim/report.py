@@ -35,6 +35,26 @@ def simulate_table(results: Sequence[PolicyResult]) -> str:
     return _table(headers, rows)
 
 
+def _num(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def tenant_table(results: Sequence[PolicyResult]) -> str:
+    """One row per policy and tenant (policies with per-tenant figures): requests done, prefix hit
+    rate at first admission, latency and time to first token in steps (mean, p50, p95),
+    preemptions and quota waits."""
+    headers = ["policy", "tenant", "done", "prefix hit", "lat mean", "lat p50", "lat p95", "ttft mean",
+               "ttft p50", "ttft p95", "preempt", "quota waits"]
+    rows = []
+    for r in results:
+        for name, t in (r.tenants or {}).items():
+            rows.append([r.name, name, f"{t.completed}/{t.requests}", _pct(t.prefix_hit_rate),
+                         _num(t.mean_latency), _num(t.p50_latency, 0), _num(t.p95_latency, 0),
+                         _num(t.mean_ttft), _num(t.p50_ttft, 0), _num(t.p95_ttft, 0), str(t.preemptions),
+                         str(t.quota_waits)])
+    return _table(headers, rows)
+
+
 def size_table(result: SizingResult) -> str:
     """The sizing figures, then the block-size comparison and the recommendation."""
     r = result
