@@ -255,3 +255,26 @@ def test_cache_report_sums_up_tenants_misses_and_pins(folder) -> None:
     assert "first miss per request: none 1, never_seen 1" in report
     assert "tenant a: 6 blocks held" in report and "quota 20" in report
     assert "conversation pins: 1 holding 6 blocks" in report
+
+
+def test_a_tenants_only_request_larger_than_its_quota_finishes(folder) -> None:
+    """Other tenants' cached blocks fill the pool, each tenant within its quota; tenant a's one
+    request needs more than a's quota: it is admitted alone and grows into the others' cache rather
+    than being preempted and re-admitted for ever."""
+    engine = LLMEngine.from_options(str(folder), block_size=4, num_kv_blocks=40, kv_offloading_size=0,
+                                    default_tenant_kv_quota=0.25, debug_integrity=True)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for t in "bcde":
+        for i in range(2):
+            engine.add_request(f"{t}{i}", _prompt(ord(t) * 10 + i, 18), params, tenant=t)
+    _run(engine)
+    assert engine.stats().kv.used_blocks == 0 and engine.stats().kv.evictable_blocks >= 36
+    before = engine.stats().preemptions_recompute
+    engine.add_request("big", _prompt(7, 60), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                       tenant="a")
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    assert not engine.has_unfinished_requests(), "the request never finished"
+    assert engine.stats().preemptions_recompute == before  # it was never preempted

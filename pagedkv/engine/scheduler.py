@@ -231,7 +231,15 @@ class Scheduler:
                         pairs += self.kv.allocate_slots(seq.seq_id, n)
                         break
                     except OutOfBlocksError as exc:
-                        victim = self._victim(group, own_tenant=isinstance(exc, TenantQuotaError))
+                        at_quota = isinstance(exc, TenantQuotaError)
+                        victim = self._victim(group, own_tenant=at_quota)
+                        if victim is None and at_quota and self._only_running_of_its_tenant(group):
+                            # a tenant's only work grows past its quota rather than retry for ever
+                            try:
+                                pairs += self.kv.allocate_slots(seq.seq_id, n, quota=False)
+                                break
+                            except OutOfBlocksError:
+                                pass
                         if victim is None:
                             self._preempt(group, "recompute", swap_out, preempted)
                             return None
@@ -287,6 +295,9 @@ class Scheduler:
             fallback = fallback or victim
         return fallback
 
+    def _only_running_of_its_tenant(self, group: SequenceGroup) -> bool:
+        return not any(g is not group and g.tenant == group.tenant for g in self.running)
+
     def _make_room_for_waiting(self, budget: int, swap_out: list[CopyPair],
                                preempted: list[str]) -> SequenceGroup | None:
         """Preempt running work that must give way to the first waiting request when it cannot be
@@ -306,13 +317,15 @@ class Scheduler:
         width = group.num_live if group.forked else group.width
         made_room = False
         while True:
-            victim = next((v for v in reversed(self.running)
-                           if v.priority > group.priority or (fair and kv.tenant_over_quota(v.tenant))), None)
+            victim = next((v for v in reversed(self.running) if not v.preemption_guarded and (
+                v.priority > group.priority or (fair and kv.tenant_over_quota(v.tenant)))), None)
             if victim is None:  # (the common case, checked first: no hashing)
                 break
-            seats = self.num_running_seqs + width <= self.config.max_num_seqs
-            if seats and kv.blocks_to_admit(seq.token_ids, budget, salt=group.salt) <= \
-                    kv.num_free_blocks - kv.watermark_blocks:
+            need = kv.blocks_to_admit(seq.token_ids, budget, salt=group.salt)
+            if not kv.quota_admits(group.tenant, need):
+                break  # its own quota would refuse it: preempting others would not help
+            if self.num_running_seqs + width <= self.config.max_num_seqs and \
+                    need <= kv.num_free_blocks - kv.watermark_blocks:
                 break
             self._preempt(victim, self._preemption_mode(victim), swap_out, preempted)
             made_room = True

@@ -318,10 +318,10 @@ class KVCacheManager:
         need = _cdiv(num_cached + num_new, B) - len(hits)
         revived = sum(1 for b in hits if b.ref_count == 0)
         self._unstarve(need + revived + self.watermark_blocks, admission=True)
+        self._check_quota(seq.tenant, need, hits)  # first: a tenant at its quota waits, not the line
         available = pool.num_free - revived - self.watermark_blocks
         if need > available:
             raise OutOfBlocksError(need, max(available, 0))
-        self._check_quota(seq.tenant, need, hits)
         for block in hits:
             pool.touch(block)
         if host_hits:  # held until the reload is done, before any allocation could evict them
@@ -367,10 +367,10 @@ class KVCacheManager:
         need = per_group * G + len(on_host)
         revived = sum(1 for b in on_device if b.ref_count == 0)
         self._unstarve(need + revived + self.watermark_blocks, admission=True)
+        self._check_quota(seq.tenant, need, on_device)  # first: a tenant at its quota waits, not the line
         available = pool.num_free - revived - self.watermark_blocks
         if need > available:
             raise OutOfBlocksError(need, max(available, 0))
-        self._check_quota(seq.tenant, need, on_device)
         for block in on_device:
             pool.touch(block)
         if on_host:  # held until the reload is done, before any allocation could evict them
@@ -429,6 +429,13 @@ class KVCacheManager:
         """Whether ``tenant`` holds more device blocks than its quota (False with quotas off)."""
         ledger = self.pool.tenants
         return ledger is not None and ledger.is_over(tenant or DEFAULT_TENANT)
+
+    def quota_admits(self, tenant: str | None, need: int) -> bool:
+        """Whether ``tenant``'s quota lets a new prompt take ``need`` fresh blocks now (True with
+        quotas off); changes nothing."""
+        ledger = self.pool.tenants
+        return ledger is None or ledger.allocation_error(tenant or DEFAULT_TENANT, need, self.pool.num_free,
+                                                         admit=True) is None
 
     def tenant_under_quota(self, tenant: str | None) -> bool:
         """Whether ``tenant`` holds fewer device blocks than its quota (False with quotas off or
@@ -580,12 +587,14 @@ class KVCacheManager:
         self.evict_cached(offload=False)
         self.host_pool.evict_cached()
 
-    def allocate_slots(self, seq_id: Hashable, num_new_tokens: int) -> list[CopyPair]:
+    def allocate_slots(self, seq_id: Hashable, num_new_tokens: int, *, quota: bool = True) -> list[CopyPair]:
         """Make room for ``num_new_tokens`` more computed tokens; returns copy-on-write pairs.
 
         Any block that will receive writes and is shared (ref count > 1) is replaced by a fresh
         block; when it already holds computed tokens the ``(src, dst)`` copy is returned and must
-        be done before this step's KV is written. Raises OutOfBlocksError, changing nothing.
+        be done before this step's KV is written. Raises OutOfBlocksError, changing nothing
+        (TenantQuotaError: its tenant is over its quota; ``quota=False`` lets the sequence grow
+        anyway, for a tenant's only running work).
         """
         seq = self.seqs[seq_id]
         if not seq.on_device:
@@ -605,7 +614,7 @@ class KVCacheManager:
         self._unstarve(total)
         if total > self.pool.num_free:
             raise OutOfBlocksError(total, self.pool.num_free)
-        fresh = iter(self.pool.allocate(total, seq.tenant))
+        fresh = iter(self.pool.allocate(total, seq.tenant, quota=quota))
         copies: list[CopyPair] = []
         for table, shared, missing in plans:
             for i in shared:
