@@ -204,6 +204,18 @@ def test_packed_linear_pads_rows_to_buckets_without_changing_the_result(rows: in
     torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
 
 
+def test_packed_linear_warm_up_runs_every_bucket_once() -> None:
+    from pagedkv.models.packed_linear import PackedLinear, packing_available
+
+    if not packing_available():
+        pytest.skip("oneDNN packing unavailable")
+    head = PackedLinear(torch.randn(70, 24), None)
+    seen = []
+    head.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[0]))
+    buckets = head.warm_up(64)
+    assert buckets == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64] == seen
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_input_major_linears_match_plain(bias: bool) -> None:
     """The runner stores q/k/v and gate/up input-major: same outputs, same weight values, and the

@@ -17,10 +17,9 @@ logprobs entry. In each of 3 rounds:
   clients received and what they asked for.
 
 The server's resident memory (VmRSS) after the third round is within 1% of that after the second;
-the first round warms up. Before it, one request of k prompts for each row bucket k of the LM head
-builds all of its oneDNN primitives: they are built lazily, one per bucket and a few hundred KiB
-each (``models/packed_linear.py``), a round of this load meets only some of them, and the rare ones
-(2, 3, 5, 7, 10, 24, 112 rows...) would turn up in later rounds as about 1% of growth a round.
+the first round warms up. (The engine builds the LM head's oneDNN primitive for every row bucket up
+to --max-num-seqs at start, ``PackedLinear.warm_up``: built lazily, the rare buckets turned up in
+later rounds as about 1% of growth a round.)
 Nothing the server writes may be a traceback.
 Timings and RSS of every round are printed (run with -s to see them).
 """
@@ -41,8 +40,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import free_port, spawn_server, stop_server
 from test_server_soak import rss_bytes, wait_idle
 from tiny_model import write_tiny_model
-
-from pagedkv.models.packed_linear import padded_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -177,15 +174,6 @@ async def one_round(url: str, round_no: int) -> list[Stream]:
     return list(results)
 
 
-async def sweep_batch_sizes(url: str) -> None:
-    """One request of k prompts (added to the engine together) per row bucket k of the LM head."""
-    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-        for rows in sorted({padded_rows(n) for n in range(1, MAX_NUM_SEQS + 1)}):
-            body = {"prompt": [f"warm up {i}" for i in range(rows)], "max_tokens": 3, "ignore_eos": True}
-            r = await client.post("/v1/completions", json=body)
-            assert r.status_code == 200, r.text
-
-
 def test_500_concurrent_streams_with_disconnects(tmp_path: Path) -> None:
     model_dir = write_tiny_model(tmp_path / "tiny")
     port = free_port()
@@ -196,7 +184,6 @@ def test_500_concurrent_streams_with_disconnects(tmp_path: Path) -> None:
     log: list[str] = []  # the server's output, read all along so that it never blocks on a full pipe
     threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True).start()
     try:
-        asyncio.run(sweep_batch_sizes(url))
         seen_ids: set[str] = set()
         rss = []
         before = counters(url)

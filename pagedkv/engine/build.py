@@ -22,6 +22,7 @@ def build_runner(config: EngineConfig):
     from pagedkv.models import load_model
     from pagedkv.models.dtype import resolve_dtype
     from pagedkv.models.loader import resolve_model_path
+    from pagedkv.models.packed_linear import PackedLinear
     from pagedkv.ops.kv_format import kv_format
     from pagedkv.runner import ModelRunner, bytes_per_block
     from pagedkv.runner.kv_cache import num_blocks_for_memory
@@ -42,6 +43,9 @@ def build_runner(config: EngineConfig):
     host_blocks = min(int(config.host_tier_gib * (1 << 30)) // per_block, 4 * device_blocks)
     runner = ModelRunner(loaded, block_size=config.block_size, num_blocks=device_blocks,
                          num_host_blocks=host_blocks, kv_cache_dtype=kv_dtype)
+    head = runner.model.lm_head
+    if isinstance(head, PackedLinear):  # every batch size's LM-head kernel built now: flat RSS later
+        head.warm_up(config.max_num_seqs)
     identity = None
     if config.kv_offload_dir is not None:
         from pagedkv.models.identity import model_identity

@@ -66,6 +66,16 @@ class PackedLinear(nn.Module):
         out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return out if bucket == rows else out[:rows]
 
+    def warm_up(self, max_rows: int) -> list[int]:
+        """Run every row bucket up to ``padded_rows(max_rows)`` once, so that oneDNN builds their
+        primitives now rather than one by one as batch sizes first appear (a server's RSS then
+        stays flat from its first requests); returns the buckets run."""
+        buckets = sorted({padded_rows(n) for n in range(1, max_rows + 1)})
+        with torch.no_grad():
+            for rows in buckets:
+                self(torch.zeros(rows, self.in_features, dtype=self.packed.dtype))
+        return buckets
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
 
