@@ -133,6 +133,8 @@ class TenantLedger:
         if over > 0:
             chosen.update(dict.fromkeys(_first(self.cached_free.get(tenant, {}), over)))
         deficit = n - (num_free - self.num_cached_free) - len(chosen)
+        if deficit <= 0:  # the empty free blocks cover it (the usual case): no tenant scan
+            return list(chosen)
         for t in sorted(self._over_limit(), key=self._overshoot, reverse=True):
             for block in self.cached_free.get(t, {}):
                 if deficit <= 0:
