@@ -71,6 +71,8 @@ class SamplingParams:
     is added first. They change greedy choices too; logprobs stay the model's (vLLM's default).
     ``structured_output`` constrains every token to a JSON schema, a regex or a choice (see
     :class:`StructuredOutput`); not with beam search.
+    ``speculative=False`` opts the request out of the engine's speculative decoding (its tokens
+    are the same either way for greedy requests, and equally distributed for sampled ones).
     Invalid values (NaN and infinities included) raise ``ValueError`` naming the field.
     """
 
@@ -94,6 +96,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = field(default=None, hash=False)  # a dict: not hashed
     structured_output: StructuredOutput | None = None
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         # Accept lists and single strings for convenience, store tuples (hashable, immutable).
@@ -133,6 +136,8 @@ class SamplingParams:
             raise ValueError("repetition_penalty must be > 0, got 0")
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             raise ValueError(f"structured_output must be a StructuredOutput, got {self.structured_output!r:.80}")
 

@@ -82,3 +82,48 @@ def generation_defaults(setting: str, model_defaults: dict[str, Any]) -> dict[st
     if defaults:
         logger.info("sampling defaults from generation_config: %s", defaults)
     return defaults
+
+
+def build_spec_decoder(config: EngineConfig, runner, tokenizer, max_model_len: int):
+    """The speculative decoder ``config.speculative_config`` asks for (``pagedkv/spec``), or None.
+    A draft model gets a runner and a memory core of its own, with the target's block size and
+    (unless ``draft_kv_blocks`` says otherwise) as many blocks; ValueError when its tokenizer
+    is not the target's."""
+    spec = config.speculative
+    if spec is None:
+        return None
+    from pagedkv.spec.decoder import SpecDecoder
+
+    draft = None
+    if spec.method == "draft_model":
+        from pagedkv.engine.llm_engine import kv_group_windows
+        from pagedkv.memory import KVCacheManager
+        from pagedkv.spec.draft_model import DraftModelProposer
+
+        target_vocab = int(getattr(getattr(runner, "config", None), "vocab_size", 0) or 0)
+        draft_config = EngineConfig(model=spec.model, block_size=config.block_size,
+                                    num_kv_blocks=spec.draft_kv_blocks or runner.num_blocks, kv_offloading_size=0,
+                                    max_num_seqs=config.max_num_seqs, dtype=config.dtype,
+                                    quantization=config.quantization, generation_config="vllm",
+                                    tokenizer=config.tokenizer)
+        draft_runner, draft_tokenizer, draft_name, *_ = build_runner(draft_config)
+        check_same_tokenizer(tokenizer, draft_tokenizer, draft_name)
+        draft_kv = KVCacheManager(draft_runner.num_blocks, config.block_size, watermark=0.0,
+                                  kv_group_windows=kv_group_windows(draft_runner))
+        draft = DraftModelProposer(draft_runner, draft_kv, config.max_num_batched_tokens,
+                                   target_vocab or draft_runner.config.vocab_size)
+        logger.info("speculative decoding: draft model %s, %d KV blocks, k=%d", draft_name,
+                    draft_runner.num_blocks, spec.num_speculative_tokens)
+    return SpecDecoder(spec, max_model_len, draft)
+
+
+def check_same_tokenizer(target, draft, draft_name: str) -> None:
+    """ValueError unless the draft model's tokenizer maps text to the target's ids (same vocabulary)."""
+    if target is None or draft is None:
+        return
+    a, b = target.backend.get_vocab(), draft.backend.get_vocab()
+    if a != b:
+        differing = len(set(a.items()) ^ set(b.items()))
+        raise ValueError(f"speculative_config: the draft model {draft_name!r} has another tokenizer than the "
+                         f"target ({len(b)} vs {len(a)} tokens, {differing} entries differ); a draft model "
+                         f"must share the target's vocabulary")

@@ -11,6 +11,7 @@ from pagedkv.memory import EVICTION_POLICIES
 from pagedkv.memory.prefix_index import PREFIX_INDEXES
 from pagedkv.memory.tenancy import check_fraction, parse_quotas
 from pagedkv.model_shape import KV_CACHE_DTYPES, check_block_size
+from pagedkv.spec.config import SpeculativeConfig
 from pagedkv.units import parse_bytes
 from pagedkv.weight_quant import QUANTIZATIONS
 
@@ -56,6 +57,9 @@ class EngineConfig:
     over its quota a tenant's own cached blocks go first and its new requests wait.
     ``max_pin_ttl_s`` bounds (and is the default of) a request's ``pin_ttl_s``: how long a
     conversation's prefix stays pinned after a turn (``memory/pins.py``).
+    ``speculative_config`` (vLLM's shape, a dict or its JSON text) turns on speculative decoding:
+    ``{"method": "ngram", "num_speculative_tokens": 4}`` or ``{"method": "draft_model", "model":
+    PATH, "num_speculative_tokens": 4}`` (``pagedkv/spec``; docs/speculative_decoding.md).
     ``tokenizer`` (vLLM's ``--tokenizer``) replaces the model's tokenizer: a folder with
     tokenizer.json, a .gguf file, or a cached Hugging Face repo id (``pagedkv.models.load_tokenizer``).
     """
@@ -88,6 +92,7 @@ class EngineConfig:
     tenant_kv_quota: tuple[str, ...] | list[str] | None = None
     default_tenant_kv_quota: float | None = None
     max_pin_ttl_s: float = 600.0
+    speculative_config: str | dict | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -113,6 +118,7 @@ class EngineConfig:
             check_fraction(self.default_tenant_kv_quota, "default_tenant_kv_quota")
         if not isinstance(self.max_pin_ttl_s, (int, float)) or not 0 < self.max_pin_ttl_s <= 86400:
             raise ValueError(f"max_pin_ttl_s must be in (0, 86400] seconds, got {self.max_pin_ttl_s!r}")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.threads is not None:
             _int_in("threads", self.threads, 1, 1024)
         for name in ("kv_offloading_size", "swap_space"):
@@ -192,6 +198,10 @@ class EngineConfig:
         if isinstance(size, int) and not isinstance(size, bool):
             return size
         return parse_bytes(str(size), "kv_offload_disk_size")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return self.speculative_config  # type: ignore[return-value]  (parsed in __post_init__)
 
     @property
     def faults(self) -> FaultSpec | None:

@@ -69,6 +69,10 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
                                 "hold (default: no limit)", {"type": float, "metavar": "FRACTION"}),
     "max_pin_ttl_s": ("the longest a request's conversation_id may keep its prefix pinned in the KV cache "
                       "(pin_ttl_s), and its default, in seconds", {"type": float, "metavar": "SECONDS"}),
+    "speculative_config": ("speculative decoding, as a JSON object (vLLM's): {\"method\": \"ngram\", "
+                           "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5} or "
+                           "{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": 4} "
+                           "(default: off)", {"type": str, "metavar": "JSON"}),
     "generation_config": ("sampling defaults for fields a request leaves out: auto (the model folder's "
                           "generation_config.json), vllm (neutral defaults), or a folder holding a "
                           "generation_config.json", {"type": str}),

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from pagedkv.engine.beam_search import select_beams
-from pagedkv.engine.build import build_runner
+from pagedkv.engine.build import build_runner, build_spec_decoder
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.errors import RequestRejectedError
 from pagedkv.engine.faults import FaultInjectingScheduler, FaultInjector, install_disk_faults
@@ -42,6 +42,7 @@ from pagedkv.memory import KVCacheManager
 from pagedkv.outputs import RequestOutput
 from pagedkv.runner.batch import SeqChunk
 from pagedkv.sampling_params import SamplingParams
+from pagedkv.spec.verify import verify
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class LLMEngine:
                                      chunk=config.max_num_batched_tokens)
         # Structured output: the grammar library's tokenizer info is built on first use
         self.structured = StructuredOutputs(tokenizer, vocab_size, self.outputs.eos_token_ids)
+        self.spec = build_spec_decoder(config, runner, tokenizer, self.config.max_model_len)
         self._arrivals = 0
         self._steps = 0
         self.last_step_tokens = 0  # tokens computed by the last step (the iteration-tokens histogram)
@@ -226,10 +228,19 @@ class LLMEngine:
                 # Logits rows: one per chunk (its last token), or every token of an all_logits chunk.
                 ends = list(itertools.accumulate(c.num_logits for c in chunks))
                 self._record_prompt_logprobs(out, chunks, ends, logits, step)
-                if ends[-1] != len(ends):  # keep only the rows sampled from
-                    logits = logits.index_select(0, logits.new_tensor([e - 1 for e in ends]).long())
-                self._sample(out, logits, step)
+                # keep only the rows sampled from: each chunk's last, and a speculating chunk's
+                # rows of its proposal too (first_row[i]: chunk i's first kept row)
+                keep: list[int] = []
+                first_row: list[int] = []
+                for s, end in zip(out.scheduled, ends):
+                    first_row.append(len(keep))
+                    keep.extend(range(end - 1 - len(s.proposal), end))
+                if len(keep) != ends[-1]:
+                    logits = logits.index_select(0, logits.new_tensor(keep).long())
+                self._sample(out, logits, first_row, step)
         self.scheduler.update_from_output(out, step)
+        if self.spec is not None:  # proposals for the next step's decodes
+            self.spec.propose(self.scheduler.running, self.kv.num_computed)
         self.last_step_tokens = sum(c.num_tokens for c in chunks)
         if not out.scheduled and self.kv.disk is not None:
             self.kv.disk.wait_for_reads(0.05)  # nothing to compute but requests waiting for the disk
@@ -238,10 +249,16 @@ class LLMEngine:
             self.kv_guard.after_step(self._steps)
         if self.config.debug_integrity:
             self.kv.check_integrity()
+            if self.spec is not None and self.spec.draft is not None:
+                self.spec.draft.kv.check_integrity()
         return [self._output(g) for g in step.progressed.values() if not only_finished or g.is_finished]
 
     def _chunk(self, s: ScheduledSeq) -> SeqChunk:
         seq = s.seq
+        if s.proposal:  # the last token, then the proposal: every position's logits verify
+            return SeqChunk(seq.token_ids[s.start:s.start + 1] + list(s.proposal), s.start,
+                            self.kv.block_table(seq.seq_id), all_logits=True,
+                            group_tables=self.kv.group_tables(seq.seq_id))
         return SeqChunk(seq.token_ids[s.start:s.start + s.num_tokens], s.start,
                         self.kv.block_table(seq.seq_id), all_logits=_prompt_logprob_window(s) is not None,
                         group_tables=self.kv.group_tables(seq.seq_id))
@@ -313,17 +330,28 @@ class LLMEngine:
             self._fail(group, f"building this request's output failed: {exc!r}", None)
             return self.outputs.make_output(group)  # the error path does not detokenize
 
-    def _sample(self, out: SchedulerOutput, logits, step: StepResult) -> None:
-        """Row i of ``logits`` is the next-token row of ``out.scheduled[i]``."""
+    def _sample(self, out: SchedulerOutput, logits, first_row: list[int], step: StepResult) -> None:
+        """Row ``first_row[i]`` of ``logits`` is the next-token row of ``out.scheduled[i]`` (and the
+        rows after it those of its proposal's positions, when it speculates)."""
         rows: list[SampleRow] = []
         targets: list[tuple[SequenceGroup, Sequence]] = []
         beam_rows: list[tuple[int, SequenceGroup, Sequence]] = []
+        speculating: list[tuple[ScheduledSeq, list[SampleRow]]] = []
         for i, s in enumerate(out.scheduled):
             if not s.samples or s.group.error is not None:
                 continue
             group, seq = s.group, s.seq
+            if s.proposal:
+                # row j is the distribution after the proposal's first j tokens: their context
+                # counts for the penalties
+                penalized = group.params.uses_penalties
+                spec_rows = [SampleRow(first_row[i] + j, group.params, seq.rng,
+                                       seq.token_ids + list(s.proposal[:j]) if penalized else seq.token_ids,
+                                       seq.prompt_len) for j in range(len(s.proposal) + 1)]
+                speculating.append((s, spec_rows))
+                continue
             if group.beam_width:
-                beam_rows.append((i, group, seq))
+                beam_rows.append((first_row[i], group, seq))
                 continue
             seqs = [seq]
             if not group.forked:
@@ -337,16 +365,18 @@ class LLMEngine:
                 for q in seqs:  # a grammar's allowed tokens, from its state after q's tokens so far
                     bitmask = (q.grammar.fill_bitmask(self.structured.new_bitmask())  # type: ignore[attr-defined]
                                if q.grammar is not None else None)
-                    rows.append(SampleRow(i, group.params, q.rng, q.token_ids, q.prompt_len, bitmask))
+                    rows.append(SampleRow(first_row[i], group.params, q.rng, q.token_ids, q.prompt_len, bitmask))
                     targets.append((group, q))
             except Exception as exc:  # noqa: BLE001
                 self._fail_requests([group], "structured output", exc, step)
-        if rows:
+        if rows or speculating:
             try:
-                batch = self.sampler.prepare(logits, rows)
+                batch = self.sampler.prepare(logits, rows + [r for _, spec_rows in speculating for r in spec_rows])
             except Exception as exc:  # noqa: BLE001 - shared work: fail the sampled requests
-                self._fail_requests([g for g, _ in targets], "sampling", exc, step)
-                targets = []
+                self._fail_requests([g for g, _ in targets] + [s.group for s, _ in speculating], "sampling", exc, step)
+                targets, speculating = [], []
+            for s, spec_rows in speculating:
+                self._verify(s, batch, spec_rows, step)
             for (group, seq), row in zip(targets, rows):
                 if group.error is not None:
                     continue  # a sibling failed it earlier in this step
@@ -371,6 +401,28 @@ class LLMEngine:
             message = f"{stage} failed for this request: {type(exc).__name__}: {exc}"
         for group in groups:
             self._fail(group, message, step)
+
+    def _verify(self, s: ScheduledSeq, batch, spec_rows: list[SampleRow], step: StepResult) -> None:
+        """Check a sequence's proposal (``spec/verify.py``), append the tokens it yields (stop
+        checks as usual), and tell the update how many of the chunk's tokens keep their KV."""
+        group, seq = s.group, s.seq
+        if group.error is not None:
+            return
+        try:
+            tokens, accepted = verify(batch, spec_rows, s.proposal)
+            appended = 0
+            for sampled in tokens:
+                self._append(group, seq, sampled, step)
+                appended += 1
+                if seq.finish_reason is not None:
+                    break
+        except Exception as exc:  # noqa: BLE001 - sampling, stop checks, detokenization
+            self._fail_requests([group], "sampling", exc, step)
+            return
+        # the KV of the last token and of the accepted proposal tokens that were appended
+        step.spec_computed[seq.seq_id] = 1 + min(accepted, appended)
+        self.spec.record(seq, len(s.proposal), accepted)  # type: ignore[union-attr]
+        step.progressed[group.request_id] = group
 
     def _append(self, group: SequenceGroup, seq: Sequence, sampled: Sampled, step: StepResult) -> None:
         seq.token_ids.append(sampled.token)
@@ -472,6 +524,8 @@ class LLMEngine:
         self._closed = True
         for request_id in list(self.scheduler.groups):
             self.scheduler.abort(request_id)
+        if self.spec is not None:
+            self.spec.close()
         written = self.tiers.persist()
         if written:
             logger.info("KV disk tier: %d blocks written at shutdown", written)
@@ -500,7 +554,16 @@ class LLMEngine:
             kv_cache_dtype=fmt.name if fmt is not None else self.config.kv_cache_dtype,
             kv_bytes_per_block=int(getattr(getattr(runner, "cache", None), "bytes_per_block", 0)),
             kv_quant_error=quant, kv_quant_error_max=max_quant_error(quant),
-            tier_costs=self.kv.costs.as_dict(), thrash_guarded=s.thrash_guarded)
+            tier_costs=self.kv.costs.as_dict(), thrash_guarded=s.thrash_guarded, **self._spec_stats())
+
+    def _spec_stats(self) -> dict[str, Any]:
+        if self.spec is None:
+            return {}
+        c = self.spec.counters()
+        return dict(spec_num_drafts=c.num_drafts, spec_draft_tokens=c.num_draft_tokens,
+                    spec_accepted_tokens=c.num_accepted_tokens, spec_acceptance_rate=c.acceptance_rate,
+                    spec_mean_accepted_length=c.mean_accepted_length,
+                    spec_accepted_per_position=c.accepted_per_position)
 
 def kv_group_windows(runner) -> tuple[int | None, ...]:
     """The memory core's KV groups for the runner's cache (``model_shape.kv_groups``): one per

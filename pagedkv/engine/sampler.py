@@ -147,7 +147,13 @@ class SampleBatch:
         else:
             probs = filtered_probs(row, p)
             token = int(torch.multinomial(probs, 1, generator=r.generator or self.default_generator).item())
-        return _with_logprobs(raw, token, p.logprobs) if p.logprobs is not None else Sampled(token)
+        return self.result(r, token)
+
+    def result(self, r: SampleRow, token: int) -> Sampled:
+        """``token`` as row ``r``'s outcome, with the logprobs ``r`` asks for (speculative
+        decoding picks some tokens itself: an accepted proposal, a resampled rejection)."""
+        k = r.params.logprobs
+        return _with_logprobs(self.logits[r.row], token, k) if k is not None else Sampled(token)
 
 
 NO_CANDIDATE = "the model produced no finite logits for this request (all NaN or -inf)"

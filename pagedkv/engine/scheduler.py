@@ -20,6 +20,10 @@ Every step the scheduler builds a plan (``SchedulerOutput``) under a token budge
    With a disk tier, a waiting request whose cached prefix continues on disk waits until those
    blocks are read (``KVCacheManager.prefetch``) while running requests keep decoding.
 
+Speculative decoding: a decoding sequence with a live proposal (``Sequence.live_proposal``)
+computes its last token and the proposal in one chunk when free blocks allow (it never preempts
+for them); the update keeps the accepted part and rolls back the rest (``KVCacheManager.rollback``).
+
 Pure Python: the scheduler drives the memory core and never touches tensors.
 """
 
@@ -46,17 +50,22 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ScheduledSeq:
-    """One sequence's work in a step: compute ``num_tokens`` tokens from position ``start``."""
+    """One sequence's work in a step: compute ``num_tokens`` tokens from position ``start``.
+
+    A speculating sequence's chunk is its last token and then its ``proposal`` (``num_tokens``
+    counts both); the engine verifies the proposal against the chunk's logits and tells the
+    update how many of the tokens to keep (``StepResult.spec_computed``)."""
 
     group: SequenceGroup
     seq: Sequence
     start: int
     num_tokens: int
+    proposal: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the sequence's last token: its logits give the next token."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+        return self.start + self.num_tokens - len(self.proposal) == self.seq.num_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +108,9 @@ class StepResult:
     finished: list[tuple[SequenceGroup, Sequence]] = field(default_factory=list)  # finish_reason set
     failed: list[SequenceGroup] = field(default_factory=list)  # error set: end the whole request
     progressed: dict[str, SequenceGroup] = field(default_factory=dict)  # requests with new output
+    # speculating sequences: seq_id -> tokens of the chunk whose KV is kept (the last token and the
+    # accepted proposals); the slots of the rest are rolled back
+    spec_computed: dict[str, int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -185,7 +197,13 @@ class Scheduler:
         kv = self.kv
         if result.computed:
             for s in output.scheduled:
-                kv.mark_computed(s.seq.seq_id, s.num_tokens)
+                if not s.proposal:
+                    kv.mark_computed(s.seq.seq_id, s.num_tokens)
+                elif (n := result.spec_computed.get(s.seq.seq_id, 0)):
+                    kv.mark_computed(s.seq.seq_id, n)
+        for s in output.scheduled:  # rejected proposals give their slots back (before any fork)
+            if s.proposal and s.seq.seq_id in kv and not kv.is_swapped(s.seq.seq_id):
+                kv.rollback(s.seq.seq_id)
         for parent, child in result.forks:
             if child.finish_reason is None:
                 kv.fork(parent.seq_id, child.seq_id, child.token_ids)
@@ -217,6 +235,17 @@ class Scheduler:
             n = min(seq.num_tokens - computed, budget)
             if n <= 0:
                 continue
+            proposal = seq.live_proposal[:budget - 1] if n == 1 and seq.seq_id in self.kv else ()
+            if proposal:
+                # Speculation takes free blocks only: it never preempts or waits for them.
+                try:
+                    pairs += self.kv.allocate_slots(seq.seq_id, 1 + len(proposal))
+                except OutOfBlocksError:
+                    proposal = ()
+                else:
+                    entries.append(ScheduledSeq(group, seq, computed, 1 + len(proposal), proposal))
+                    budget -= 1 + len(proposal)
+                    continue
             if seq.seq_id not in self.kv:
                 # A sibling not yet back after a recompute: re-prefill when blocks allow.
                 try:

@@ -46,6 +46,11 @@ class Sequence:
     cumulative_logprob: float = 0.0
     rng: object | None = None  # per-sequence random generator for seeded sampling (runner side)
     grammar: object | None = None  # structured output: a GrammarState, advanced by each appended token
+    # speculative decoding (pagedkv/spec): tokens proposed to follow token_ids[:proposal_at] (the
+    # scheduler verifies them only while proposal_at == num_tokens), and the back-off state
+    proposal: tuple[int, ...] = ()
+    proposal_at: int = -1
+    spec: object | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +67,11 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def live_proposal(self) -> tuple[int, ...]:
+        """The proposal for the tokens as they are now (empty once tokens were added since)."""
+        return self.proposal if self.proposal_at == len(self.token_ids) else ()
 
 
 @dataclass(slots=True, eq=False)

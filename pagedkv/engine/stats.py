@@ -30,6 +30,15 @@ class EngineStats:
     # decisions taken; thrash_guarded counts victims the preemption thrash guard skipped
     tier_costs: dict[str, float | int | None] | None = None
     thrash_guarded: int = 0
+    # Speculative decoding (pagedkv/spec; zeros when off): verifications (a sequence's proposal in
+    # a step), tokens proposed and accepted, accepted / proposed, tokens emitted per verification,
+    # and accepted tokens by their position in the proposal
+    spec_num_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
     def as_dict(self) -> dict:
         d = asdict(self)

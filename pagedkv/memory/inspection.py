@@ -48,6 +48,7 @@ def kv_stats(mgr: KVCacheManager) -> KVStats:
         filled_slots=sum(filled.values()), allocated_slots=used * B,
         prefix_query_tokens=mgr.prefix_query_tokens, prefix_hit_tokens=mgr.prefix_hit_tokens,
         evictions=pool.evictions, cow_copies=mgr.cow_copies, window_released_blocks=mgr.released_blocks,
+        rolled_back_blocks=mgr.rolled_back_blocks,
         swapped_out_blocks=mgr.swapped_out_blocks, swapped_in_blocks=mgr.swapped_in_blocks,
         host_blocks=mgr.host_pool.num_blocks,
         host_used_blocks=mgr.host_pool.num_blocks - mgr.host_pool.num_free,

@@ -171,6 +171,7 @@ class KVCacheManager:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.cow_copies = 0
+        self.rolled_back_blocks = 0  # blocks released by rollback() (rejected speculative tokens)
         self.swapped_out_blocks = 0
         self.swapped_in_blocks = 0
         # The host tier of the prefix cache (memory/host_tier.py), below the device pool.
@@ -643,6 +644,23 @@ class KVCacheManager:
             self._cache_full_blocks(seq)
         if seq.group_tables:  # cached first: a released block stays cached-free
             self.released_blocks += release_out_of_window(self.pool, seq, self.group_windows, self.block_size)
+
+    def rollback(self, seq_id: Hashable) -> int:
+        """Release the blocks past the sequence's computed tokens, in every KV group: slots that
+        ``allocate_slots`` gave for tokens whose KV turned out not to be wanted (speculative
+        proposals the target rejected). Their slots in the last kept block are simply written
+        over later; nothing past ``num_computed`` was ever hashed or cached. Returns the count."""
+        seq = self.seqs[seq_id]
+        if not seq.on_device:
+            raise ValueError(f"sequence {seq_id!r} is swapped out; nothing to roll back on the device")
+        keep = _cdiv(seq.num_computed, self.block_size)
+        blocks = self.pool.blocks
+        extra = [table[i] for table in seq.tables() for i in range(len(table) - 1, keep - 1, -1)]
+        for table in seq.tables():
+            del table[keep:]
+        self.pool.free(blocks[i] for i in extra)
+        self.rolled_back_blocks += len(extra)
+        return len(extra)
 
     def _hash_full_blocks(self, seq: SeqState, full: int) -> None:
         """Extend the sequence's hash chain to its first ``full`` blocks (all full of tokens).

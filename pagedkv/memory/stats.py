@@ -40,6 +40,7 @@ class KVStats:
     offloads_dropped: int = 0  # evicted cached blocks not copied (no host block free)
     reloaded_blocks: int = 0  # host blocks copied back up for a prompt's prefix
     window_released_blocks: int = 0  # a hybrid model's sliding-window blocks released as sequences advanced
+    rolled_back_blocks: int = 0  # blocks released by rollback(): rejected speculative tokens' slots
     # The disk tier (0 / False without one); sizes are whole files
     disk_enabled: bool = False  # writing (False once a write failed, or without a disk tier)
     disk_blocks: int = 0

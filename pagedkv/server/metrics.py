@@ -115,6 +115,8 @@ class EngineStatsCollector(Collector):
         if hasattr(kv, "tier_hit_tokens"):
             yield from self._tier_metrics(s, kv, gauge, counter)
         yield counter("kv_cow_copies", "Copy-on-write block copies.", kv.cow_copies)
+        yield counter("kv_rolled_back_blocks", "Blocks given back by rejected speculative tokens.",
+                      getattr(kv, "rolled_back_blocks", 0))
         yield counter("kv_window_released_blocks", "Sliding-window blocks released once out of every "
                       "query's window (hybrid models).", getattr(kv, "window_released_blocks", 0))
 
@@ -139,6 +141,8 @@ class EngineStatsCollector(Collector):
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens_total)
         if hasattr(s, "num_steps"):
             yield counter("engine_steps", "Engine scheduling steps run.", s.num_steps)
+        if getattr(s, "spec_accepted_per_position", ()):  # speculative decoding is on
+            yield from self._spec_metrics(s, counter, gauge)
         if getattr(kv, "tenants", None):
             yield from self._tenant_metrics(kv)
         if getattr(kv, "first_misses", None):
@@ -154,6 +158,23 @@ class EngineStatsCollector(Collector):
             for (reason, tenant), n in sorted(rows.items()):
                 misses.add_metric([self._model, reason, tenant], float(n))
             yield misses
+
+    def _spec_metrics(self, s: Any, counter, gauge) -> Iterator[Metric]:
+        """Speculative decoding (vLLM's spec_decode metrics, pagedkv's names)."""
+        yield counter("spec_decode_num_drafts", "Verifications: a sequence's proposal checked in a step.",
+                      s.spec_num_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Tokens proposed.", s.spec_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Proposed tokens the target accepted.",
+                      s.spec_accepted_tokens)
+        yield gauge("spec_decode_acceptance_rate", "Accepted / proposed tokens since start.", s.spec_acceptance_rate)
+        yield gauge("spec_decode_mean_accepted_length", "Tokens emitted per verification (accepted + 1) since start.",
+                    s.spec_mean_accepted_length)
+        per_pos = CounterMetricFamily("pagedkv_spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens by their position in the proposal.",
+                                      labels=["model_name", "position"])
+        for i, n in enumerate(s.spec_accepted_per_position):
+            per_pos.add_metric([self._model, str(i)], float(n))
+        yield per_pos
 
     def _label(self, tenant: str) -> str:
         return tenant if tenant in self._public_tenants else "other"

@@ -125,6 +125,7 @@ class _SamplingFields(_Body):
     pin_ttl_s: float | None = Field(default=None, gt=0)
     include_stop_str_in_output: bool = False  # vLLM's extras
     skip_special_tokens: bool = True
+    speculative: bool = True  # pagedkv's: false opts out of the server's speculative decoding
     user: str | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -212,6 +213,7 @@ class _SamplingFields(_Body):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
                 structured_output=self._structured_output(),
+                speculative=self.speculative,
             )
         except ValueError as exc:
             # SamplingParams names the field first: "top_p must be in ...".
