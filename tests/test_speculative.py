@@ -433,3 +433,47 @@ def test_stats_and_metrics_report_speculation(target):
                  "pagedkv_spec_decode_num_accepted_tokens_total", "pagedkv_spec_decode_acceptance_rate",
                  "pagedkv_spec_decode_num_accepted_tokens_per_pos_total", "pagedkv_kv_rolled_back_blocks_total"):
         assert name in text, name
+
+
+def test_the_prefix_cache_holds_only_accepted_tokens(target):
+    """After the same greedy requests, the prefix cache holds exactly the blocks it holds without
+    speculation: no block of a rejected proposal was ever hashed."""
+    prompts = copy_heavy_prompts(11, [14, 26, 40])
+    params = SamplingParams(temperature=0, max_tokens=37, ignore_eos=True)
+    caches = []
+    for spec in (None, NGRAM):
+        llm = LLM(str(target), block_size=4, num_kv_blocks=800, speculative_config=spec)
+        llm.generate(prompts, params)
+        caches.append(set(llm.engine.kv.pool.cached))
+        if spec:
+            assert llm.stats().spec_draft_tokens > llm.stats().spec_accepted_tokens > 0
+    assert caches[0] == caches[1] and len(caches[0]) > 20
+
+
+def test_server_speculates_and_a_request_opts_out(tmp_path):
+    import httpx
+    from server_helpers import ServerThread, tiny_engine
+    from tiny_model import write_tiny_model
+
+    folder = write_tiny_model(tmp_path / "tiny")
+    prompt = "the quick brown fox jumps over the lazy dog. " * 4
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    plain = tiny_engine(folder, num_kv_blocks=200, block_size=4)
+    spec = tiny_engine(folder, num_kv_blocks=200, block_size=4, speculative_config=json.dumps(NGRAM))
+    texts = []
+    for engine in (plain, spec):
+        with ServerThread(engine, served_model_names=["tiny"]) as server:
+            r = httpx.post(f"{server.base_url}/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+            if engine is spec:
+                drafts = server.wait_idle().spec_num_drafts
+                assert drafts > 0
+                r = httpx.post(f"{server.base_url}/completions", json={**body, "speculative": False}, timeout=60)
+                assert r.json()["choices"][0]["text"] == texts[0]
+                assert server.wait_idle().spec_num_drafts == drafts  # the opted-out request proposed nothing
+                metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+                assert "pagedkv_spec_decode_num_accepted_tokens_total" in metrics
+                r = httpx.post(f"{server.base_url}/completions", json={**body, "speculative": "no"}, timeout=60)
+                assert r.status_code == 400
+    assert texts[0] == texts[1]
