@@ -60,6 +60,8 @@ class EngineConfig:
     ``speculative_config`` (vLLM's shape, a dict or its JSON text) turns on speculative decoding:
     ``{"method": "ngram", "num_speculative_tokens": 4}`` or ``{"method": "draft_model", "model":
     PATH, "num_speculative_tokens": 4}`` (``pagedkv/spec``; docs/speculative_decoding.md).
+    ``kv_events`` records KV cache events (``memory/kv_events.py``; the server publishes them
+    with ``--kv-events-endpoint``, which turns this on).
     ``tokenizer`` (vLLM's ``--tokenizer``) replaces the model's tokenizer: a folder with
     tokenizer.json, a .gguf file, or a cached Hugging Face repo id (``pagedkv.models.load_tokenizer``).
     """
@@ -93,6 +95,7 @@ class EngineConfig:
     default_tenant_kv_quota: float | None = None
     max_pin_ttl_s: float = 600.0
     speculative_config: str | dict | SpeculativeConfig | None = None
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)

@@ -73,6 +73,8 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
                            "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5} or "
                            "{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": 4} "
                            "(default: off)", {"type": str, "metavar": "JSON"}),
+    "kv_events": ("record KV cache events (prefix blocks stored and removed per tier) for KV-aware routers; "
+                  "pagedkv serve --kv-events-endpoint publishes them", {"action": argparse.BooleanOptionalAction}),
     "generation_config": ("sampling defaults for fields a request leaves out: auto (the model folder's "
                           "generation_config.json), vllm (neutral defaults), or a folder holding a "
                           "generation_config.json", {"type": str}),

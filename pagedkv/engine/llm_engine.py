@@ -81,7 +81,8 @@ class LLMEngine:
                                  prefix_index=config.prefix_index, offload_to_host=True, disk=disk,
                                  kv_group_windows=kv_group_windows(runner),
                                  tenant_quotas=config.tenant_quotas,
-                                 default_tenant_quota=config.default_tenant_kv_quota)
+                                 default_tenant_quota=config.default_tenant_kv_quota,
+                                 kv_events=config.kv_events)
         self.tiers = TierMover(runner, self.kv)
         self._closed = False
         spec = config.faults
@@ -552,6 +553,7 @@ class LLMEngine:
             num_steps=self._steps,
             faults_fired=sum(self.faults.fired.values()) if self.faults else 0,
             kv_cache_dtype=fmt.name if fmt is not None else self.config.kv_cache_dtype,
+            enable_prefix_caching=self.config.enable_prefix_caching,
             kv_bytes_per_block=int(getattr(getattr(runner, "cache", None), "bytes_per_block", 0)),
             kv_quant_error=quant, kv_quant_error_max=max_quant_error(quant),
             tier_costs=self.kv.costs.as_dict(), thrash_guarded=s.thrash_guarded, **self._spec_stats())

@@ -21,6 +21,7 @@ class EngineStats:
     num_steps: int
     faults_fired: int
     kv_cache_dtype: str = "float32"     # the KV block format
+    enable_prefix_caching: bool = True
     kv_bytes_per_block: int = 0         # one block, all layers, K and V, scales included
     # 8-bit formats: relative RMS error (K, V) of the rows stored per layer, and its maximum;
     # None for the float formats (see engine/kv_quality.py)

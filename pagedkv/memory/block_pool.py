@@ -20,6 +20,7 @@ from pagedkv.memory.block import Block
 from pagedkv.memory.errors import IntegrityError, OutOfBlocksError
 from pagedkv.memory.eviction import EvictionPolicy, LRUPolicy
 from pagedkv.memory.free_queue import FreeBlockQueue
+from pagedkv.memory.kv_events import MEDIUMS, KVEventLog
 from pagedkv.memory.tenancy import DEFAULT_TENANT, TenantLedger
 
 
@@ -39,6 +40,8 @@ class BlockPool:
         self.on_evict: Callable[[Block], None] | None = None  # told before a hash is dropped
         self.tenants: TenantLedger | None = None  # per-tenant quotas (memory/tenancy.py), when on
         self.evict_cause = self.policy.name  # why the block on_evict hears of goes (miss reasons)
+        self.events: KVEventLog | None = None  # KV cache events (memory/kv_events.py), when on
+        self.medium = MEDIUMS.get(name, name)
 
     @property
     def num_blocks(self) -> int:
@@ -73,6 +76,8 @@ class BlockPool:
                     self.on_evict(block)
                 if ledger is not None:
                     ledger.evicted(block)
+                if self.events is not None and block.kv_group == 0:
+                    self.events.removed(block.block_hash, self.medium)
                 del self.cached[block.block_hash]
                 block.block_hash = None
                 self.evictions += 1
@@ -122,8 +127,9 @@ class BlockPool:
     def lookup(self, block_hash: bytes) -> Block | None:
         return self.cached.get(block_hash)
 
-    def cache(self, blocks: Iterable[Block], hashes: Iterable[bytes], kv_group: int = 0) -> None:
-        """Register full, computed blocks under their hashes (of KV group ``kv_group``'s layers).
+    def cache(self, blocks: Iterable[Block], hashes: Iterable[bytes], kv_group: int = 0) -> list[int]:
+        """Register full, computed blocks under their hashes (of KV group ``kv_group``'s layers);
+        returns the positions (in ``blocks``) of those newly registered.
 
         A block that already has a hash (a prefix hit) keeps it; a hash another block already
         holds (two sequences computed the same prefix at once) stays with that block.
@@ -131,13 +137,16 @@ class BlockPool:
         self.clock += 1
         now = self.clock
         cached = self.cached
-        for block, block_hash in zip(blocks, hashes):
+        new = []
+        for i, (block, block_hash) in enumerate(zip(blocks, hashes)):
             if block.block_hash is None and block_hash not in cached:
                 block.block_hash = block_hash
                 block.cached_at = block.last_used = now
                 block.uses = 1
                 block.kv_group = kv_group
                 cached[block_hash] = block
+                new.append(i)
+        return new
 
     def evict_cached(self, max_blocks: int | None = None) -> int:
         """Drop cached-free blocks' hashes (their KV is forgotten); returns how many."""
@@ -156,6 +165,8 @@ class BlockPool:
             self.on_evict(block)
         if self.tenants is not None:
             self.tenants.evicted(block)
+        if self.events is not None and block.kv_group == 0:
+            self.events.removed(block.block_hash, self.medium)  # type: ignore[arg-type]
         del self.cached[block.block_hash]  # type: ignore[arg-type]
         block.block_hash = None
         self.free_queue.remove(block)

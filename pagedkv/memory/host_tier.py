@@ -48,7 +48,9 @@ class HostPrefixTier:
             self.offloads_dropped += 1
             return
         target = host.allocate(1)[0]  # may forget this tier's least recently used block
-        host.cache((target,), (block_hash,))
+        host.cache((target,), (block_hash,), block.kv_group)
+        if host.events is not None and block.kv_group == 0:
+            host.events.stored([block_hash], None, [], host.medium)
         self.held.append(target)
         self._offloaded_now.append(target)
         self._out.append((block.block_id, target.block_id))
@@ -62,6 +64,8 @@ class HostPrefixTier:
             return False
         target = host.allocate(1)[0]
         host.cache((target,), (block_hash,))
+        if host.events is not None:
+            host.events.stored([block_hash], None, [], host.medium)
         self.held.append(target)
         self._offloaded_now.append(target)
         self._loads.append((target.block_id, payload))

@@ -38,6 +38,7 @@ from pagedkv.memory.errors import OutOfBlocksError
 from pagedkv.memory.eviction import make_eviction_policy
 from pagedkv.memory.host_tier import HostPrefixTier
 from pagedkv.memory.inspection import check_integrity, kv_stats, pretty_print
+from pagedkv.memory.kv_events import MEDIUMS, KVEventLog
 from pagedkv.memory.kv_groups import (
     RELEASED,
     cache_group_blocks,
@@ -56,6 +57,7 @@ from pagedkv.memory.tiers import DEVICE, HOST, TierCopies, move_sequences
 from pagedkv.model_shape import check_block_size
 
 CopyPair = tuple[int, int]  # (source block id, destination block id)
+DEVICE_MEDIUM = MEDIUMS[DEVICE]
 
 
 @dataclass(slots=True)
@@ -116,6 +118,8 @@ class KVCacheManager:
         tenant_quotas, default_tenant_quota: per-tenant limits on device blocks held (used plus
             cached), as fractions of the pool, by tenant name and for the others; either turns
             tenancy on (``memory/tenancy.py``): a sequence's tenant is ``allocate_prompt``'s.
+        kv_events: record KV cache events (``memory/kv_events.py``) in ``events``: prefix blocks
+            entering and leaving the device and host tiers' caches, for KV-aware routers.
         kv_group_windows: one entry per KV group of a hybrid model (``model_shape.kv_groups``):
             its attention window, or None for a group that keeps every block. Group 0 must be
             None (the prefix cache's anchor; the radix index holds group 0's blocks). The host
@@ -128,7 +132,8 @@ class KVCacheManager:
                  prefix_index: str = "hash", offload_to_host: bool = False,
                  disk: DiskPrefixTier | None = None, costs: TierCosts | None = None,
                  kv_group_windows: tuple[int | None, ...] = (None,),
-                 tenant_quotas: dict[str, float] | None = None, default_tenant_quota: float | None = None) -> None:
+                 tenant_quotas: dict[str, float] | None = None, default_tenant_quota: float | None = None,
+                 kv_events: bool = False) -> None:
         check_block_size(block_size)
         if not kv_group_windows or kv_group_windows[0] is not None:
             raise ValueError(f"kv_group_windows must start with None (group 0 keeps every block), "
@@ -172,6 +177,9 @@ class KVCacheManager:
         self.prefix_hit_tokens = 0
         self.cow_copies = 0
         self.rolled_back_blocks = 0  # blocks released by rollback() (rejected speculative tokens)
+        # KV cache events (memory/kv_events.py): prefix blocks entering and leaving each tier
+        self.events = KVEventLog(block_size) if kv_events else None
+        self.pool.events = self.host_pool.events = self.events
         self.swapped_out_blocks = 0
         self.swapped_in_blocks = 0
         # The host tier of the prefix cache (memory/host_tier.py), below the device pool.
@@ -686,11 +694,28 @@ class KVCacheManager:
                                                    seq.token_ids, self.block_size, done, full)
             content = seq.content_hashes
         self.history.on_cached(seq.root, seq.block_hashes, seq.token_ids, start, full, content)
-        self.pool.cache((blocks[i] for i in seq.block_table[start:full]), seq.block_hashes[start:full])
+        new = self.pool.cache((blocks[i] for i in seq.block_table[start:full]), seq.block_hashes[start:full])
+        if new and self.events is not None:
+            self._stored_events(seq, [start + i for i in new])
         self.index.on_cached(seq.root, seq.token_ids, seq.block_table, seq.block_hashes, full)
         if seq.group_tables:
             cache_group_blocks(self.pool, seq, start, full)
         seq.num_cached_blocks = full
+
+    def _stored_events(self, seq: SeqState, new: list[int]) -> None:
+        """BlockStored events for the sequence's blocks ``new`` (indices, ascending), one per run
+        of consecutive blocks; the salt travels only as the root hash it made."""
+        B, hashes = self.block_size, seq.block_hashes
+        extra = None if seq.root == UNSALTED_ROOT else [seq.root.hex()]
+        run = [new[0]]
+        for i in new[1:] + [-1]:
+            if i == run[-1] + 1:
+                run.append(i)
+                continue
+            first, last = run[0], run[-1] + 1
+            self.events.stored(hashes[first:last], hashes[first - 1] if first else None,  # type: ignore[union-attr]
+                               seq.token_ids[first * B:last * B], DEVICE_MEDIUM, extra)
+            run = [i]
 
     # ------------------------------------------------------------------ forks and freeing
     def fork(self, parent_id: Hashable, child_id: Hashable, token_ids: list[int]) -> None:

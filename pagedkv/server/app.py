@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -157,11 +158,19 @@ def _tokenizer_router(state: ServerState) -> APIRouter:
 def _api_router(state: ServerState) -> APIRouter:
     router = APIRouter(prefix="/v1", dependencies=[Depends(_key_check(state))])
 
+    created = int(time.time())
+
     @router.get("/models")
     async def models() -> dict[str, Any]:
-        max_len = state.engine.engine.config.max_model_len
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "pagedkv", "root": name,
-                 "max_model_len": max_len} for name in state.served_model_names]
+        """vLLM's model cards (routers read ``id``, ``root`` and ``max_model_len``)."""
+        engine = state.engine.engine
+        data = [{"id": name, "object": "model", "created": created, "owned_by": "pagedkv",
+                 "root": engine.model_name, "parent": None, "max_model_len": engine.config.max_model_len,
+                 "permission": [{"id": f"modelperm-{name}", "object": "model_permission", "created": created,
+                                 "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                                 "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                                 "organization": "*", "group": None, "is_blocking": False}]}
+                for name in state.served_model_names]
         return {"object": "list", "data": data}
 
     @router.post("/completions")

@@ -115,6 +115,9 @@ class AsyncEngine:
         # Called on the engine thread after each step with the tokens it computed (the server's
         # iteration-tokens histogram); it must be quick and thread-safe.
         self.step_observer: Callable[[int], None] | None = None
+        # KV cache events (memory/kv_events.py): handed over after each step when the engine
+        # records them (server/kv_events.py publishes them); must be quick and thread-safe.
+        self.kv_event_sink: Callable[[list], None] | None = None
         self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
 
     # ----------------------------------------------------------------- lifecycle
@@ -281,6 +284,9 @@ class AsyncEngine:
             return
         if self.step_observer is not None and self.engine.last_step_tokens:
             self.step_observer(self.engine.last_step_tokens)
+        events = getattr(getattr(self.engine, "kv", None), "events", None)
+        if events is not None and events.events and self.kv_event_sink is not None:
+            self.kv_event_sink(events.take())
         # One wake-up of each event loop per step, however many requests progressed.
         batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         for out in outputs:

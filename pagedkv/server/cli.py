@@ -58,6 +58,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(RequestLimits):
         p.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default,
                        help=f"{LIMIT_HELP[f.name]} (default {f.default})")
+    p.add_argument("--kv-events-endpoint", default=None, metavar="ENDPOINT",
+                   help="publish KV cache events (vLLM's format) on this ZMQ PUB endpoint for KV-aware routers, "
+                        "e.g. tcp://127.0.0.1:5557 (an address of this machine is bound, another one connected to)")
+    p.add_argument("--kv-events-replay-endpoint", default=None, metavar="ENDPOINT",
+                   help="a ZMQ ROUTER endpoint answering replay requests for recent event batches")
+    p.add_argument("--kv-events-topic", default=None, help="the topic frame of each event message (default empty)")
+    p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="vLLM's spelling of the above: {\"endpoint\": ..., \"replay_endpoint\": ..., \"topic\": ..., "
+                        "\"buffer_steps\": 10000, \"hwm\": 100000, \"max_queue_size\": 100000}")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     add_engine_arguments(p.add_argument_group("engine"))
 
@@ -104,19 +113,55 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"pagedkv serve: --{str(exc).replace('_', '-')}", file=sys.stderr)
         return 2
     try:
-        engine = LLMEngine.from_options(model=args.model, **engine_options(args))
+        events_config = kv_events_config(args)
+    except ValueError as exc:
+        print(f"pagedkv serve: {exc}", file=sys.stderr)
+        return 2
+    options = engine_options(args)
+    if events_config is not None:
+        options["kv_events"] = True
+    try:
+        engine = LLMEngine.from_options(model=args.model, **options)
     except (ValueError, TypeError, OSError, RuntimeError) as exc:  # bad options, ModelLoadError
         print(f"pagedkv serve: cannot start the engine: {exc}", file=sys.stderr)
         return 2
+    publisher = None
+    if events_config is not None:
+        from pagedkv.server.kv_events import KVEventPublisher
+        try:
+            publisher = KVEventPublisher(events_config)
+        except ValueError as exc:
+            print(f"pagedkv serve: {exc}", file=sys.stderr)
+            return 2
     if template is not None and engine.tokenizer is not None:
         engine.tokenizer.set_chat_template(template)
-    app = create_app(AsyncEngine(engine), served_model_names=args.served_model_name, api_keys=api_keys,
+    async_engine = AsyncEngine(engine)
+    if publisher is not None:
+        async_engine.kv_event_sink = publisher.publish
+    app = create_app(async_engine, served_model_names=args.served_model_name, api_keys=api_keys,
                      max_queue=args.max_queue, limits=limits)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.drain_timeout, access_log=False)
     server = DrainingServer(config, app.state.server)
-    server.run()
+    try:
+        server.run()
+    finally:
+        if publisher is not None:
+            publisher.close()
     return 0
+
+
+def kv_events_config(args: argparse.Namespace):
+    """The KV events publisher's config from the --kv-events-* flags, or None (events off)."""
+    from pagedkv.server.kv_events import KVEventsConfig
+
+    given = {name: value for name, value in (("endpoint", args.kv_events_endpoint),
+                                             ("replay_endpoint", args.kv_events_replay_endpoint),
+                                             ("topic", args.kv_events_topic)) if value is not None}
+    if args.kv_events_config is None and not given:
+        return None
+    base = KVEventsConfig.parse(args.kv_events_config) if args.kv_events_config is not None else KVEventsConfig()
+    return dataclasses.replace(base, **given)
 
 
 def read_api_keys(keys: list[str], keys_file: str | None) -> dict[str, str | None]:

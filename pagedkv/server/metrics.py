@@ -1,4 +1,5 @@
-"""Prometheus metrics of the server, all named ``pagedkv_*``, in a registry owned by one app.
+"""Prometheus metrics of the server, named ``pagedkv_*``, in a registry owned by one app; the
+figures routers read are also exported under vLLM's names (``vllm:*``).
 
 Engine figures (KV blocks, prefix cache, preemptions, swaps, queue lengths, token totals) are not
 copied into gauges as they change: ``/metrics`` fetches one ``engine.stats()`` snapshot on the
@@ -143,6 +144,7 @@ class EngineStatsCollector(Collector):
             yield counter("engine_steps", "Engine scheduling steps run.", s.num_steps)
         if getattr(s, "spec_accepted_per_position", ()):  # speculative decoding is on
             yield from self._spec_metrics(s, counter, gauge)
+        yield from self._vllm_metrics(s, kv)
         if getattr(kv, "tenants", None):
             yield from self._tenant_metrics(kv)
         if getattr(kv, "first_misses", None):
@@ -158,6 +160,40 @@ class EngineStatsCollector(Collector):
             for (reason, tenant), n in sorted(rows.items()):
                 misses.add_metric([self._model, reason, tenant], float(n))
             yield misses
+
+    def _vllm_metrics(self, s: Any, kv: Any) -> Iterator[Metric]:
+        """The same figures under vLLM's names (labels ``model_name``, ``engine``), for the routers
+        and gateways that read them: the Gateway API Inference Extension's endpoint picker,
+        vLLM's production-stack router, Dynamo, SMG. Always exported."""
+        labels, value = ["model_name", "engine"], [self._model, "0"]
+
+        def family(kind, name: str, doc: str, v: float):
+            m = kind(f"vllm:{name}", doc, labels=labels)
+            m.add_metric(value, float(v))
+            return m
+
+        yield family(GaugeMetricFamily, "num_requests_running", "Requests in the running batch.", s.num_running)
+        yield family(GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield family(GaugeMetricFamily, "num_requests_swapped", "Requests swapped out to the host tier.",
+                     s.num_swapped)
+        yield family(GaugeMetricFamily, "kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", kv.usage)
+        yield family(GaugeMetricFamily, "gpu_cache_usage_perc", "KV-cache usage: 1 means 100 percent (the legacy "
+                     "name older routers scrape; the device here may be a CPU).", kv.usage)
+        yield family(CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                     kv.prefix_query_tokens)
+        yield family(CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                     kv.prefix_hit_tokens)
+        yield family(CounterMetricFamily, "num_preemptions", "Sequences preempted.",
+                     s.preemptions_recompute + s.preemptions_swap)
+        yield family(CounterMetricFamily, "prompt_tokens", "Prompt tokens processed.", s.prompt_tokens_total)
+        yield family(CounterMetricFamily, "generation_tokens", "Tokens generated.", s.generation_tokens_total)
+        config = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache's configuration (value 1).",
+                                   labels=["model_name", "engine", "block_size", "num_gpu_blocks", "num_cpu_blocks",
+                                           "cache_dtype", "enable_prefix_caching"])
+        config.add_metric([self._model, "0", str(kv.block_size), str(kv.num_blocks),
+                           str(getattr(kv, "host_blocks", 0)), str(getattr(s, "kv_cache_dtype", "auto")),
+                           str(getattr(s, "enable_prefix_caching", True))], 1.0)
+        yield config
 
     def _spec_metrics(self, s: Any, counter, gauge) -> Iterator[Metric]:
         """Speculative decoding (vLLM's spec_decode metrics, pagedkv's names)."""
