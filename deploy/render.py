@@ -7,8 +7,8 @@ The engine is Helm v4's Go SDK, bundled as a shared library in the PyPI package 
 (imported as ``helm_python``), so no helm binary is needed; ``lookup`` returns nothing, as in
 ``helm template``. Two value sets: the chart's defaults (``default.yaml``) and
 ``helm/pagedkv/ci/full-values.yaml`` on top of them (``full.yaml``: API key Secret, ServiceMonitor,
-PrometheusRule, a models claim). tests/test_deploy.py validates the rendered files against the
-Kubernetes schemas and re-renders them when helm-python-sdk is installed.
+PrometheusRule, a models claim, two replicas behind the SMG router). tests/test_deploy.py validates
+the rendered files against the Kubernetes schemas and re-renders them when helm-python-sdk is installed.
 """
 
 from __future__ import annotations

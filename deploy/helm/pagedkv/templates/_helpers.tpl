@@ -28,8 +28,73 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- default (include "pagedkv.fullname" .) .Values.apiKey.existingSecret }}
 {{- end }}
 
-{{- define "pagedkv.kvClaimName" -}}
-{{- default (printf "%s-kv" (include "pagedkv.fullname" .)) .Values.kvDiskTier.persistence.existingClaim }}
+{{/*
+The server runs as a StatefulSet ("true") when each replica gets its own disk-tier claim from a
+volumeClaimTemplate (disk tier on, no existingClaim) or when the router needs the replicas' stable
+DNS names; otherwise (disk tier off, or one existing claim) as a Deployment ("").
+*/}}
+{{- define "pagedkv.statefulSet" -}}
+{{- $disk := .Values.kvDiskTier }}
+{{- if or .Values.router.enabled (and $disk.enabled (not $disk.persistence.existingClaim)) }}true{{ end }}
+{{- end }}
+
+{{/* Each replica's own disk-tier claim comes from the StatefulSet's volumeClaimTemplate ("true"). */}}
+{{- define "pagedkv.kvClaimTemplate" -}}
+{{- $disk := .Values.kvDiskTier }}
+{{- if and $disk.enabled (not $disk.persistence.existingClaim) }}true{{ end }}
+{{- end }}
+
+{{/* The headless Service that gives the StatefulSet's pods their DNS names. */}}
+{{- define "pagedkv.headlessName" -}}
+{{- printf "%s-headless" (include "pagedkv.fullname" . | trunc 54 | trimSuffix "-") }}
+{{- end }}
+
+{{/* One URL per replica, through the headless Service's pod DNS names (the container's port). */}}
+{{- define "pagedkv.workerURLs" -}}
+{{- $name := include "pagedkv.fullname" . }}
+{{- $host := printf "%s.%s.svc.%s" (include "pagedkv.headlessName" .) .Release.Namespace .Values.clusterDomain }}
+{{- range $i := until (int .Values.replicaCount) }}
+{{ printf "http://%s-%d.%s:%d" $name $i $host (int $.Values.server.port) }}
+{{- end }}
+{{- end }}
+
+{{- define "pagedkv.routerName" -}}
+{{- printf "%s-router" (include "pagedkv.fullname" . | trunc 56 | trimSuffix "-") }}
+{{- end }}
+
+{{/* The router's pods carry another app.kubernetes.io/name: the server's Service must not select them. */}}
+{{- define "pagedkv.routerSelectorLabels" -}}
+app.kubernetes.io/name: {{ printf "%s-router" (include "pagedkv.name" .) }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: router
+{{- end }}
+
+{{- define "pagedkv.routerLabels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "pagedkv.routerSelectorLabels" . }}
+app.kubernetes.io/part-of: {{ include "pagedkv.name" . }}
+app.kubernetes.io/version: {{ .Values.router.image.tag | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* Value checks shared by the server's Deployment and StatefulSet (exactly one of them renders). */}}
+{{- define "pagedkv.checks" -}}
+{{- $disk := .Values.kvDiskTier }}
+{{- if and $disk.enabled $disk.persistence.existingClaim (gt (int .Values.replicaCount) 1) }}
+{{- fail "kvDiskTier.persistence.existingClaim is one volume, which allows one replica: the disk tier's directory is locked by one server; set replicaCount: 1, or leave existingClaim empty to give each replica its own claim" }}
+{{- end }}
+{{- if and $disk.enabled (le (float64 $disk.hostTierSize) 0.0) }}
+{{- fail "kvDiskTier.hostTierSize must be above 0: the disk tier sits below the host tier (--kv-offloading-size)" }}
+{{- end }}
+{{- if .Values.router.enabled }}
+{{- if lt (int .Values.replicaCount) 1 }}
+{{- fail "router.enabled needs replicaCount of at least 1: the router's worker URLs are the replicas" }}
+{{- end }}
+{{- $policies := list "cache_aware" "round_robin" "power_of_two" "least_load" "prefix_hash" "consistent_hashing" "random" "manual" "passthrough" }}
+{{- if not (has .Values.router.policy $policies) }}
+{{- fail (printf "router.policy %q is not a policy of smg launch --policy: one of %s" (toString .Values.router.policy) (join ", " $policies)) }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* The series of this release as Prometheus scrapes them through the ServiceMonitor. */}}
