@@ -26,13 +26,20 @@ def build_runner(config: EngineConfig):
     from pagedkv.ops.kv_format import kv_format
     from pagedkv.runner import ModelRunner, bytes_per_block
     from pagedkv.runner.kv_cache import num_blocks_for_memory
+    from pagedkv.runner.model_runner import resolve_device
 
     if config.threads:
         torch.set_num_threads(config.threads)
+    device = resolve_device(config.device)
     path, _ = resolve_model_path(config.model)
     dtype = getattr(torch, resolve_dtype(config.dtype, path))
     kv_dtype = kv_format(config.kv_cache_dtype, dtype).name
-    loaded = load_model(config.model, dtype=dtype, quantization=config.quantization, tokenizer=config.tokenizer)
+    quantization = config.quantization
+    if device.type == "cuda":  # the 8-bit weight kernel is a CPU one: dequantize on the GPU
+        if quantization == "q8_0":
+            raise ValueError("quantization q8_0 runs on the CPU only; use quantization none (or auto) on cuda")
+        quantization = "none"
+    loaded = load_model(config.model, dtype=dtype, quantization=quantization, tokenizer=config.tokenizer)
     per_block = bytes_per_block(loaded.config, config.block_size, kv_dtype)  # scales included
     device_blocks = config.num_kv_blocks or num_blocks_for_memory(
         loaded.config, config.block_size, config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, kv_dtype)
@@ -42,7 +49,7 @@ def build_runner(config: EngineConfig):
     # More host blocks than 4x the device pool buy nothing.
     host_blocks = min(int(config.host_tier_gib * (1 << 30)) // per_block, 4 * device_blocks)
     runner = ModelRunner(loaded, block_size=config.block_size, num_blocks=device_blocks,
-                         num_host_blocks=host_blocks, kv_cache_dtype=kv_dtype)
+                         num_host_blocks=host_blocks, kv_cache_dtype=kv_dtype, device=device)
     head = runner.model.lm_head
     if isinstance(head, PackedLinear):  # every batch size's LM-head kernel built now: flat RSS later
         head.warm_up(config.max_num_seqs)
@@ -105,7 +112,7 @@ def build_spec_decoder(config: EngineConfig, runner, tokenizer, max_model_len: i
                                     num_kv_blocks=spec.draft_kv_blocks or runner.num_blocks, kv_offloading_size=0,
                                     max_num_seqs=config.max_num_seqs, dtype=config.dtype,
                                     quantization=config.quantization, generation_config="vllm",
-                                    tokenizer=config.tokenizer)
+                                    tokenizer=config.tokenizer, device=config.device)
         draft_runner, draft_tokenizer, draft_name, *_ = build_runner(draft_config)
         check_same_tokenizer(tokenizer, draft_tokenizer, draft_name)
         draft_kv = KVCacheManager(draft_runner.num_blocks, config.block_size, watermark=0.0,

@@ -16,6 +16,7 @@ from pagedkv.units import parse_bytes
 from pagedkv.weight_quant import QUANTIZATIONS
 
 PREEMPTION_MODES = ("auto", "recompute", "swap")
+DEVICES = ("cpu", "cuda", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_KV_CACHE_MEMORY = "1GiB"
 DEFAULT_HOST_TIER_GIB = 0.5
@@ -62,6 +63,8 @@ class EngineConfig:
     PATH, "num_speculative_tokens": 4}`` (``pagedkv/spec``; docs/speculative_decoding.md).
     ``kv_events`` records KV cache events (``memory/kv_events.py``; the server publishes them
     with ``--kv-events-endpoint``, which turns this on).
+    ``device``: "cpu" (default), "cuda" or "auto" (CUDA when torch sees a GPU): where the model,
+    the KV pool and the attention kernels run (Triton on CUDA; the host tier stays in host memory).
     ``tokenizer`` (vLLM's ``--tokenizer``) replaces the model's tokenizer: a folder with
     tokenizer.json, a .gguf file, or a cached Hugging Face repo id (``pagedkv.models.load_tokenizer``).
     """
@@ -96,6 +99,7 @@ class EngineConfig:
     max_pin_ttl_s: float = 600.0
     speculative_config: str | dict | SpeculativeConfig | None = None
     kv_events: bool = False
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -122,6 +126,8 @@ class EngineConfig:
         if not isinstance(self.max_pin_ttl_s, (int, float)) or not 0 < self.max_pin_ttl_s <= 86400:
             raise ValueError(f"max_pin_ttl_s must be in (0, 86400] seconds, got {self.max_pin_ttl_s!r}")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if not isinstance(self.device, str) or not (self.device in DEVICES or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be one of {DEVICES} (or cuda:N), got {self.device!r}")
         if self.threads is not None:
             _int_in("threads", self.threads, 1, 1024)
         for name in ("kv_offloading_size", "swap_space"):

@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from pagedkv.engine.config import DTYPES, PREEMPTION_MODES, EngineConfig
+from pagedkv.engine.config import DEVICES, DTYPES, PREEMPTION_MODES, EngineConfig
 from pagedkv.memory import EVICTION_POLICIES
 from pagedkv.memory.prefix_index import PREFIX_INDEXES
 from pagedkv.model_shape import KV_CACHE_DTYPES
@@ -75,6 +75,8 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
                            "(default: off)", {"type": str, "metavar": "JSON"}),
     "kv_events": ("record KV cache events (prefix blocks stored and removed per tier) for KV-aware routers; "
                   "pagedkv serve --kv-events-endpoint publishes them", {"action": argparse.BooleanOptionalAction}),
+    "device": ("where the model, the KV pool and attention run: cpu, cuda (Triton kernels; also cuda:N) or "
+               "auto (cuda when a GPU is visible)", {"type": str, "metavar": "|".join(DEVICES)}),
     "generation_config": ("sampling defaults for fields a request leaves out: auto (the model folder's "
                           "generation_config.json), vllm (neutral defaults), or a folder holding a "
                           "generation_config.json", {"type": str}),

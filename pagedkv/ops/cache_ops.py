@@ -65,6 +65,7 @@ def copy_blocks(kv: torch.Tensor, pairs: Sequence[tuple[int, int]], scales: torc
     src, dst = _pairs_to_index(pairs)
     if len(set(dst.tolist())) != len(dst):
         raise ValueError("copy_blocks: a destination block appears twice")
+    src, dst = src.to(kv.device), dst.to(kv.device)
     for t in (_raw(kv),) if scales is None else (_raw(kv), scales):
         t.index_copy_(2, dst, t.index_select(2, src))
 
@@ -88,7 +89,7 @@ def swap_blocks(src_kv: torch.Tensor, dst_kv: torch.Tensor, pairs: Sequence[tupl
         pools.append((src_scales, dst_scales))
     for a, b in pools:
         assert a is not None and b is not None
-        b.index_copy_(2, dst.to(b.device), a.index_select(2, src).to(b.device, non_blocking=False))
+        b.index_copy_(2, dst.to(b.device), a.index_select(2, src.to(a.device)).to(b.device, non_blocking=False))
 
 
 def block_payloads(kv: torch.Tensor, block_ids: Sequence[int], scales: torch.Tensor | None = None) -> list[bytes]:
@@ -98,9 +99,10 @@ def block_payloads(kv: torch.Tensor, block_ids: Sequence[int], scales: torch.Ten
     if not block_ids:
         return []
     index = torch.tensor(list(block_ids), dtype=torch.long)
-    parts = [_raw(kv).index_select(2, index).movedim(2, 0).contiguous()]
+    index = index.to(kv.device)
+    parts = [_raw(kv).index_select(2, index).movedim(2, 0).contiguous().cpu()]
     if scales is not None:
-        parts.append(scales.index_select(2, index).movedim(2, 0).contiguous())
+        parts.append(scales.index_select(2, index).movedim(2, 0).contiguous().cpu())
     out = []
     for i in range(len(block_ids)):
         out.append(b"".join(p[i].view(torch.uint8).numpy().tobytes() for p in parts))

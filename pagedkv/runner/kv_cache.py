@@ -81,7 +81,7 @@ class KVCache:
         layers, kvh = max(len(g.layers) for g in self.groups), config.num_key_value_heads
         shape = (layers, 2, block_size, kvh, config.head_dim)
         self.kv = torch.zeros(shape[:2] + (num_blocks,) + shape[2:], dtype=self.dtype, device=device)
-        pin = False  # CPU-only development machines: pinned memory buys nothing
+        pin = torch.device(device).type == "cuda"  # pinned host blocks: faster swaps to and from the GPU
         self.host_kv = torch.zeros(shape[:2] + (num_host_blocks,) + shape[2:], dtype=self.dtype, pin_memory=pin)
         self.scales: torch.Tensor | None = None
         self.host_scales: torch.Tensor | None = None

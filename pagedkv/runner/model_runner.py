@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -30,7 +31,9 @@ from pagedkv.ops.kv_format import KVFormat, hadamard, kv_format
 from pagedkv.ops.paged_attention import native_paged_attention, paged_decode_attention, paged_prefill_attention
 from pagedkv.runner.batch import SeqChunk
 from pagedkv.runner.kv_cache import KVCache, num_blocks_for_memory
-from pagedkv.runner.step_inputs import BatchError, StepInputs, build_step_inputs
+from pagedkv.runner.step_inputs import BatchError, StepInputs, TritonMetadata, build_step_inputs
+
+ATTENTION_BACKENDS = ("native", "plain", "triton")
 
 
 class _StepAttention:
@@ -57,6 +60,9 @@ class _StepAttention:
             q, k, v = q @ rotation, k @ rotation, v @ rotation
         k_cache, v_cache = cache.layer(layer_idx)
         k_scales, v_scales = cache.layer_scales(layer_idx)
+        if inp.triton is not None:
+            out = self._triton(layer_idx, q, k, v, k_cache, v_cache, k_scales, v_scales, inp, window)
+            return out @ rotation if rotation is not None else out
         if k_scales is not None:  # 8-bit blocks: quantized on write, scales kept per block and head
             assert v_scales is not None and self.write_error is not None
             err = self.write_error[layer_idx]
@@ -86,6 +92,72 @@ class _StepAttention:
             )
         return out
 
+    def _triton(self, layer_idx: int, q, k, v, k_cache, v_cache, k_scales, v_scales, inp: StepInputs,
+                window: int | None) -> torch.Tensor:
+        """Cache write and attention with the Triton kernels (``ops/triton``): decode rows in one
+        call, prefill chunks in another, each reading K/V blocks in place."""
+        from pagedkv.ops.triton import cache_ops as tc
+        from pagedkv.ops.triton.decode import paged_decode_attention as triton_decode
+        from pagedkv.ops.triton.prefill import paged_prefill_attention as triton_prefill
+
+        meta: TritonMetadata = inp.triton  # type: ignore[assignment]
+        if k_scales is not None:
+            assert self.write_error is not None
+            err = self.write_error[layer_idx]
+            tc.write_kv_scaled(k_cache, k_scales, k, inp.slot_mapping, err[0])
+            tc.write_kv_scaled(v_cache, v_scales, v, inp.slot_mapping, err[1])
+        else:
+            tc.write_kv(k_cache, v_cache, k, v, inp.slot_mapping)
+        out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
+        scale = self.scale if self.scale is not None else self.head_dim ** -0.5
+        if meta.num_decode:
+            triton_decode(out, q, k_cache, v_cache, meta.block_tables, meta.row_seq, meta.row_len, scale,
+                          sliding_window=window, k_scales=k_scales, v_scales=v_scales, softcap=self.softcap)
+        if meta.num_prefill:
+            triton_prefill(out, q, k_cache, v_cache, meta.block_tables, meta.chunk_seq, meta.chunk_row_start,
+                           meta.chunk_num_rows, meta.chunk_start_pos, scale, sliding_window=window,
+                           k_scales=k_scales, v_scales=v_scales, softcap=self.softcap)
+        return out
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"cpu"``, ``"cuda"`` (``"cuda:N"``) or ``"auto"`` (CUDA when a device is visible) as a
+    torch device; ValueError for CUDA without one."""
+    text = str(device)
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise ValueError(f"device must be cpu, cuda (cuda:N) or auto, got {text!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu, cuda (cuda:N) or auto, got {text!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda: torch sees no CUDA device (torch.cuda.is_available() is False); "
+                         "use device cpu")
+    return dev
+
+
+def choose_backend(device: torch.device, requested: str | None) -> str:
+    """The attention backend: ``requested`` (or env ``PAGEDKV_ATTENTION``), else Triton on CUDA and
+    the native kernels on CPU where they build, else plain PyTorch. Triton on CPU tensors runs in
+    its interpreter only (``TRITON_INTERPRET=1``: the tests' way of running the GPU kernels here)."""
+    from pagedkv.ops import triton as triton_ops
+
+    backend = requested or os.environ.get("PAGEDKV_ATTENTION") or (
+        "triton" if device.type == "cuda" else ("native" if native.available() else "plain"))
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    if device.type == "cuda" and backend != "triton":
+        raise ValueError(f"on CUDA the attention backend is triton, not {backend!r}")
+    if backend == "triton" and not triton_ops.usable_on(device.type):
+        why = ("triton is not installed" if not triton_ops.installed()
+               else "Triton kernels run on CPU tensors only in its interpreter (set TRITON_INTERPRET=1)")
+        raise ValueError(f"the triton attention backend is unusable on {device.type}: {why}")
+    if backend == "native" and not native.available():
+        raise ValueError(f"the native CPU kernels are unavailable: {native.why_unavailable()}")
+    return backend
+
 
 class ModelRunner:
     """Owns the KV cache of one model and executes steps described by ``SeqChunk`` lists.
@@ -109,18 +181,27 @@ class ModelRunner:
         kv_cache_dtype: str | torch.dtype | None = None,
         pack_lm_head: bool = True,
         native_attention: bool | None = None,
+        device: str | torch.device = "cpu",
+        attention_backend: str | None = None,
     ) -> None:
         net = model.model if isinstance(model, LoadedModel) else model
-        if pack_lm_head:  # ~2x faster LM head at decode batch sizes; see models/packed_linear.py
-            pack_head(net)
-        transpose_wide_linears(net)  # faster q/k/v and gate/up matmuls (models/packed_linear.py)
+        self.device = resolve_device(device)
+        if native_attention is not None and attention_backend is None:  # the older switch
+            attention_backend = "native" if native_attention else "plain"
+        self.backend = choose_backend(self.device, attention_backend)
+        if self.device.type == "cpu":
+            if pack_lm_head:  # ~2x faster LM head at decode batch sizes; see models/packed_linear.py
+                pack_head(net)
+            transpose_wide_linears(net)  # faster q/k/v and gate/up matmuls (models/packed_linear.py)
+        else:
+            net.to(self.device)
         self.model: LlamaForCausalLM = net
         self.config: ModelConfig = net.config
         model_dtype = next(net.parameters()).dtype
         fmt = kv_format(kv_cache_dtype, model_dtype)
-        # The native kernels read blocks in place and fuse RMSNorm (None: use them where they build).
-        self.native_attention = native.available() if native_attention is None else native_attention
-        if fmt.storage != model_dtype and not self.native_attention:
+        # The native kernels read blocks in place and fuse RMSNorm.
+        self.native_attention = self.backend == "native"
+        if fmt.storage != model_dtype and self.backend == "plain":
             why = native.why_unavailable() or "turned off (native_attention=False)"
             raise ValueError(f"kv_cache_dtype {fmt.name} (model dtype {str(model_dtype).removeprefix('torch.')}) "
                              f"needs the native CPU kernels, which are unavailable here: {why}. Use "
@@ -132,15 +213,17 @@ class ModelRunner:
             assert kv_cache_memory is not None
             num_blocks = num_blocks_for_memory(self.config, block_size, kv_cache_memory, fmt.name)
         self.cache = KVCache(self.config, block_size=block_size, num_blocks=num_blocks,
-                             num_host_blocks=num_host_blocks, dtype=fmt.name)
+                             num_host_blocks=num_host_blocks, dtype=fmt.name, device=self.device)
         # Quantization error of what the 8-bit formats store: sum((dequantized - x)^2), sum(x^2)
         # per layer and K/V, accumulated by the write kernel (kv_quant_error reads it).
-        self.write_error = (torch.zeros(self.config.num_hidden_layers, 2, 2, dtype=torch.float64)
-                            if fmt.scaled else None)
+        self.write_error = (torch.zeros(self.config.num_hidden_layers, 2, 2, dtype=torch.float64,
+                                        device=self.device) if fmt.scaled else None)
         # 8-bit blocks store K and V rotated by a Hadamard matrix (queries rotated alike, outputs
         # rotated back): it spreads the few outlier channels of K over all channels, so a block's
         # absmax scale wastes less of the 8 bits (docs/kv_quantization.md has the measurements).
         self.rotation = hadamard(self.config.head_dim, model_dtype) if fmt.rotated else None
+        if self.rotation is not None:
+            self.rotation = self.rotation.to(self.device)
         if self.native_attention:
             for module in net.modules():
                 if isinstance(module, RMSNorm):
@@ -182,7 +265,8 @@ class ModelRunner:
                                        num_blocks=self.num_blocks, num_heads=cfg.num_attention_heads,
                                        kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
                                        sliding_window=cfg.layer_window(group.layers[0]), dtype=self.cache.dtype,
-                                       native=self.native_attention, fresh_from_cache=self.cache.format.scaled)
+                                       native=self.native_attention, fresh_from_cache=self.cache.format.scaled,
+                                       triton=self.backend == "triton", device=self.device)
                      for g, group in enumerate(groups)]
         per_group[0].other_groups = per_group[1:]
         return per_group[0]
@@ -200,13 +284,17 @@ class ModelRunner:
         logits = self.model(inputs.input_ids, inputs.positions, attention,
                             logits_indices=None if return_all_logits else inputs.logits_indices,
                             max_position=inputs.max_position)
-        return logits.float()
+        return logits.float().cpu()  # the sampler works on the host (a no-op on CPU)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: device block src -> device block dst, all layers."""
         self._check(pairs, self.num_blocks, self.num_blocks, "copy_blocks")
-        copy_blocks(self.cache.kv, pairs, self.cache.scales)
+        if self.backend == "triton":
+            from pagedkv.ops.triton.cache_ops import copy_blocks as triton_copy_blocks
+            triton_copy_blocks(self.cache.kv, pairs, self.cache.scales)
+        else:
+            copy_blocks(self.cache.kv, pairs, self.cache.scales)
 
     @torch.inference_mode()
     def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:

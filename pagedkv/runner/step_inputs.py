@@ -84,6 +84,23 @@ def split_decode_groups(lens: list[int], max_groups: int = MAX_DECODE_GROUPS,
 
 
 @dataclass(slots=True)
+class TritonMetadata:
+    """Per-step inputs of the Triton kernels (``ops/triton``), on the runner's device, shared by
+    every layer: one block-table row per chunk; decode rows (one token) by their visible length
+    (0 for the other rows); prefill chunks (several tokens) by their rows and first position."""
+
+    block_tables: torch.Tensor  # [chunks, max_blocks] int32
+    row_seq: torch.Tensor  # [T] int32: each row's chunk
+    row_len: torch.Tensor  # [T] int32: a decode row's visible length, else 0
+    chunk_seq: torch.Tensor  # [P] int32: prefill chunks' rows of block_tables
+    chunk_row_start: torch.Tensor  # [P] int32
+    chunk_num_rows: torch.Tensor  # [P] int32
+    chunk_start_pos: torch.Tensor  # [P] int32
+    num_decode: int
+    num_prefill: int
+
+
+@dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -94,6 +111,7 @@ class StepInputs:
     prefills: list[PrefillItem]
     identity_decode: bool  # one decode group covering every token in order: its output is the output
     native: NativeMetadata | None = None  # the native kernel's rows (then no decode groups)
+    triton: TritonMetadata | None = None  # the Triton kernels' rows and chunks (then neither of the above)
     # a hybrid model's KV groups after the first: their own slots, tables and metadata
     other_groups: list[StepInputs] = field(default_factory=list)
 
@@ -109,7 +127,8 @@ class StepInputs:
 def build_step_inputs(chunks: list[SeqChunk], *, block_size: int, num_blocks: int, num_heads: int,
                       kv_heads: int, head_dim: int, dtype: torch.dtype,
                       sliding_window: int | None = None, native: bool = False,
-                      fresh_from_cache: bool = False) -> StepInputs:
+                      fresh_from_cache: bool = False, triton: bool = False,
+                      device: torch.device | str = "cpu") -> StepInputs:
     """Validate ``chunks`` and build every index the step's 30-odd layers share.
 
     ``fresh_from_cache`` (native only; the runner sets it for 8-bit blocks): prefill chunks
@@ -152,7 +171,15 @@ def build_step_inputs(chunks: list[SeqChunk], *, block_size: int, num_blocks: in
             positions.append(p)
             slots.append(table[p // block_size] * block_size + p % block_size)
         last_rows.extend(range(row, row + n) if c.all_logits else (row + n - 1,))
-        if native:
+        if triton:
+            tables.append(table)
+            row_seq.extend([i] * n)
+            if n == 1:
+                row_len.append(ctx)
+            else:
+                row_len.extend([0] * n)
+                prefills.append(PrefillItem(row, row + n, c.start_pos, torch.tensor([i])))
+        elif native:
             fresh = n > 1 and c.start_pos == 0 and not fresh_from_cache  # flash SDPA over its own K/V
             tables.append(table)
             row_seq.extend([i] * n)
@@ -165,6 +192,8 @@ def build_step_inputs(chunks: list[SeqChunk], *, block_size: int, num_blocks: in
             dec_lens.append(ctx)
         else:
             prefills.append(PrefillItem(row, row + n, c.start_pos, torch.tensor(table, dtype=torch.long)))
+    if triton:
+        return _triton_inputs(input_ids, positions, slots, last_rows, tables, row_seq, row_len, prefills, device)
     groups = []
     for members in (split_decode_groups(dec_lens) if dec_rows else []):
         meta = DecodeMetadata.build([dec_tables[i] for i in members], [dec_lens[i] for i in members],
@@ -184,3 +213,21 @@ def build_step_inputs(chunks: list[SeqChunk], *, block_size: int, num_blocks: in
         identity_decode=identity,
         native=NativeMetadata.build(tables, row_seq, row_len) if native else None,
     )
+
+
+def _triton_inputs(input_ids: list[int], positions: list[int], slots: list[int], last_rows: list[int],
+                   tables: list[list[int]], row_seq: list[int], row_len: list[int],
+                   prefills: list[PrefillItem], device: torch.device | str) -> StepInputs:
+    def t(values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device)
+
+    width = max(len(x) for x in tables)
+    meta = TritonMetadata(
+        block_tables=t([x + [0] * (width - len(x)) for x in tables]), row_seq=t(row_seq), row_len=t(row_len),
+        chunk_seq=t([int(p.block_table[0]) for p in prefills]), chunk_row_start=t([p.start for p in prefills]),
+        chunk_num_rows=t([p.end - p.start for p in prefills]), chunk_start_pos=t([p.start_pos for p in prefills]),
+        num_decode=sum(1 for n in row_len if n > 0), num_prefill=len(prefills))
+    return StepInputs(input_ids=t(input_ids, torch.long), positions=t(positions, torch.long),
+                      slot_mapping=t(slots, torch.long), logits_indices=t(last_rows, torch.long),
+                      max_position=max(positions), decode_groups=[], prefills=[], identity_decode=False,
+                      triton=meta)
