@@ -427,6 +427,9 @@ def test_stats_and_metrics_report_speculation(target):
     assert s.spec_acceptance_rate == pytest.approx(s.spec_accepted_tokens / s.spec_draft_tokens)
     assert sum(s.spec_accepted_per_position) == s.spec_accepted_tokens
     assert math.isclose(s.spec_mean_accepted_length, 1 + s.spec_accepted_tokens / s.spec_num_drafts)
+    from pagedkv.engine.stats import cache_report
+    line = cache_report(s).splitlines()[-1]
+    assert line.startswith("speculative decoding: ") and f"{s.spec_accepted_tokens}/{s.spec_draft_tokens}" in line
     from pagedkv.server.metrics import ServerMetrics
     text = ServerMetrics("m").render(s).decode()
     for name in ("pagedkv_spec_decode_num_drafts_total", "pagedkv_spec_decode_num_draft_tokens_total",

@@ -48,7 +48,8 @@ class EngineStats:
 
 
 def cache_report(stats: EngineStats) -> str:
-    """A few readable lines on the prefix cache, tenants and pins (``pagedkv generate --stats``)."""
+    """A few readable lines on the prefix cache, tenants, pins and speculative decoding
+    (``pagedkv generate --stats``)."""
     kv = stats.kv
     q = kv.prefix_query_tokens
     lines = [f"prefix cache: {kv.prefix_hit_tokens}/{q} prompt tokens hit ({kv.prefix_hit_rate:.1%}); "
@@ -63,4 +64,8 @@ def cache_report(stats: EngineStats) -> str:
     if kv.pins or kv.pins_expired or kv.pins_replaced or kv.pins_released_under_pressure:
         lines.append(f"conversation pins: {kv.pins} holding {kv.pinned_blocks} blocks; {kv.pins_expired} expired, "
                      f"{kv.pins_replaced} replaced, {kv.pins_released_under_pressure} released under pressure")
+    if stats.spec_accepted_per_position:  # speculative decoding is on
+        lines.append(f"speculative decoding: {stats.spec_accepted_tokens}/{stats.spec_draft_tokens} proposed tokens "
+                     f"accepted ({stats.spec_acceptance_rate:.1%}) over {stats.spec_num_drafts} verifications, "
+                     f"{stats.spec_mean_accepted_length:.2f} tokens each")
     return "\n".join(lines)
