@@ -480,3 +480,29 @@ def test_server_speculates_and_a_request_opts_out(tmp_path):
                 r = httpx.post(f"{server.base_url}/completions", json={**body, "speculative": "no"}, timeout=60)
                 assert r.status_code == 400
     assert texts[0] == texts[1]
+
+
+def test_a_stream_with_several_tokens_per_step_equals_the_whole_answer(tmp_path):
+    """Accepted proposals reach a streaming client as one delta per step: the deltas add up to
+    the non-streamed text and the usage counts every token."""
+    import httpx
+    from server_helpers import ServerThread, tiny_engine
+    from tiny_model import write_tiny_model
+
+    folder = write_tiny_model(tmp_path / "tiny")
+    spec = json.dumps({"method": "draft_model", "model": str(folder), "num_speculative_tokens": 4})
+    engine = tiny_engine(folder, num_kv_blocks=200, block_size=4, speculative_config=spec)
+    body = {"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    with ServerThread(engine, served_model_names=["tiny"]) as server:
+        whole = httpx.post(server.base_url + "/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        deltas, usage = [], None
+        with httpx.stream("POST", server.base_url + "/completions", timeout=60,
+                          json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    deltas += [c["text"] for c in chunk["choices"]]
+                    usage = chunk.get("usage") or usage
+        assert server.wait_idle().spec_accepted_tokens > 40  # most steps emitted several tokens
+    assert "".join(deltas) == whole and usage["completion_tokens"] == 40
+    assert len(deltas) < 20
