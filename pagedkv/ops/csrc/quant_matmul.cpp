@@ -12,12 +12,12 @@
 //
 // so the block sums of x are taken once per call and the offsets add one multiply-add per block.
 //
-// Few rows (M <= 32, decode): the weights are streamed once per group of up to 8 rows and
-// dequantized in registers: 32 int8 values become four vectors of 8 floats, multiplied with the
-// rows' activations and scaled once per block (8 accumulators + 4 weight vectors + the scale fit
-// AVX2's 16 registers; the conversion shared by 8 rows rather than 4 took 20-30% off 5 to 32
-// rows). The weights take 1.125 bytes per value (1.25 with offsets) against 4 for float32, and at
-// batch 1 a linear layer is bound by reading them.
+// Few rows (decode: up to 16 per thread, at most 32): the weights are streamed once per group of
+// up to 8 rows and dequantized in registers: 32 int8 values become four vectors of 8 floats,
+// multiplied with the rows' activations and scaled once per block (8 accumulators + 4 weight
+// vectors + the scale fit AVX2's 16 registers; the conversion shared by 8 rows rather than 4 took
+// 20-30% off 5 to 32 rows). The weights take 1.125 bytes per value (1.25 with offsets) against 4
+// for float32, and at batch 1 a linear layer is bound by reading them.
 // Many rows (prefill, large batches): tiles of 256 weight rows are dequantized into a float32
 // buffer and multiplied by the BLAS matmul, which is compute-bound there.
 
@@ -38,9 +38,12 @@
 namespace {
 
 constexpr int64_t QK = 32;        // values per scale (GGUF Q8_0 block)
-// Up to this many rows take the streaming path: measured against the BLAS tiles on one AVX2 core
-// (SmolLM2's layer shapes), streaming is 10-20% faster at 24 and 32 rows, 10% slower at 64.
-constexpr int64_t GEMV_ROWS = 32;
+// Up to GEMV_ROWS_PER_THREAD rows per thread (at most GEMV_ROWS_MAX) take the streaming path,
+// more take the BLAS tiles. Measured with 8-row groups on SmolLM2's shapes, alternating builds:
+// on one thread the BLAS tiles win from about 16 rows (an engine at batch 32: +20%), on two the
+// streaming path still holds its own at 32 rows (batch 32 within noise).
+constexpr int64_t GEMV_ROWS_PER_THREAD = 16;
+constexpr int64_t GEMV_ROWS_MAX = 32;
 constexpr int64_t TILE_N = 256;   // weight rows dequantized per BLAS tile
 
 // One call's operands (the streaming path); o and xs are null without offsets.
@@ -198,7 +201,7 @@ void q8_0_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& q
   const int8_t* qp = qweight.data_ptr<int8_t>();
   const float* dp = scales.data_ptr<float>();
   const float* op = offsets.has_value() ? offsets->data_ptr<float>() : nullptr;
-  if (M <= GEMV_ROWS) {
+  if (M <= std::min<int64_t>(GEMV_ROWS_MAX, GEMV_ROWS_PER_THREAD * std::max(1, at::get_num_threads()))) {
     std::vector<float> xs(op != nullptr ? M * (K / QK) : 0);  // block sums of x, for the offsets
     if (op != nullptr) block_sums(xp, xs.data(), M, K);
     gemv({xp, qp, dp, op, op != nullptr ? xs.data() : nullptr, out.data_ptr<float>(), M, K, N});
