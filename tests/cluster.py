@@ -84,7 +84,8 @@ class Cluster:
         cmd = [binary, "launch", "--worker-urls", *live, "--policy", policy, "--host", "127.0.0.1",
                "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
                "--worker-startup-check-interval", "1", "--health-check-interval-secs", "1",
-               "--health-failure-threshold", "1", "--log-level", "warn", *self.router_args]
+               "--health-failure-threshold", "1", "--load-monitor-interval", "1", "--log-level", "warn",
+               *self.router_args]
         workdir = tempfile.mkdtemp(prefix="pagedkv-smg-")  # smg writes a pid file into its working directory
         with open(self.router_log, "wb") as log:
             self.router = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
@@ -96,12 +97,24 @@ class Cluster:
                 workers = httpx.get(self.router_url + "/workers", timeout=2).json()
                 listed = workers.get("workers", workers) if isinstance(workers, dict) else workers
                 if isinstance(listed, list) and len(listed) >= len(live) and all(
-                        w.get("is_healthy", True) for w in listed if isinstance(w, dict)):
+                        w.get("is_healthy", True) for w in listed if isinstance(w, dict)) and self._loads_known(live):
                     return
             except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(0.3)
         raise RuntimeError(f"smg did not register the replicas: {Path(self.router_log).read_text()[-2000:]}")
+
+    def _loads_known(self, live: list[str]) -> bool:
+        """Whether the router's load monitor has polled every replica.
+
+        Until it has, SMG scores a replica it knows no load for as busier than an idle one it
+        does know, so a new prefix can land beside another family on an otherwise idle cluster.
+        """
+        r = httpx.get(self.router_url + "/get_loads", timeout=2)
+        if r.status_code == 404:  # a router without load polling
+            return True
+        polled = {entry.get("worker") for entry in r.json().get("loads", [])}
+        return set(live) <= polled
 
     def stop_router(self) -> None:
         if self.router is not None:

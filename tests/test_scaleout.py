@@ -45,10 +45,46 @@ def hit_rate(cluster: Cluster, before: list[dict[str, float]]) -> float:
     return hits / queries
 
 
+def open_families(cluster: Cluster, prefixes: list[str]) -> None:
+    """Each family's first request, overlapping: the next one starts once the last one streams.
+
+    A router that sends a prefix it has not seen to the least-loaded replica (SMG's cache_aware
+    does) then starts each family on its own replica, as it does when clients arrive together;
+    requests strictly one at a time would all find every replica idle and go to the first.
+    """
+    threads, failures = [], []
+    for f, prefix in enumerate(prefixes):
+        streaming = threading.Event()
+
+        def first(prompt: str = f"{prefix} opening {f}:", streaming: threading.Event = streaming) -> None:
+            try:
+                with httpx.stream("POST", cluster.router_url + "/v1/completions", timeout=120,
+                                  json={"model": "m", "prompt": prompt, "max_tokens": 160, "ignore_eos": True,
+                                        "stream": True}) as r:
+                    if r.status_code != 200:
+                        failures.append(r.read())
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            streaming.set()
+            except httpx.HTTPError as exc:
+                failures.append(repr(exc))
+            finally:
+                streaming.set()
+
+        threads.append(threading.Thread(target=first))
+        threads[-1].start()
+        streaming.wait(120)
+    for t in threads:
+        t.join(120)
+    assert not failures, failures
+
+
 def run_families(cluster: Cluster, seeds: list[int], per_family: int) -> float:
-    """Requests of each family in runs of two (A A B B A A ...), one at a time; the hit rate."""
+    """Each family opened together, then requests in runs of two (A A B B A A ...), one at a time;
+    the hit rate."""
     before = [cluster.metrics(i) for i in range(cluster.n)]
     prefixes = [family(s) for s in seeds]
+    open_families(cluster, prefixes)
     order = [f for _ in range(per_family // 2) for f in range(len(prefixes)) for _ in range(2)]
     for k, f in enumerate(order):
         r = httpx.post(cluster.router_url + "/v1/completions", timeout=120,
@@ -64,7 +100,7 @@ def test_cache_aware_keeps_each_prefix_family_on_one_replica(tiny):
     with Cluster(tiny, replicas=2, policy="cache_aware", router_args=["--worker-warmup-secs", "0"],
                  replica_args=["--num-kv-blocks", "40", "--kv-offloading-size", "0", "--threads", "1"]) as c:
         aware = run_families(c, [1, 2], per_family=8)
-        served = [c.metrics(i)["pagedkv_request_prompt_tokens_count"] for i in range(2)]
+        served = [c.metrics(i).get("pagedkv_request_prompt_tokens_count", 0) for i in range(2)]
         assert min(served) >= 4, f"cache_aware left a replica idle: {served}"
         c.start_router("round_robin")
         spread = run_families(c, [3, 4], per_family=8)
