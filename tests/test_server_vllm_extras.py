@@ -140,35 +140,36 @@ def test_detokenize_version_and_the_api_key(server: ServerThread) -> None:
 
 
 def test_metrics_answer_during_a_long_step_and_have_vllms_series(server: ServerThread) -> None:
-    """A scrape during a 3 s step is answered from the last step's snapshot at once; after a
-    request, vLLM's request-phase and token histograms and cache_config_info are there, with
-    latency buckets reaching hours."""
+    """A scrape while a step is held is answered from the last step's snapshot, before the step
+    ends; after a request, vLLM's request-phase and token histograms and cache_config_info are
+    there, with latency buckets reaching hours."""
     import threading
-    import time
 
     engine = server.engine
     real_step = engine.step
-    slow = threading.Event()
+    hold, in_step, release = threading.Event(), threading.Event(), threading.Event()
 
-    def slow_step(*args, **kwargs):
-        if slow.is_set():
-            slow.clear()
-            time.sleep(3.0)
+    def held_step(*args, **kwargs):
+        if hold.is_set():
+            hold.clear()
+            in_step.set()
+            release.wait(60)
         return real_step(*args, **kwargs)
 
-    engine.step = slow_step
+    body = {"model": "tiny", "prompt": "hello world", "max_tokens": 6, "ignore_eos": True}
+    done = threading.Thread(target=_post, args=(server, "/v1/completions", body))
+    engine.step = held_step
     try:
-        body = {"model": "tiny", "prompt": "hello world", "max_tokens": 6, "ignore_eos": True}
         assert _post(server, "/v1/completions", body).status_code == 200  # a snapshot exists
-        slow.set()
-        done = threading.Thread(target=_post, args=(server, "/v1/completions", body))
+        hold.set()
         done.start()
-        time.sleep(0.5)  # the request is in its slow step
-        t0 = time.monotonic()
-        text = httpx.get(server.url + "/metrics", timeout=10).text
-        assert time.monotonic() - t0 < 1.5 and "pagedkv_kv_blocks_total" in text
-        done.join(30)
+        assert in_step.wait(30)  # the request's step is held
+        text = httpx.get(server.url + "/metrics", timeout=20).text  # a scrape waiting on the step times out
+        assert not release.is_set() and "pagedkv_kv_blocks_total" in text
     finally:
+        release.set()
+        if done.is_alive():
+            done.join(30)
         del engine.step
     text = httpx.get(server.url + "/metrics", timeout=10).text
     for name in ("request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
