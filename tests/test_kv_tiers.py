@@ -292,14 +292,17 @@ def test_full_offload_queue_drops_and_never_stalls(tmp_path):
     real_put = tier.put
 
     def slow_put(key, payload):
-        gate.wait(10)
+        gate.wait(30)
         return real_put(key, payload)
 
     tier.put = slow_put
     disk = DiskPrefixTier(tier, max_queued_writes=2)
-    start = time.perf_counter()
-    results = [disk.offer_write(bytes([i]) * 8, b"x" * 100) for i in range(10)]
-    assert time.perf_counter() - start < 0.5  # no offer waited for the disk
+    results: list[bool] = []
+    offers = threading.Thread(target=lambda: results.extend(disk.offer_write(bytes([i]) * 8, b"x" * 100)
+                                                            for i in range(10)))
+    offers.start()
+    offers.join(8)  # the disk is held until the gate opens: an offer that waited for it is still waiting
+    assert not offers.is_alive() and len(results) == 10
     assert results.count(True) <= 3 and disk.io_stats().writes_dropped >= 7
     gate.set()
     assert disk.flush(timeout=10)
