@@ -104,6 +104,37 @@ def test_config_is_validated_with_clear_errors():
     assert EngineConfig(**engine_options(args)).speculative.num_speculative_tokens == 6
 
 
+def test_config_takes_vllms_spellings():
+    one_bound = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 1})
+    assert (one_bound.prompt_lookup_min, one_bound.prompt_lookup_max) == (1, 1)
+    assert SpeculativeConfig.parse({"method": "ngram", "prompt_lookup_min": 7}).prompt_lookup_max == 7
+    legacy = SpeculativeConfig.parse({"model": "[ngram]", "num_speculative_tokens": 2, "prompt_lookup_min": None})
+    assert (legacy.method, legacy.model, legacy.prompt_lookup_min) == ("ngram", None, 2)
+    vllm = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1,
+                                    "acceptance_method": "rejection_sampler", "disable_logprobs": False,
+                                    "disable_by_batch_size": 4})
+    assert vllm.disable_by_batch_size == 4
+    for bad, words in [({"method": "ngram", "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size 2"),
+                       ({"method": "ngram", "acceptance_method": "typical_acceptance_sampler"}, "acceptance_method"),
+                       ({"method": "ngram", "disable_by_batch_size": 0}, "disable_by_batch_size")]:
+        with pytest.raises(ValueError, match=words):
+            SpeculativeConfig.parse(bad)
+
+
+def test_disable_by_batch_size_stops_proposals_for_large_batches(target):
+    prompts = copy_heavy_prompts(9, [20, 30, 24])
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    limited = {**NGRAM, "disable_by_batch_size": 2}
+    plain, _ = run(target, prompts, params, block_size=4)
+    busy, stats = run(target, prompts, params, block_size=4, speculative_config=limited)
+    _, free_stats = run(target, prompts, params, block_size=4, speculative_config=NGRAM)
+    assert busy == plain
+    # no proposal while two or three run: only the last one left speculates
+    assert stats.spec_num_drafts < free_stats.spec_num_drafts
+    one, one_stats = run(target, prompts[:1], params, block_size=4, speculative_config=limited)
+    assert one == plain[:1] and one_stats.spec_num_drafts > 0
+
+
 def test_draft_model_with_another_tokenizer_is_refused(tmp_path):
     from tiny_model import write_tiny_model
     tiny_target = write_tiny_model(tmp_path / "target")

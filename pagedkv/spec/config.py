@@ -3,6 +3,13 @@
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     {"method": "draft_model", "model": "/path/to/small-model", "num_speculative_tokens": 4}
 
+As in vLLM: ``method`` follows from ``model`` when left out (``"ngram"`` / ``"[ngram]"`` as the
+model name mean the n-gram proposer); one n-gram bound given alone sets the other when needed;
+``disable_by_batch_size`` stops proposing while that many sequences or more run. vLLM fields that
+change nothing here are accepted with the one value we implement (``draft_tensor_parallel_size``
+1, ``acceptance_method`` "rejection_sampler"; ``disable_logprobs``: logprobs are the target's
+either way); any other field is an error.
+
 Pure Python: validated once, every error names the field and what it accepts.
 """
 
@@ -34,6 +41,7 @@ class SpeculativeConfig:
     model: str | None = None
     draft_kv_blocks: int | None = None
     backoff: bool = True
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -52,6 +60,8 @@ class SpeculativeConfig:
             raise ValueError(f'speculative_config: "model" is for method "draft_model", not {self.method!r}')
         if self.draft_kv_blocks is not None:
             _int_in("draft_kv_blocks", self.draft_kv_blocks, 1, 1 << 30)
+        if self.disable_by_batch_size is not None:
+            _int_in("disable_by_batch_size", self.disable_by_batch_size, 1, 1 << 20)
         if not isinstance(self.backoff, bool):
             raise ValueError(f"speculative_config: backoff must be true or false, got {self.backoff!r}")
 
@@ -68,10 +78,27 @@ class SpeculativeConfig:
                                  f'{{"method": "ngram", "num_speculative_tokens": 4}}: {exc}') from None
         if not isinstance(value, Mapping):
             raise ValueError(f"speculative_config must be a JSON object, got {value!r:.80}")
+        fields = cls.__dataclass_fields__  # type: ignore[attr-defined]
+        # a null is the default, as in vLLM
+        value = {n: v for n, v in value.items() if v is not None or (n in fields and fields[n].default is None)}
+        if value.get("model") in ("ngram", "[ngram]"):  # vLLM's older spelling of the n-gram proposer
+            value["model"] = None
+            value.setdefault("method", "ngram")
         if "method" not in value:
             # vLLM infers the method from "model" when it is left out
-            value = {**value, "method": "draft_model" if value.get("model") else "ngram"}
-        known = {f for f in cls.__dataclass_fields__}  # type: ignore[attr-defined]
+            value["method"] = "draft_model" if value.get("model") else "ngram"
+        low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        if low is None and isinstance(high, int):
+            value["prompt_lookup_min"] = min(fields["prompt_lookup_min"].default, high)
+        elif high is None and isinstance(low, int):
+            value["prompt_lookup_max"] = max(fields["prompt_lookup_max"].default, low)
+        for name, allowed in _VLLM_NO_OPS.items():
+            if name in value:
+                given = value.pop(name)
+                if given is not None and given not in allowed:
+                    raise ValueError(f"speculative_config: {name} {given!r} is not supported here; "
+                                     f"leave it out or give {' or '.join(map(repr, allowed))}")
+        known = set(fields) | set(_VLLM_NO_OPS)
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}")
@@ -79,6 +106,14 @@ class SpeculativeConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__dataclass_fields__}  # type: ignore[attr-defined]
+
+
+# vLLM's fields that change nothing here, with the values that say what we do anyway
+_VLLM_NO_OPS: dict[str, tuple[object, ...]] = {
+    "draft_tensor_parallel_size": (1,),
+    "acceptance_method": ("rejection_sampler",),
+    "disable_logprobs": (True, False),
+}
 
 
 def _int_in(name: str, value: object, low: int, high: int) -> None:

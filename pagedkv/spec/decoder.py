@@ -69,7 +69,9 @@ class SpecDecoder:
         """Set ``proposal`` on every live sequence of the ``running`` groups that speculates in its
         next step (``num_computed(seq_id)``: the KV written for it, from the memory core)."""
         wanted = []  # (group, seq, k)
-        for group in running:
+        limit = self.config.disable_by_batch_size
+        busy = limit is not None and sum(len(group.live_seqs) for group in running) >= limit
+        for group in () if busy else running:  # a batch this large is busy enough: no proposals
             if not self.speculates(group):
                 continue
             for seq in group.live_seqs:
