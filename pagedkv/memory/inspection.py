@@ -16,7 +16,8 @@ from pagedkv.memory.stats import KVStats
 from pagedkv.memory.tenancy import DEFAULT_TENANT
 
 if TYPE_CHECKING:
-    from pagedkv.memory.kv_cache_manager import KVCacheManager, SeqState
+    from pagedkv.memory.kv_cache_manager import KVCacheManager
+    from pagedkv.memory.seq_state import SeqState
 
 
 def kv_stats(mgr: KVCacheManager) -> KVStats:

@@ -28,8 +28,8 @@ Every allocation is transactional: it raises ``OutOfBlocksError`` before changin
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass, field
 
+from pagedkv.memory.admission import allocate_groups, allocate_single, blocks_to_admit
 from pagedkv.memory.block import Block
 from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.disk_lookup import DiskLookup
@@ -38,18 +38,14 @@ from pagedkv.memory.errors import OutOfBlocksError
 from pagedkv.memory.eviction import make_eviction_policy
 from pagedkv.memory.host_tier import HostPrefixTier
 from pagedkv.memory.inspection import check_integrity, kv_stats, pretty_print
-from pagedkv.memory.kv_events import MEDIUMS, KVEventLog
-from pagedkv.memory.kv_groups import (
-    RELEASED,
-    cache_group_blocks,
-    disk_reads,
-    prefix_hit,
-    release_out_of_window,
-)
-from pagedkv.memory.miss_reasons import UNSALTED_ROOT, CacheDetails, CacheHistory
+from pagedkv.memory.kv_events import KVEventLog
+from pagedkv.memory.kv_groups import RELEASED, disk_reads, release_out_of_window
+from pagedkv.memory.miss_reasons import CacheDetails, CacheHistory
 from pagedkv.memory.pins import ConversationPins
+from pagedkv.memory.prefix_caching import cache_full_blocks
 from pagedkv.memory.prefix_hash import chain_hashes, root_hash
 from pagedkv.memory.prefix_index import make_prefix_index
+from pagedkv.memory.seq_state import SeqState, cdiv
 from pagedkv.memory.stats import KVStats
 from pagedkv.memory.tenancy import DEFAULT_TENANT, TenantLedger
 from pagedkv.memory.tier_costs import TierCosts
@@ -57,44 +53,6 @@ from pagedkv.memory.tiers import DEVICE, HOST, TierCopies, move_sequences
 from pagedkv.model_shape import check_block_size
 
 CopyPair = tuple[int, int]  # (source block id, destination block id)
-DEVICE_MEDIUM = MEDIUMS[DEVICE]
-
-
-@dataclass(slots=True)
-class SeqState:
-    seq_id: Hashable
-    token_ids: list[int]  # the caller's list (read, never written here)
-    root: bytes  # parent hash of block 0: carries the tenant salt and adapter id
-    tenant: str | None = None  # who holds its blocks, for per-tenant quotas (memory/tenancy.py)
-    block_table: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks, chained
-    num_cached_blocks: int = 0  # leading blocks already offered to the prefix cache
-    tier: str = DEVICE  # the pool its block table points into (see memory/tiers.py)
-    # a hybrid model's KV groups 1..: their tables (RELEASED entries: out of the window) and how
-    # many leading blocks each has released (memory/kv_groups.py)
-    group_tables: list[list[int]] = field(default_factory=list)
-    released: list[int] = field(default_factory=list)
-    content_hashes: list[bytes] = field(default_factory=list)  # unsalted chain of a salted root (miss reasons)
-    # the last allocate_prompt's outcome, for cache_details(): hit blocks per tier, the most that
-    # could hit, and whether the host tier held more than was reloaded
-    hits: tuple[int, int, int, int, bool] = (0, 0, 0, 0, False)  # device, host, disk, max, skipped
-
-    @property
-    def on_device(self) -> bool:
-        return self.tier == DEVICE
-
-    def tables(self) -> list[list[int]]:
-        """Every group's block table (group 0's is ``block_table``); live lists."""
-        return [self.block_table, *self.group_tables]
-
-    def block_ids(self) -> list[int]:
-        """Every block the sequence holds, all groups."""
-        return [b for table in self.tables() for b in table if b != RELEASED]
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:
@@ -242,9 +200,9 @@ class KVCacheManager:
         total = 0
         for window in self.group_windows:
             if window is None:
-                total += _cdiv(num_tokens, B)
+                total += cdiv(num_tokens, B)
             else:
-                total += min(_cdiv(num_tokens, B), _cdiv(window + (chunk or num_tokens), B) + 1)
+                total += min(cdiv(num_tokens, B), cdiv(window + (chunk or num_tokens), B) + 1)
         return total
 
     def block_table(self, seq_id: Hashable) -> list[int]:
@@ -296,122 +254,13 @@ class KVCacheManager:
         seq = SeqState(seq_id, token_ids, root_hash(salt, adapter_id),
                        tenant=(tenant or DEFAULT_TENANT) if self.pool.tenants is not None else None)
         if self.num_groups > 1:
-            num_cached = self._allocate_groups(seq, num_new_tokens)
+            num_cached = allocate_groups(self, seq, num_new_tokens)
         else:
-            num_cached = self._allocate_prompt(seq, num_new_tokens)
+            num_cached = allocate_single(self, seq, num_new_tokens)
         self.forget(seq_id)
         if self.enable_prefix_caching:
             self.prefix_query_tokens += len(token_ids)
             self.prefix_hit_tokens += num_cached
-        return num_cached
-
-    def _allocate_prompt(self, seq: SeqState, num_new_tokens: int | None) -> int:
-        B, token_ids = self.block_size, seq.token_ids
-        pool = self.pool
-        hits: list[Block] = []
-        host_hits: list[Block] = []
-        found: list[Block] = []
-        max_hits = 0
-        if self.enable_prefix_caching:
-            self._hash_full_blocks(seq, len(token_ids) // B)
-            # The block holding the last prompt token is never a hit: it must be computed.
-            max_hits = (len(token_ids) - 1) // B
-            hits = self.index.match(seq.root, token_ids, seq.block_hashes, max_hits)
-            if self.host_tier is not None:  # the chain may go on in the host tier
-                found = self.host_tier.match(seq.block_hashes[len(hits):max_hits])
-                if found and self.costs.reload_cheaper("host", len(found), record=False):
-                    host_hits = found  # else recomputing them is cheaper here
-        num_cached = (len(hits) + len(host_hits)) * B
-        remaining = len(token_ids) - num_cached
-        num_new = remaining if num_new_tokens is None else max(1, min(num_new_tokens, remaining))
-        need = _cdiv(num_cached + num_new, B) - len(hits)
-        revived = sum(1 for b in hits if b.ref_count == 0)
-        self._unstarve(need + revived + self.watermark_blocks, admission=True)
-        self._check_quota(seq.tenant, need, hits)  # first: a tenant at its quota waits, not the line
-        available = pool.num_free - revived - self.watermark_blocks
-        if need > available:
-            raise OutOfBlocksError(need, max(available, 0))
-        for block in hits:
-            pool.touch(block)
-        if host_hits:  # held until the reload is done, before any allocation could evict them
-            self.host_tier.hold(host_hits)  # type: ignore[union-attr]
-        fresh = pool.allocate(need, seq.tenant, quota=False)  # (_check_quota decided)
-        seq.block_table = [b.block_id for b in hits] + [b.block_id for b in fresh]
-        if host_hits:
-            self.host_tier.reload(host_hits, fresh, B)  # type: ignore[union-attr]
-        seq.hits = (len(hits), len(host_hits), self._from_disk(host_hits), max_hits, bool(found) and not host_hits)
-        seq.num_computed = num_cached
-        seq.num_cached_blocks = len(hits)
-        self.seqs[seq.seq_id] = seq
-        if host_hits:  # the reloaded blocks are cached prefix blocks again, on the device
-            self._cache_full_blocks(seq)
-        if found:
-            self.costs.record("host", reload=bool(host_hits))
-        return num_cached
-
-    def _allocate_groups(self, seq: SeqState, num_new_tokens: int | None) -> int:
-        """``allocate_prompt`` for a hybrid model: a table per KV group, the hit served by every
-        group from the device or the host tier (``memory/kv_groups.py``)."""
-        B, G, token_ids, pool = self.block_size, self.num_groups, seq.token_ids, self.pool
-        host = self.host_tier
-        hit = prefix_hit(pool, None, self.group_windows, [], 0, B)
-        reload: bool | None = None  # the reload-or-recompute decision, when the host held some
-        if self.enable_prefix_caching:
-            self._hash_full_blocks(seq, len(token_ids) // B)
-            max_hits = (len(token_ids) - 1) // B  # the last prompt token is always computed
-            hit = prefix_hit(pool, host.pool if host is not None else None, self.group_windows,
-                             seq.block_hashes, max_hits, B)
-            if hit.num_host:  # (per block: a hybrid block holds fewer layers, so a cheaper copy)
-                reload = self.costs.reload_cheaper("host", hit.num_host, record=False)
-                if not reload:  # recomputing is cheaper here: what only the host holds is a miss
-                    hit = prefix_hit(pool, None, self.group_windows, seq.block_hashes, max_hits, B)
-        k = hit.k
-        num_cached = k * B
-        remaining = len(token_ids) - num_cached
-        num_new = remaining if num_new_tokens is None else max(1, min(num_new_tokens, remaining))
-        per_group = _cdiv(num_cached + num_new, B) - k  # new blocks in each group
-        pairs = [(b, h) for blocks, flags in zip(hit.blocks, hit.on_host) for b, h in zip(blocks, flags)]
-        on_device = [b for b, h in pairs if not h]
-        on_host = [b for b, h in pairs if h]
-        need = per_group * G + len(on_host)
-        revived = sum(1 for b in on_device if b.ref_count == 0)
-        self._unstarve(need + revived + self.watermark_blocks, admission=True)
-        self._check_quota(seq.tenant, need, on_device)  # first: a tenant at its quota waits, not the line
-        available = pool.num_free - revived - self.watermark_blocks
-        if need > available:
-            raise OutOfBlocksError(need, max(available, 0))
-        for block in on_device:
-            pool.touch(block)
-        if on_host:  # held until the reload is done, before any allocation could evict them
-            host.hold(on_host)  # type: ignore[union-attr]
-        fresh = iter(pool.allocate(need, seq.tenant, quota=False))  # (_check_quota decided)
-        for g, (blocks, flags) in enumerate(zip(hit.blocks, hit.on_host)):
-            released = k - len(blocks)  # before the window of the first uncached token
-            table = [RELEASED] * released
-            reloads: list[tuple[Block, Block]] = []
-            for block, from_host in zip(blocks, flags):
-                if from_host:
-                    reloads.append((block, next(fresh)))
-                    table.append(reloads[-1][1].block_id)
-                else:
-                    table.append(block.block_id)
-            table += [next(fresh).block_id for _ in range(per_group)]
-            if reloads:  # (hit tokens counted once, by group 0)
-                host.reload([s for s, _ in reloads], [d for _, d in reloads], B if g == 0 else 0)  # type: ignore
-            if g == 0:
-                seq.block_table = table
-            else:
-                seq.group_tables.append(table)
-                seq.released.append(released)
-        seq.num_computed = num_cached
-        host0 = [b for b, h in zip(hit.blocks[0], hit.on_host[0]) if h] if hit.blocks else []
-        seq.hits = (k - len(host0), len(host0), self._from_disk(host0), (len(token_ids) - 1) // B, reload is False)
-        seq.num_cached_blocks = 0 if on_host else k  # reloaded blocks are cached again below
-        self.seqs[seq.seq_id] = seq
-        if on_host:
-            self._cache_full_blocks(seq)
-        if reload is not None:
-            self.costs.record("host", reload=reload)
         return num_cached
 
     def blocks_to_admit(self, token_ids: list[int], num_new_tokens: int | None = None, *,
@@ -419,20 +268,7 @@ class KVCacheManager:
         """Free-queue blocks ``allocate_prompt`` would take for this prompt now: fresh ones plus the
         cached-free device hits it revives (a hybrid model: every group's, at most). Host and disk
         hits are not counted (they need fresh blocks too). Changes nothing."""
-        B, pool = self.block_size, self.pool
-        hits = revived = 0
-        if self.enable_prefix_caching:
-            parent = root_hash(salt, adapter_id)
-            for i in range((len(token_ids) - 1) // B):
-                parent = chain_hashes(parent, token_ids, B, i, i + 1)[0]
-                block = pool.cached.get(parent)
-                if block is None:
-                    break
-                hits += 1
-                revived += block.ref_count == 0
-        remaining = len(token_ids) - hits * B
-        num_new = remaining if num_new_tokens is None else max(1, min(num_new_tokens, remaining))
-        return (_cdiv(hits * B + num_new, B) - hits) * self.num_groups + revived
+        return blocks_to_admit(self, token_ids, num_new_tokens, root_hash(salt, adapter_id))
 
     def tenant_over_quota(self, tenant: str | None) -> bool:
         """Whether ``tenant`` holds more device blocks than its quota (False with quotas off)."""
@@ -474,7 +310,7 @@ class KVCacheManager:
         """Release the pins whose TTL has passed (``now`` on the clock the pins were given)."""
         return self.pins.expire(now) if self.pins else 0
 
-    def _unstarve(self, need: int, admission: bool = False) -> None:
+    def unstarve(self, need: int, admission: bool = False) -> None:
         """Pins never starve work: let go of the oldest until ``need`` blocks are free. A new prompt
         may only take them when no sequence holds device blocks (it would wait for ever otherwise)."""
         if not self.pins or self.pool.num_free >= need:
@@ -482,15 +318,6 @@ class KVCacheManager:
         if admission and any(seq.on_device for seq in self.seqs.values()):
             return
         self.pins.release_for(need)
-
-    def _from_disk(self, host_hits: list[Block]) -> int:
-        """Of these host blocks about to be reloaded, how many came from the disk tier."""
-        from_disk = self.host_tier.from_disk if self.host_tier is not None else None
-        if not from_disk:
-            return 0
-        keys = [b.block_hash for b in host_hits if b.block_hash in from_disk]
-        from_disk.difference_update(keys)
-        return len(keys)
 
     def cache_details(self, seq_id: Hashable, tenant: str | None = None) -> CacheDetails | None:
         """The prefix-cache outcome of the sequence's last ``allocate_prompt``: hit tokens per tier
@@ -511,7 +338,7 @@ class KVCacheManager:
         self.first_misses[key] = self.first_misses.get(key, 0) + 1
         return details
 
-    def _check_quota(self, tenant: str | None, need: int, hits: list[Block]) -> None:
+    def check_quota(self, tenant: str | None, need: int, hits: list[Block]) -> None:
         """Raise TenantQuotaError, changing nothing, when a new prompt of ``tenant`` needing
         ``need`` fresh blocks (after touching ``hits``) would go over its quota."""
         ledger = self.pool.tenants
@@ -611,7 +438,7 @@ class KVCacheManager:
         B = self.block_size
         start = seq.num_computed
         first = start // B  # never released: the next query sees it
-        last = _cdiv(start + num_new_tokens, B)  # exclusive
+        last = cdiv(start + num_new_tokens, B)  # exclusive
         blocks = self.pool.blocks
         plans = []  # per group table: (table, shared indices, missing blocks)
         for table in seq.tables():
@@ -620,7 +447,7 @@ class KVCacheManager:
         total = sum(len(shared) + missing for _, shared, missing in plans)
         if total == 0:
             return []
-        self._unstarve(total)
+        self.unstarve(total)
         if total > self.pool.num_free:
             raise OutOfBlocksError(total, self.pool.num_free)
         fresh = iter(self.pool.allocate(total, seq.tenant, quota=quota))
@@ -649,7 +476,7 @@ class KVCacheManager:
                              f"{len(seq.block_table) * self.block_size} slots)")
         seq.num_computed = n
         if self.enable_prefix_caching and n // self.block_size > seq.num_cached_blocks:
-            self._cache_full_blocks(seq)
+            cache_full_blocks(self, seq)
         if seq.group_tables:  # cached first: a released block stays cached-free
             self.released_blocks += release_out_of_window(self.pool, seq, self.group_windows, self.block_size)
 
@@ -661,7 +488,7 @@ class KVCacheManager:
         seq = self.seqs[seq_id]
         if not seq.on_device:
             raise ValueError(f"sequence {seq_id!r} is swapped out; nothing to roll back on the device")
-        keep = _cdiv(seq.num_computed, self.block_size)
+        keep = cdiv(seq.num_computed, self.block_size)
         blocks = self.pool.blocks
         extra = [table[i] for table in seq.tables() for i in range(len(table) - 1, keep - 1, -1)]
         for table in seq.tables():
@@ -669,53 +496,6 @@ class KVCacheManager:
         self.pool.free(blocks[i] for i in extra)
         self.rolled_back_blocks += len(extra)
         return len(extra)
-
-    def _hash_full_blocks(self, seq: SeqState, full: int) -> None:
-        """Extend the sequence's hash chain to its first ``full`` blocks (all full of tokens).
-
-        Only blocks whose tokens are settled are hashed: the prompt's, or computed ones. A block
-        the caller is still filling with sampled tokens is not, so a fork taken later carries
-        only hashes of the tokens it shares with its parent."""
-        done = len(seq.block_hashes)
-        if full > done:
-            parent = seq.block_hashes[-1] if done else seq.root
-            seq.block_hashes.extend(chain_hashes(parent, seq.token_ids, self.block_size, done, full))
-
-    def _cache_full_blocks(self, seq: SeqState) -> None:
-        full = seq.num_computed // self.block_size
-        self._hash_full_blocks(seq, full)
-        blocks = self.pool.blocks
-        start = seq.num_cached_blocks
-        content = None
-        if seq.root != UNSALTED_ROOT:  # the same tokens' unsalted chain (another tenant's view)
-            done = len(seq.content_hashes)
-            if full > done:
-                seq.content_hashes += chain_hashes(seq.content_hashes[-1] if done else UNSALTED_ROOT,
-                                                   seq.token_ids, self.block_size, done, full)
-            content = seq.content_hashes
-        self.history.on_cached(seq.root, seq.block_hashes, seq.token_ids, start, full, content)
-        new = self.pool.cache((blocks[i] for i in seq.block_table[start:full]), seq.block_hashes[start:full])
-        if new and self.events is not None:
-            self._stored_events(seq, [start + i for i in new])
-        self.index.on_cached(seq.root, seq.token_ids, seq.block_table, seq.block_hashes, full)
-        if seq.group_tables:
-            cache_group_blocks(self.pool, seq, start, full)
-        seq.num_cached_blocks = full
-
-    def _stored_events(self, seq: SeqState, new: list[int]) -> None:
-        """BlockStored events for the sequence's blocks ``new`` (indices, ascending), one per run
-        of consecutive blocks; the salt travels only as the root hash it made."""
-        B, hashes = self.block_size, seq.block_hashes
-        extra = None if seq.root == UNSALTED_ROOT else [seq.root.hex()]
-        run = [new[0]]
-        for i in new[1:] + [-1]:
-            if i == run[-1] + 1:
-                run.append(i)
-                continue
-            first, last = run[0], run[-1] + 1
-            self.events.stored(hashes[first:last], hashes[first - 1] if first else None,  # type: ignore[union-attr]
-                               seq.token_ids[first * B:last * B], DEVICE_MEDIUM, extra)
-            run = [i]
 
     # ------------------------------------------------------------------ forks and freeing
     def fork(self, parent_id: Hashable, child_id: Hashable, token_ids: list[int]) -> None:
@@ -804,7 +584,7 @@ class KVCacheManager:
             # them so that an offload later in the step cannot take one and write it first.
             host = self.host_pool
             sources = [host.blocks[i] for i in dict.fromkeys(i for seq in seqs for i in seq.block_ids())]
-            self._unstarve(len(sources))
+            self.unstarve(len(sources))
             if len(sources) > self.pool.num_free:
                 raise OutOfBlocksError(len(sources), self.pool.num_free, self.pool.name)
             self.host_tier.hold(sources)
@@ -813,7 +593,7 @@ class KVCacheManager:
         for seq in seqs:
             seq.num_cached_blocks = 0
             if self.enable_prefix_caching:
-                self._cache_full_blocks(seq)
+                cache_full_blocks(self, seq)
         return list(mapping.items())
 
     def _in_tier(self, seq_ids: Iterable[Hashable], tier: str) -> list[SeqState]:

@@ -32,7 +32,7 @@ from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.prefix_hash import group_hash
 
 if TYPE_CHECKING:
-    from pagedkv.memory.kv_cache_manager import SeqState
+    from pagedkv.memory.seq_state import SeqState
 
 RELEASED = -1  # a table entry whose block is out of every query's window
 

@@ -24,7 +24,7 @@ from pagedkv.memory.errors import OutOfBlocksError
 from pagedkv.memory.kv_groups import RELEASED
 
 if TYPE_CHECKING:
-    from pagedkv.memory.kv_cache_manager import SeqState
+    from pagedkv.memory.seq_state import SeqState
 
 DEVICE = "device"
 HOST = "host"
