@@ -88,6 +88,54 @@ def test_replayed_events_equal_every_tiers_cache(tmp_path, options):
     assert model.tiers["GPU"] == group0(engine.kv.pool) == set() and model.tiers["CPU"] == set()
 
 
+def test_disk_tier_events_follow_its_index_and_a_restart_announces_what_it_kept(tmp_path):
+    """Medium "DISK": blocks written through to disk, evicted by its LRU or discarded, as its
+    index changes on the worker thread; a restarted replica first announces the blocks it kept."""
+    folder = make_hf_checkpoint(tmp_path, "llama", seed=3)
+    kv_dir = tmp_path / "kv"
+
+    def open_engine(disk_size: int | None = None) -> LLMEngine:
+        return LLMEngine.from_options(str(folder), block_size=4, num_kv_blocks=40, kv_offloading_size=0.0002,
+                                      kv_offload_dir=str(kv_dir), kv_offload_disk_size=disk_size,
+                                      kv_events=True, debug_integrity=True)
+
+    def run(engine: LLMEngine, model: CacheModel, prompts: list[list[int]]) -> None:
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=6))
+        while engine.has_unfinished_requests():
+            engine.step()
+            model.apply(engine.kv.events.take())
+            assert model.tiers.get("GPU", set()) == group0(engine.kv.pool)
+            assert model.tiers.get("CPU", set()) == group0(engine.kv.host_pool)
+        assert engine.kv.disk.flush(timeout=30)
+        engine.kv.disk_lookup.take_events()  # (a step takes them; this run has no more steps)
+        model.apply(engine.kv.events.take())
+        assert model.tiers.get("DISK", set()) == set(engine.kv.disk.disk.keys_lru())
+
+    probe = open_engine()  # how big one block file is, to size a disk that must evict
+    run(probe, CacheModel(), ragged(2, 6))
+    disk = probe.kv.disk.disk
+    block_file = disk.stats().bytes_used // len(disk)
+    probe.close()
+    from pagedkv.memory.disk_tier import clear_directory
+    clear_directory(kv_dir)
+
+    engine = open_engine(disk_size=12 * block_file)
+    model = CacheModel()
+    run(engine, model, ragged(3, 16))
+    assert engine.kv.disk.disk.stats().evictions > 0  # the disk's LRU removed blocks too
+    engine.close()  # writes down what the disk lacks: its index changes once more
+    kept = set(engine.kv.disk.disk.keys_lru())
+
+    again = open_engine(disk_size=12 * block_file)
+    restarted = CacheModel()
+    again.kv.disk_lookup.take_events()
+    restarted.apply(again.kv.events.take())
+    assert restarted.tiers["DISK"] == set(again.kv.disk.disk.keys_lru()) == kept and kept
+    run(again, restarted, ragged(3, 4))  # prefixes the disk kept are read back; the events still agree
+    again.close()
+
+
 def test_a_tenant_salt_is_sent_only_as_a_hash(tmp_path):
     folder = make_hf_checkpoint(tmp_path, "llama", seed=3)
     engine = LLMEngine.from_options(str(folder), block_size=4, num_kv_blocks=64, kv_events=True)

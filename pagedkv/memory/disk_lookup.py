@@ -8,16 +8,21 @@ Owned by ``KVCacheManager`` (as ``disk_lookup``) when it has a disk tier:
 - ``prefetch(...)``: a waiting prompt's hash chain, past its device and host hits, continues on
   disk: ask the worker to read those blocks and say whether the prompt should wait for them.
   Blocks read since the last call are taken into the host tier first.
+- ``report_to(events)``: KV events for the disk tier (medium "DISK"): blocks written, evicted or
+  discarded, as the disk's index changes on the worker thread; ``take_events`` moves them into
+  the log on the engine thread, once per step.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Hashable
 
 from pagedkv.memory.block import Block
 from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.disk_prefix import DiskPrefixTier
 from pagedkv.memory.host_tier import HostPrefixTier
+from pagedkv.memory.kv_events import MEDIUMS, KVEventLog
 from pagedkv.memory.tier_costs import TierCosts
 
 
@@ -35,6 +40,8 @@ class DiskLookup:
         self._looked_up: set[Hashable] = set()  # waiting sequences whose lookup was counted
         self._load_failed: set[bytes] = set()  # reads of this step the host tier had no room for
         self._tokens_of: dict[bytes, int] = {}  # prompt tokens a requested key stands for, when not B
+        self.events: KVEventLog | None = None
+        self._changes: deque[tuple[str, bytes]] | None = None
 
     def on_evict(self, block: Block) -> None:
         key = block.block_hash
@@ -46,7 +53,27 @@ class DiskLookup:
         """This step's evicted blocks to write, handed over once; a new step begins."""
         to_disk, self.to_disk = self.to_disk, []
         self._load_failed.clear()
+        self.take_events()
         return to_disk
+
+    def report_to(self, events: KVEventLog) -> None:
+        """Send the disk tier's changes to ``events`` from now on, beginning with the blocks it
+        already holds (a restart announces what it kept)."""
+        self.events = events
+        self._changes = self.disk.disk.watch_changes()
+
+    def take_events(self) -> None:
+        """The disk's changes since the last call, as KV events (engine thread)."""
+        changes, events = self._changes, self.events
+        if changes is None or events is None:
+            return
+        medium = MEDIUMS["disk"]
+        while changes:
+            kind, key = changes.popleft()
+            if kind == "stored":
+                events.stored([key], None, [], medium)
+            else:
+                events.removed(key, medium)
 
     def prefetch(self, seq_id: Hashable, hashes: list[bytes], count: bool) -> bool:
         """``hashes``: the prompt's block hashes that could be hits. True while some of the

@@ -44,7 +44,7 @@ import json
 import logging
 import os
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from contextlib import suppress
 from dataclasses import asdict, dataclass
 from itertools import count
@@ -136,6 +136,9 @@ class DiskTier:
         self._closed = False
         self._tmp_ids = count()
         self.discarded_keys: set[bytes] = set()  # block keys removed at open for another fingerprint
+        # ("stored" | "removed", key) as the index changes, when the owner wants them (KV events);
+        # appended under the mutex from whichever thread changes it, taken by the owner
+        self.changes: deque[tuple[str, bytes]] | None = None
         make_private_directory(self.directory)
         self._lock_fd = try_lock(self.directory)
         if self._lock_fd is None:
@@ -165,12 +168,14 @@ class DiskTier:
         with self._mutex:
             if self._disabled_reason is not None or size > self.capacity_bytes:
                 return False
-            self._drop_locked(key)
+            if self._drop_locked(key):
+                self._changed("removed", key)
             victims = []
             while self._index and self._bytes_used + self._reserved + size > self.capacity_bytes:
                 victim, victim_size = self._index.popitem(last=False)
                 self._bytes_used -= victim_size
                 self._counters.evictions += 1
+                self._changed("removed", victim)
                 victims.append(victim)
             fits = self._bytes_used + self._reserved + size <= self.capacity_bytes  # False only under a racing put
             if fits:
@@ -193,10 +198,12 @@ class DiskTier:
             cancelled = key in self._discarded_while_writing
             self._discarded_while_writing.discard(key)
             if not cancelled:
-                self._drop_locked(key)
+                if self._drop_locked(key):
+                    self._changed("removed", key)
                 self._index[key] = size
                 self._bytes_used += size
                 self._counters.bytes_written += size
+                self._changed("stored", key)
         if cancelled:
             with suppress(OSError):
                 os.unlink(self._block_path(key))
@@ -258,11 +265,21 @@ class DiskTier:
         """Remove ``key`` and its file if present (also a write of it still in progress)."""
         with self._mutex:
             dropped = self._drop_locked(key)
+            if dropped:
+                self._changed("removed", key)
             if key in self._writing:
                 self._discarded_while_writing.add(key)
         if dropped:
             with suppress(OSError):
                 os.unlink(self._block_path(key))
+
+    def watch_changes(self) -> deque[tuple[str, bytes]]:
+        """Record index changes in ``changes`` from now on, starting with a "stored" for every
+        block already here (what an earlier run left); returns the deque to take them from."""
+        with self._mutex:
+            if self.changes is None:
+                self.changes = deque(("stored", key) for key in self._index)
+            return self.changes
 
     def keys_lru(self) -> list[bytes]:
         """Every key, least recently used first."""
@@ -330,9 +347,14 @@ class DiskTier:
         self._bytes_used -= size
         return True
 
+    def _changed(self, kind: str, key: bytes) -> None:
+        if self.changes is not None:
+            self.changes.append((kind, key))
+
     def _forget(self, key: bytes, corrupt: bool) -> None:
         with self._mutex:
-            self._drop_locked(key)
+            if self._drop_locked(key):
+                self._changed("removed", key)
             self._counters.misses += 1
             if corrupt:
                 self._counters.corrupt_discarded += 1

@@ -151,6 +151,8 @@ class KVCacheManager:
             if disk is not None:
                 self.disk_lookup = lookup = DiskLookup(disk, self.pool, tier, self.costs, block_size)
                 self.history.fingerprint_discarded = disk.disk.discarded_keys
+                if self.events is not None and self.num_groups == 1:  # (a hybrid's disk keys mix groups)
+                    lookup.report_to(self.events)
             index_on_evict = self.pool.on_evict
 
             def on_evict(block: Block) -> None:

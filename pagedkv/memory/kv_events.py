@@ -8,11 +8,13 @@ the server takes them after each step and publishes them off the step's path
 
 - ``BlockStored``: blocks entered a tier's prefix cache (their hashes, the parent hash of the
   first, their token ids, the medium). On the device: full computed blocks; in the host tier
-  ("CPU"): blocks offloaded or read back from disk.
+  ("CPU"): blocks offloaded or read back from disk; on disk ("DISK"): blocks written through,
+  and at start every block an earlier run left there (``memory/disk_lookup.py``).
 - ``BlockRemoved``: hashes a tier forgot (evicted, cleared, dropped after a failed step).
 - ``AllBlocksCleared``: everything, on every tier, was forgotten.
 
-Only KV group 0's blocks are reported (a hybrid model's other groups follow its prefix). A
+Only KV group 0's blocks are reported (a hybrid model's other groups follow its prefix; its disk
+tier, whose keys mix the groups, is not reported). A
 request's cache salt (a tenant's isolation) is never sent: ``extra_keys`` carries the root hash
 the salt produced (SHA-256), so equal salts group together without revealing them.
 """
