@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 
 def allocate_single(kv: KVCacheManager, seq: SeqState, num_new_tokens: int | None) -> int:
     B, token_ids = kv.block_size, seq.token_ids
-    pool = kv.pool
     hits: list[Block] = []
     host_hits: list[Block] = []
     found: list[Block] = []
@@ -48,17 +47,7 @@ def allocate_single(kv: KVCacheManager, seq: SeqState, num_new_tokens: int | Non
     remaining = len(token_ids) - num_cached
     num_new = remaining if num_new_tokens is None else max(1, min(num_new_tokens, remaining))
     need = cdiv(num_cached + num_new, B) - len(hits)
-    revived = sum(1 for b in hits if b.ref_count == 0)
-    kv.unstarve(need + revived + kv.watermark_blocks, admission=True)
-    kv.check_quota(seq.tenant, need, hits)  # first: a tenant at its quota waits, not the line
-    available = pool.num_free - revived - kv.watermark_blocks
-    if need > available:
-        raise OutOfBlocksError(need, max(available, 0))
-    for block in hits:
-        pool.touch(block)
-    if host_hits:  # held until the reload is done, before any allocation could evict them
-        kv.host_tier.hold(host_hits)  # type: ignore[union-attr]
-    fresh = pool.allocate(need, seq.tenant, quota=False)  # (check_quota decided)
+    fresh = take_blocks(kv, seq, need, hits, host_hits)
     seq.block_table = [b.block_id for b in hits] + [b.block_id for b in fresh]
     if host_hits:
         kv.host_tier.reload(host_hits, fresh, B)  # type: ignore[union-attr]
@@ -98,17 +87,7 @@ def allocate_groups(kv: KVCacheManager, seq: SeqState, num_new_tokens: int | Non
     on_device = [b for b, h in pairs if not h]
     on_host = [b for b, h in pairs if h]
     need = per_group * G + len(on_host)
-    revived = sum(1 for b in on_device if b.ref_count == 0)
-    kv.unstarve(need + revived + kv.watermark_blocks, admission=True)
-    kv.check_quota(seq.tenant, need, on_device)  # first: a tenant at its quota waits, not the line
-    available = pool.num_free - revived - kv.watermark_blocks
-    if need > available:
-        raise OutOfBlocksError(need, max(available, 0))
-    for block in on_device:
-        pool.touch(block)
-    if on_host:  # held until the reload is done, before any allocation could evict them
-        host.hold(on_host)  # type: ignore[union-attr]
-    fresh = iter(pool.allocate(need, seq.tenant, quota=False))  # (check_quota decided)
+    fresh = iter(take_blocks(kv, seq, need, on_device, on_host))
     for g, (blocks, flags) in enumerate(zip(hit.blocks, hit.on_host)):
         released = k - len(blocks)  # before the window of the first uncached token
         table = [RELEASED] * released
@@ -137,6 +116,25 @@ def allocate_groups(kv: KVCacheManager, seq: SeqState, num_new_tokens: int | Non
     if reload is not None:
         kv.costs.record("host", reload=reload)
     return num_cached
+
+
+def take_blocks(kv: KVCacheManager, seq: SeqState, need: int, device_hits: list[Block],
+                host_hits: list[Block]) -> list[Block]:
+    """Touch the device hits, hold the host hits and allocate ``need`` fresh blocks; or raise,
+    changing nothing: TenantQuotaError first (a tenant at its quota waits, not the line), then
+    OutOfBlocksError. Pins give way first; the watermark stays free."""
+    pool = kv.pool
+    revived = sum(1 for b in device_hits if b.ref_count == 0)
+    kv.unstarve(need + revived + kv.watermark_blocks, admission=True)
+    kv.check_quota(seq.tenant, need, device_hits)
+    available = pool.num_free - revived - kv.watermark_blocks
+    if need > available:
+        raise OutOfBlocksError(need, max(available, 0))
+    for block in device_hits:
+        pool.touch(block)
+    if host_hits:  # held until the reload is done, before any allocation could evict them
+        kv.host_tier.hold(host_hits)  # type: ignore[union-attr]
+    return pool.allocate(need, seq.tenant, quota=False)  # (check_quota decided)
 
 
 def blocks_to_admit(kv: KVCacheManager, token_ids: list[int], num_new_tokens: int | None, root: bytes) -> int:
