@@ -157,3 +157,24 @@ def test_without_the_kernel_the_runner_falls_back(env):
     assert out.splitlines()[0] == "False False"
     if "CXX" in env:
         assert "native CPU kernels unavailable" in out
+
+
+def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_start(tmp_path):
+    """PyTorch waits for ever while its build "lock" file exists, and a process killed while
+    loading leaves it behind: the next start removes it (under pagedkv's own lock) and loads."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from pagedkv.models.cache_dir import cache_root
+
+    key = native._build_key()
+    built = cache_root() / "native" / key
+    copy = tmp_path / "cache" / "native" / key
+    shutil.copytree(built, copy, ignore=shutil.ignore_patterns("lock", "pagedkv-build.lock"))
+    (copy / "lock").write_text("")  # what a killed build leaves
+    env = {**os.environ, "PAGEDKV_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "pagedkv.ops.native"], capture_output=True, text=True, env=env,
+                          timeout=240)
+    assert proc.returncode == 0 and "built and loaded" in proc.stdout, proc.stdout + proc.stderr[-2000:]

@@ -19,6 +19,8 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -59,9 +61,33 @@ def _build(verbose: bool = False) -> None:
     key = _build_key()
     folder = cache_root() / "native" / key
     folder.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name=f"pagedkv_native_{key}", sources=[str(s) for s in _SOURCES],
-                       extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(folder),
-                       is_python_module=False, verbose=verbose)
+    with _exclusive(folder / "pagedkv-build.lock") as held:
+        # PyTorch marks a build in progress with a "lock" file and waits, for ever, while it
+        # exists; a process killed inside load() leaves it behind. Under our lock (the kernel
+        # drops it with its process) no other pagedkv process is inside load(): any such file
+        # is stale.
+        if held:
+            (folder / "lock").unlink(missing_ok=True)
+        cpp_extension.load(name=f"pagedkv_native_{key}", sources=[str(s) for s in _SOURCES],
+                           extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(folder),
+                           is_python_module=False, verbose=verbose)
+
+
+@contextmanager
+def _exclusive(path: Path) -> Iterator[bool]:
+    """Hold an exclusive lock on ``path`` (waits for other processes; released when this one
+    dies); yields False where there is no such lock (not POSIX)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield False
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def available() -> bool:
