@@ -467,6 +467,10 @@ def test_stats_and_metrics_report_speculation(target):
                  "pagedkv_spec_decode_num_accepted_tokens_total", "pagedkv_spec_decode_acceptance_rate",
                  "pagedkv_spec_decode_num_accepted_tokens_per_pos_total", "pagedkv_kv_rolled_back_blocks_total"):
         assert name in text, name
+    # vLLM's names too, with the same figures
+    assert f'vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="m"}} {float(s.spec_draft_tokens)}' in text
+    assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="0"}} ' \
+           f'{float(s.spec_accepted_per_position[0])}' in text
 
 
 def test_the_prefix_cache_holds_only_accepted_tokens(target):

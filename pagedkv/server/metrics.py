@@ -187,6 +187,19 @@ class EngineStatsCollector(Collector):
                      s.preemptions_recompute + s.preemptions_swap)
         yield family(CounterMetricFamily, "prompt_tokens", "Prompt tokens processed.", s.prompt_tokens_total)
         yield family(CounterMetricFamily, "generation_tokens", "Tokens generated.", s.generation_tokens_total)
+        if getattr(s, "spec_accepted_per_position", ()):  # speculative decoding is on (vLLM V1's names)
+            yield family(CounterMetricFamily, "spec_decode_num_drafts", "Verifications of a proposal.",
+                         s.spec_num_drafts)
+            yield family(CounterMetricFamily, "spec_decode_num_draft_tokens", "Tokens proposed.",
+                         s.spec_draft_tokens)
+            yield family(CounterMetricFamily, "spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
+                         s.spec_accepted_tokens)
+            per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                          "Accepted tokens by their position in the proposal.",
+                                          labels=[*labels, "position"])
+            for i, n in enumerate(s.spec_accepted_per_position):
+                per_pos.add_metric([*value, str(i)], float(n))
+            yield per_pos
         config = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache's configuration (value 1).",
                                    labels=["model_name", "engine", "block_size", "num_gpu_blocks", "num_cpu_blocks",
                                            "cache_dtype", "enable_prefix_caching"])
