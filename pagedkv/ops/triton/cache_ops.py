@@ -240,6 +240,17 @@ def _dequantize(q, FMT: tl.constexpr):
 
 
 @triton.jit
+def _run_rows(x, stok, p0, i, L, rows, cols, cmask, h, x_t, x_h, x_d, X_BF16: tl.constexpr):
+    """Rows i .. i + ROWS of a run (of L rows from position p0 of the sorted tokens): their row
+    indices in the run, the [ROWS, DP] mask, and head h's float32 values of x."""
+    rr = i + rows
+    rm = rr < L
+    tok = tl.load(stok + p0 + rr, mask=rm, other=0).to(tl.int64)
+    m = rm[:, None] & cmask[None, :]
+    return rr, m, _load_f32(x + tok[:, None] * x_t + h * x_h + cols[None, :] * x_d, m, X_BF16)
+
+
+@triton.jit
 def _write_kv_scaled_kernel(
     cache, scales, x, partial,
     stok, sslot, run_pos, run_len, g_first_run, g_nruns,
@@ -270,11 +281,7 @@ def _write_kv_scaled_kernel(
         amax = 0.0
         i = 0
         while i < L:
-            rr = i + rows
-            rm = rr < L
-            tok = tl.load(stok + p0 + rr, mask=rm, other=0).to(tl.int64)
-            m = rm[:, None] & cmask[None, :]
-            xv = _load_f32(x + tok[:, None] * x_t + h * x_h + cols[None, :] * x_d, m, X_BF16)
+            rr, m, xv = _run_rows(x, stok, p0, i, L, rows, cols, cmask, h, x_t, x_h, x_d, X_BF16)
             a = tl.abs(xv)
             a = tl.where(a == a, a, 0.0)
             amax = tl.maximum(amax, tl.max(tl.max(a, axis=1), axis=0))
@@ -300,11 +307,7 @@ def _write_kv_scaled_kernel(
         # the new rows
         i = 0
         while i < L:
-            rr = i + rows
-            rm = rr < L
-            tok = tl.load(stok + p0 + rr, mask=rm, other=0).to(tl.int64)
-            m = rm[:, None] & cmask[None, :]
-            xv = _load_f32(x + tok[:, None] * x_t + h * x_h + cols[None, :] * x_d, m, X_BF16)
+            rr, m, xv = _run_rows(x, stok, p0, i, L, rows, cols, cmask, h, x_t, x_h, x_d, X_BF16)
             q = _quantize(xv * inv, xv, FMT, QMAX)
             orow = first + rr
             tl.store(cache + b * c_b + orow[:, None] * c_o + h * c_h + cols[None, :] * c_d, q, mask=m)
