@@ -39,6 +39,7 @@ from pagedkv.model_shape import ModelShape, shape_from_gguf
 from pagedkv.models.cache_dir import cache_root, file_key
 from pagedkv.models.config import ModelConfig, RopeConfig
 from pagedkv.models.errors import ModelLoadError, UnsupportedModelError
+from pagedkv.models.gguf_file import check_model_metadata, open_gguf
 from pagedkv.models.gguf_quants import EXACT_TYPES, unpack
 from pagedkv.models.gguf_tokenizer import build_gguf_tokenizer
 from pagedkv.models.quant_linear import quantize_q8_0
@@ -265,9 +266,7 @@ def has_exact_quantized_matrices(path: Path) -> bool:
         return bool(json.loads(stamp.read_text())["exact_quantized"])
     except (OSError, ValueError, KeyError):
         pass
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
+    reader = open_gguf(path)
     arch = _field(reader, "general.architecture")
     types = {t.tensor_type.name for t in reader.tensors if (name := hf_name(t.name, arch)) is not None
              and _is_matrix(name)}
@@ -283,10 +282,8 @@ def has_exact_quantized_matrices(path: Path) -> bool:
 def convert_gguf(path: Path, out_dir: Path, quantization: str = "none") -> None:
     """Write the HF-style folder for GGUF ``path`` into ``out_dir`` (created); ``quantization`` is
     "none", "auto" or "q8_0" (the module docstring)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    arch = _field(reader, "general.architecture")
+    reader = open_gguf(path)
+    arch = check_model_metadata(reader, path)
     names = {t.name for t in reader.tensors}
     config, extra = gguf_config(reader)
     if "rope_freqs.weight" in names:  # llama3-style scaling baked into per-frequency factors
@@ -347,14 +344,12 @@ def _write_tokenizer(reader: Any, out_dir: Path, tokens: list[str], extra: dict[
 def tokenizer_folder(path: Path) -> Path:
     """The cached folder holding only the tokenizer (tokenizer.json, tokenizer_config.json and the
     token ids in config.json) of GGUF ``path``, for ``--tokenizer FILE.gguf``: no tensor is read."""
-    from gguf import GGUFReader
-
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {path} does not exist")
     folder = cache_root() / "gguf-tokenizer" / f"{path.stem}-{file_key(path, CONVERTER_VERSION)}"
     if (folder / _DONE).exists():
         return folder
-    reader = GGUFReader(str(path))
+    reader = open_gguf(path)
     tokens = _field(reader, "tokenizer.ggml.tokens")
     if not tokens:
         raise ModelLoadError(f"GGUF file {path} holds no tokenizer (no tokenizer.ggml.tokens)")

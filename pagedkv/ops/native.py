@@ -3,7 +3,7 @@
 ``available()`` builds ``csrc/*.cpp`` on first use (about a minute; ``scripts/setup.sh``
 does it ahead of time) into ``$PAGEDKV_CACHE_DIR/native/`` (default ``~/.cache/pagedkv/native``),
 keyed by the source, the torch version and the CPU's instruction sets (it is built with
-``-march=native``), and registers ``torch.ops.pagedkv.paged_attention`` and
+``-march=native``; a first build says so on stderr: ``pagedkv/progress.py``), and registers ``torch.ops.pagedkv.paged_attention`` and
 ``torch.ops.pagedkv.rms_norm`` (and, from ``csrc/quant_matmul.cpp``, ``q8_0_linear``: a linear layer
 over GGUF Q8_0 weights kept as int8). Where no compiler is present
 or the build fails, ``available()`` is False, the reason is logged once, and callers use the plain
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.models.cache_dir import cache_root
+from pagedkv.progress import phase
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +69,20 @@ def _build(verbose: bool = False) -> None:
         # is stale.
         if held:
             (folder / "lock").unlink(missing_ok=True)
-        cpp_extension.load(name=f"pagedkv_native_{key}", sources=[str(s) for s in _SOURCES],
-                           extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(folder),
-                           is_python_module=False, verbose=verbose)
+        name = f"pagedkv_native_{key}"
+        if (folder / f"{name}.so").exists():  # built before (this machine, this torch): a load
+            _load(cpp_extension, name, folder, verbose)
+            return
+        # A first build compiles for one to three minutes: say so, or a first start looks hung.
+        with phase(f"building the native CPU kernels once for this machine into {folder} "
+                   "(one to three minutes; later starts reuse them)", done="built"):
+            _load(cpp_extension, name, folder, verbose)
+
+
+def _load(cpp_extension, name: str, folder: Path, verbose: bool) -> None:
+    cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES], extra_cflags=_FLAGS,
+                       extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False,
+                       verbose=verbose)
 
 
 @contextmanager

@@ -1,0 +1,70 @@
+"""Saying what a long start-up phase is doing, so that a first start is never silent.
+
+A phase that can take tens of seconds (building the native kernels, converting a GGUF file,
+downloading a model, loading the weights) prints one line on stderr when it starts and one when it
+ends, with its duration. On a terminal a ticker shows the elapsed time in between (on a pipe or in a
+log file, no ticker: two lines per phase). ``PAGEDKV_QUIET=1`` silences it (the tests' servers do not
+need it; the user's terminal does).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+PREFIX = "pagedkv: "
+_TICK_S = 1.0
+
+
+def quiet() -> bool:
+    return os.environ.get("PAGEDKV_QUIET", "0") not in ("", "0")
+
+
+def interactive() -> bool:
+    """Whether stderr is a terminal (progress bars and tickers are for people, not for log files)."""
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def notice(message: str) -> None:
+    """One line on stderr, unless ``PAGEDKV_QUIET``."""
+    if not quiet():
+        print(PREFIX + message, file=sys.stderr, flush=True)
+
+
+@contextmanager
+def phase(message: str, done: str = "done") -> Iterator[None]:
+    """Print ``message`` now and ``message: done in N s`` at the end (``failed after N s`` if the
+    block raises), with an elapsed-time ticker between them on a terminal."""
+    if quiet():
+        yield
+        return
+    start = time.monotonic()
+    stop = threading.Event()
+    ticker = None
+    if interactive():
+        def tick() -> None:
+            while not stop.wait(_TICK_S):
+                print(f"\r{PREFIX}{message} ... {time.monotonic() - start:.0f} s", end="", file=sys.stderr,
+                      flush=True)
+        print(f"{PREFIX}{message} ...", end="", file=sys.stderr, flush=True)
+        ticker = threading.Thread(target=tick, name="pagedkv-progress", daemon=True)
+        ticker.start()
+    else:
+        notice(message + " ...")
+    outcome = "failed after"
+    try:
+        yield
+        outcome = done + " in"
+    finally:
+        stop.set()
+        if ticker is not None:
+            ticker.join()
+            print("\r\x1b[K", end="", file=sys.stderr)  # the ticker's line, cleared
+        notice(f"{message}: {outcome} {time.monotonic() - start:.1f} s")

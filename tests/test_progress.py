@@ -1,0 +1,86 @@
+"""A first start is never silent: the native kernels' build says so (with an empty build cache), a
+built cache loads without a word, and ``LLM.generate``'s progress bar (vLLM's ``use_tqdm``) counts
+the prompts."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pagedkv.ops import native
+
+BUILD_MESSAGE = "pagedkv: building the native CPU kernels once for this machine"
+
+
+def _native_main(cache: Path, **env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pagedkv.ops.native"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PAGEDKV_CACHE_DIR": str(cache), "PAGEDKV_NATIVE": "1", **env})
+
+
+def test_an_empty_build_cache_says_the_kernels_are_being_built(tmp_path: Path) -> None:
+    """With an empty PAGEDKV_CACHE_DIR the build announces itself (where, and how long it takes)
+    before compiling; the test stops the compiler once the message is out."""
+    proc = _native_main(tmp_path / "cache")
+    try:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 120
+        line = ""
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line or BUILD_MESSAGE in line:
+                break
+        assert BUILD_MESSAGE in line, line
+        assert str(tmp_path / "cache" / "native") in line and "minutes" in line
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the compiler too (its own process group)
+        proc.wait(timeout=30)
+
+
+def test_a_failed_build_is_announced_and_ends_in_one_line(tmp_path: Path) -> None:
+    """No compiler: the announcement, then how long it took to fail, then why (the plain
+    PyTorch path runs)."""
+    proc = _native_main(tmp_path / "cache", CXX="/nonexistent/c++")
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 1 and "unavailable" in out
+    lines = [line for line in err.splitlines() if line.startswith("pagedkv: ")]
+    assert BUILD_MESSAGE in lines[0] and "failed after" in lines[-1], err[-2000:]
+    assert "native CPU kernels unavailable" in err
+
+
+def test_a_built_cache_loads_without_a_message(tmp_path: Path) -> None:
+    from pagedkv.models.cache_dir import cache_root
+
+    if not native.available():
+        pytest.skip(f"native kernels unavailable here: {native.why_unavailable()}")
+    key = native._build_key()
+    shutil.copytree(cache_root() / "native" / key, tmp_path / "cache" / "native" / key,
+                    ignore=shutil.ignore_patterns("lock", "pagedkv-build.lock"))
+    proc = _native_main(tmp_path / "cache")
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0 and "built and loaded" in out, err[-2000:]
+    assert "building" not in err
+
+
+def test_phase_lines_on_a_pipe(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedkv.progress import phase
+
+    monkeypatch.delenv("PAGEDKV_QUIET", raising=False)
+    with phase("doing a thing"):
+        pass
+    with pytest.raises(RuntimeError), phase("doing another"):
+        raise RuntimeError("no")
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "pagedkv: doing a thing ..." and err[1].startswith("pagedkv: doing a thing: done in ")
+    assert err[3].startswith("pagedkv: doing another: failed after ")
+    monkeypatch.setenv("PAGEDKV_QUIET", "1")
+    with phase("silent"):
+        pass
+    assert capsys.readouterr().err == ""
