@@ -88,8 +88,10 @@ def add_kv_cache_parser(subparsers) -> None:
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     clear = actions.add_parser("clear", help="delete every block file and the fingerprint in DIR",
                                description="Delete every KV block file, the fingerprint and the lock pagedkv "
-                                           "wrote in DIR (files it did not write stay). Refused while an "
-                                           "engine uses DIR.")
+                                           "wrote in DIR: only files whose header pagedkv recognizes go, "
+                                           "others stay, and no link is followed. Refused, removing nothing, "
+                                           "for a DIR without pagedkv's fingerprint.json, with a link at "
+                                           "DIR/blocks, or while an engine uses DIR.")
     clear.add_argument("directory", metavar="DIR")
     clear.set_defaults(func=run_kv_cache_clear)
     info = actions.add_parser("info", help="what DIR holds: blocks, bytes, fingerprint")

@@ -421,9 +421,9 @@ def test_clear_directory_removes_only_what_pagedkv_wrote(kv_dir, tmp_path):
     with DiskTier(kv_dir, 1 << 20, FP) as t:
         for i in range(5):
             assert t.put(key(i), payload(i))
-    leftover = block_path(kv_dir, key(9)).with_name("x.kvb.1-0.tmp")
+    leftover = block_path(kv_dir, key(9)).with_name(f"{key(9).hex()}.kvb.1-0.tmp")  # a crashed write
     leftover.parent.mkdir(exist_ok=True)
-    leftover.write_bytes(b"partial")
+    leftover.write_bytes(b"PKVB partial")
     (kv_dir / "fingerprint.json.7.tmp").write_text("{")
     assert clear_directory(kv_dir) == 5
     assert os.listdir(kv_dir) == []

@@ -47,13 +47,22 @@ def open_disk_tier(config: EngineConfig, runner, model_name: str,
                                          f"head_dim={cfg.head_dim}" + _group_layout(runner)),
         "payload": PAYLOAD_LAYOUT,
     }
-    disk = DiskTier(config.kv_offload_dir, config.disk_tier_bytes, fingerprint)
+    disk = DiskTier(config.kv_offload_dir, config.disk_tier_bytes, fingerprint, payload_bytes=_payload_bytes(runner))
     per_block = int(getattr(getattr(runner, "cache", None), "bytes_per_block", 0)) or 1
     tier = DiskPrefixTier(disk, max_queued_writes=max(8, WRITE_QUEUE_BYTES // per_block))
     s = disk.stats()
     logger.info("KV disk tier %s: %d blocks (%.1f MiB) of %.1f MiB", config.kv_offload_dir, s.blocks,
                 s.bytes_used / 2**20, s.capacity_bytes / 2**20)
     return tier
+
+
+def _payload_bytes(runner) -> int | None:
+    """The exact size of a block's payload (``runner.block_payloads``): a block file of another
+    size is discarded when read, never handed to the runner (it would fail the step)."""
+    payloads = getattr(runner, "block_payloads", None)
+    if payloads is None or not getattr(runner, "num_blocks", 0):
+        return None
+    return len(payloads([0])[0])
 
 
 def _group_layout(runner) -> str:

@@ -24,12 +24,21 @@ A block file, little-endian::
 Why these rules:
 - A block file is written to a temporary name, fsync()ed, then renamed over the final name, so a
   crash leaves either no file or a complete one; never a torn block that a later run would serve.
-- Every read checks magic, version, key, length and checksum. A bad file (bit rot, truncation, a
-  file copied under another key's name) is deleted and counted; ``get`` never raises for it.
+- Every read checks magic, version, key, length and checksum, and (``payload_bytes``) that the
+  payload is exactly the size the engine's blocks take. A bad file (bit rot, truncation, a file
+  copied under another key's name, a well-checksummed file of another size) is deleted and
+  counted; ``get`` never raises for it, and nothing bad reaches the caller.
 - ``fingerprint.json`` ties the blocks to the model, tokenizer, block size and KV dtype that wrote
   them. Blocks written under another fingerprint are removed at open, not served.
 - A failed write (disk full, read-only, directory gone) never stops serving: ``put`` returns False
-  and the tier stops writing (``stats().enabled``); reads of the blocks already there go on.
+  and the tier stops writing (``stats().enabled``); reads of the blocks already there go on. A
+  block whose own path is taken (a directory, a link, a file where its fan-out folder goes) is
+  that block's problem only: an empty directory there is removed, anything else skipped
+  (``blocked_writes``), and writing goes on.
+- The tier touches only its own files and never follows a link inside its directory: a link at
+  ``blocks/`` is refused at open, files are opened with ``O_NOFOLLOW``, and only files whose
+  header pagedkv wrote are ever deleted (``remove_block_files``; ``clear_directory`` also
+  refuses a directory without pagedkv's fingerprint).
 
 Threads: one background worker calls ``put``/``get`` while the engine thread calls ``in``,
 ``touch`` and ``stats``. The index is guarded by one lock; file I/O happens outside it. A ``put``
@@ -43,6 +52,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import threading
 from collections import OrderedDict, deque
 from contextlib import suppress
@@ -61,13 +71,20 @@ from pagedkv.memory.disk_files import (
     MAGIC,
     MAX_KEY_BYTES,
     TMP_SUFFIX,
+    BlockedPath,
     CorruptBlock,
     DiskTierError,
     block_file_size,
     check_block,
     describe_change,
+    is_block_file,
+    is_block_tmp,
+    is_fingerprint_tmp,
+    is_tier_fingerprint,
     key_from_name,
     make_private_directory,
+    read_fingerprint,
+    real_directory,
     remove_block_files,
     try_lock,
     unlock,
@@ -92,6 +109,7 @@ class DiskTierStats:
     corrupt_discarded: int
     write_errors: int
     evictions: int
+    blocked_writes: int
     enabled: bool
     disabled_reason: str | None
 
@@ -105,6 +123,7 @@ class _Counters:
     corrupt_discarded: int = 0
     write_errors: int = 0
     evictions: int = 0
+    blocked_writes: int = 0  # blocks not written: their path was taken (the tier goes on writing)
 
 
 class DiskTier:
@@ -113,12 +132,19 @@ class DiskTier:
     Opening creates ``directory`` (mode 0700) if needed, takes its lock, drops blocks written
     under another fingerprint and indexes the rest, oldest modification time first. Raises
     DiskTierError if the directory is used by another engine, is writable by group or others, is
-    not owned by the current user, or cannot be created or read; ValueError for a bad argument.
+    not owned by the current user, has a link (or a file) at ``blocks/``, or cannot be created or
+    read; ValueError for a bad argument. ``payload_bytes``: the exact payload size of every block
+    (None: any); a file of another size is discarded like a checksum failure.
     """
 
-    def __init__(self, directory: str | Path, capacity_bytes: int, fingerprint: dict[str, str]) -> None:
+    def __init__(self, directory: str | Path, capacity_bytes: int, fingerprint: dict[str, str],
+                 payload_bytes: int | None = None) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be an int >= 0, got {capacity_bytes!r}")
+        if payload_bytes is not None and (isinstance(payload_bytes, bool) or not isinstance(payload_bytes, int)
+                                          or payload_bytes < 0):
+            raise ValueError(f"payload_bytes must be an int >= 0 or None, got {payload_bytes!r}")
+        self.payload_bytes = payload_bytes
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in fingerprint.items()):
             raise ValueError("fingerprint must map str to str (model, tokenizer, block size, KV dtype, ...)")
         self.directory = Path(directory)
@@ -145,6 +171,9 @@ class DiskTier:
             raise DiskTierError(f"the KV disk tier directory {self.directory} is in use by another pagedkv "
                                 "engine; give each engine its own directory")
         try:
+            if real_directory(self._blocks_dir) is False:
+                raise DiskTierError(f"{self._blocks_dir} is a link or not a directory; pagedkv never follows "
+                                    f"links in its KV disk tier: remove it, or give another --kv-offload-dir")
             self._adopt_fingerprint({"layout_version": LAYOUT_VERSION, "fingerprint": dict(fingerprint)})
             self._load_index()
         except BaseException as e:
@@ -187,6 +216,9 @@ class DiskTier:
                     os.unlink(self._block_path(victim))
             if fits:
                 self._write_block(key, payload)
+        except BlockedPath as e:
+            self._write_blocked(e, size, key)
+            return False
         except OSError as e:
             self._write_failed(e, size if fits else 0, key)
             return False
@@ -224,10 +256,15 @@ class DiskTier:
                 return None
         path = self._block_path(key)
         try:
-            with open(path, "rb") as f:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)  # (a link: ELOOP, discarded)
+            with open(fd, "rb") as f:
                 head = f.read(HEADER_SIZE + len(key))
-                payload = f.read()
-            check_block(key, head, payload)
+                # read no more than a good file holds (plus one byte to see a longer one)
+                wanted = self.payload_bytes
+                if wanted is None and len(head) >= HEADER_SIZE:
+                    wanted = HEADER.unpack_from(head)[3]
+                payload = f.read(-1 if wanted is None else wanted + 1)
+            check_block(key, head, payload, self.payload_bytes)
         except FileNotFoundError:  # removed underneath us: nothing to discard
             self._forget(key, corrupt=False)
             return None
@@ -361,12 +398,33 @@ class DiskTier:
 
     def _write_block(self, key: bytes, payload: bytes) -> None:
         final = self._block_path(key)
-        with suppress(FileExistsError):
-            os.mkdir(final.parent, 0o700)
+        self._clear_way(final)
         checksum = hashlib.blake2b(key, digest_size=32)
         checksum.update(payload)
         head = HEADER.pack(MAGIC, LAYOUT_VERSION, len(key), len(payload), checksum.digest()) + key
-        write_durably(final, self._tmp_path(final), (head, payload))
+        try:
+            write_durably(final, self._tmp_path(final), (head, payload))
+        except (IsADirectoryError, NotADirectoryError) as e:  # taken since _clear_way looked
+            raise BlockedPath(f"{final}: {e}") from e
+
+    def _clear_way(self, final: Path) -> None:
+        """Make sure ``final`` can be written without following a link: its fan-out folder a real
+        directory (made if missing), nothing at its name but a file. An empty directory at its
+        name is removed; anything else raises BlockedPath (this block is skipped)."""
+        fan = final.parent
+        kind = real_directory(fan)
+        if kind is None:
+            with suppress(FileExistsError):
+                os.mkdir(fan, 0o700)
+            kind = real_directory(fan)
+        if not kind:
+            raise BlockedPath(f"{fan} is a link or not a directory")
+        if real_directory(final):
+            try:
+                os.rmdir(final)
+            except OSError as e:
+                raise BlockedPath(f"{final} is a directory that cannot be removed ({e.strerror})") from e
+            logger.warning("KV disk tier: removed an empty directory at block path %s", final)
 
     def _tmp_path(self, final: Path) -> Path:
         return final.with_name(f"{final.name}.{os.getpid()}-{next(self._tmp_ids)}{TMP_SUFFIX}")
@@ -384,17 +442,20 @@ class DiskTier:
             logger.warning("KV disk tier %s: write failed (%s); the disk tier stops writing and keeps "
                            "serving the blocks it has", self.directory, error)
 
+    def _write_blocked(self, error: BlockedPath, reserved: int, key: bytes) -> None:
+        with self._mutex:
+            self._reserved -= reserved
+            self._writing.discard(key)
+            self._discarded_while_writing.discard(key)
+            self._counters.blocked_writes += 1
+        logger.warning("KV disk tier: block not written, its path is taken: %s", error)
+
     def _adopt_fingerprint(self, wanted: dict[str, object]) -> None:
         path = self.directory / FINGERPRINT_FILE
         for entry in os.scandir(self.directory):  # a fingerprint write a crash interrupted
-            if entry.name.startswith(FINGERPRINT_FILE + ".") and entry.name.endswith(TMP_SUFFIX):
+            if entry.is_file(follow_symlinks=False) and is_fingerprint_tmp(entry.path, entry.name):
                 os.unlink(entry.path)
-        try:
-            found = json.loads(path.read_bytes())
-        except FileNotFoundError:
-            found = None
-        except ValueError:  # not JSON, or not UTF-8
-            found = {}
+        found = read_fingerprint(self.directory)
         if found == wanted:
             return
         removed = remove_block_files(self._blocks_dir, self.discarded_keys)
@@ -407,21 +468,28 @@ class DiskTier:
     def _load_index(self) -> None:
         with suppress(FileExistsError):
             os.mkdir(self._blocks_dir, 0o700)
+        if not real_directory(self._blocks_dir):  # (checked at open; a race since is refused too)
+            raise DiskTierError(f"{self._blocks_dir} is a link or not a directory; pagedkv never follows links")
         found = []  # (mtime, name, key, size)
         for fan in os.scandir(self._blocks_dir):
             if not fan.is_dir(follow_symlinks=False):
                 continue
             for entry in os.scandir(fan.path):
+                if not entry.is_file(follow_symlinks=False):
+                    continue
                 if entry.name.endswith(TMP_SUFFIX):  # a block write a crash interrupted
-                    os.unlink(entry.path)
+                    if is_block_tmp(entry.path, entry.name):
+                        os.unlink(entry.path)
                     continue
                 key = key_from_name(fan.name, entry.name)
-                if key is None or not entry.is_file(follow_symlinks=False):
+                if key is None:
                     continue
                 st = entry.stat(follow_symlinks=False)
-                if st.st_size < HEADER_SIZE + len(key):
-                    os.unlink(entry.path)
-                    self._counters.corrupt_discarded += 1
+                good = HEADER_SIZE + len(key) + (self.payload_bytes or 0)
+                if st.st_size < HEADER_SIZE + len(key) or (self.payload_bytes is not None and st.st_size != good):
+                    if st.st_size < HEADER_SIZE + len(key) or is_block_file(entry.path, key):
+                        os.unlink(entry.path)  # (ours, of the wrong size: as a failed check would)
+                        self._counters.corrupt_discarded += 1
                     continue
                 found.append((st.st_mtime_ns, entry.name, key, st.st_size))
         found.sort()
@@ -437,23 +505,34 @@ class DiskTier:
 
 def clear_directory(directory: str | Path) -> int:
     """Remove every block file and all metadata pagedkv wrote in ``directory``, keeping the
-    directory itself (and any file pagedkv did not write). Returns the number of block files removed
-    (0 if the directory does not exist). Raises DiskTierError if an engine has it open, or if a
-    file cannot be removed."""
+    directory itself and any file pagedkv did not write (only files whose header it recognizes
+    go; no link is followed). Returns the number of block files removed (0 if the directory does
+    not exist). Raises DiskTierError, removing nothing, if the directory has no pagedkv
+    fingerprint, if ``blocks/`` is a link or not a directory, or if an engine has it open; and if
+    a file cannot be removed."""
     directory = Path(directory)
     if not directory.is_dir():
         return 0
+    blocks = directory / BLOCKS_DIR
+    if not is_tier_fingerprint(read_fingerprint(directory)):
+        raise DiskTierError(f"{directory} is not a pagedkv KV disk tier (no readable {FINGERPRINT_FILE} written by "
+                            "pagedkv); nothing was removed")
+    if real_directory(blocks) is False:
+        raise DiskTierError(f"{blocks} is a link or not a directory; pagedkv never follows links, so nothing "
+                            "was removed: remove it yourself if it is yours")
     fd = try_lock(directory)
     if fd is None:
         raise DiskTierError(f"cannot clear {directory}: another pagedkv engine is using it as its KV disk "
                             "tier; stop that engine first")
     try:
-        removed = remove_block_files(directory / BLOCKS_DIR)
+        removed = remove_block_files(blocks)
         for entry in os.scandir(directory):
-            if entry.name == FINGERPRINT_FILE or (
-                    entry.name.startswith(FINGERPRINT_FILE + ".") and entry.name.endswith(TMP_SUFFIX)):
+            if entry.is_file(follow_symlinks=False) and (
+                    entry.name == FINGERPRINT_FILE or is_fingerprint_tmp(entry.path, entry.name)):
                 os.unlink(entry.path)
-        os.unlink(directory / LOCK_FILE)  # last: while we hold it, no engine can open the directory
+        lock = os.lstat(directory / LOCK_FILE)
+        if stat.S_ISREG(lock.st_mode) and lock.st_size == 0:  # (ours: pagedkv's lock file is empty)
+            os.unlink(directory / LOCK_FILE)  # last: while we hold it, no engine can open the directory
     except OSError as e:
         raise DiskTierError(f"cannot clear the KV disk tier in {directory}: {e}") from e
     finally:

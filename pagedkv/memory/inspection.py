@@ -83,7 +83,7 @@ def _disk_stats(mgr: KVCacheManager) -> dict[str, int | bool]:
                 disk_bytes_read=d.bytes_read, disk_evictions=d.evictions,
                 disk_corrupt_discarded=d.corrupt_discarded, disk_read_errors=io.read_errors,
                 disk_write_errors=d.write_errors, disk_queue_depth=io.queued_writes,
-                disk_writes_dropped=io.writes_dropped)
+                disk_writes_dropped=io.writes_dropped, disk_blocked_writes=d.blocked_writes)
 
 
 def check_integrity(mgr: KVCacheManager) -> None:

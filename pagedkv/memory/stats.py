@@ -54,6 +54,7 @@ class KVStats:
     disk_corrupt_discarded: int = 0  # block files that failed a check: deleted, tokens recomputed
     disk_read_errors: int = 0
     disk_write_errors: int = 0
+    disk_blocked_writes: int = 0  # blocks not written: their path was taken (writing goes on)
     disk_queue_depth: int = 0  # blocks waiting for the disk writer
     disk_writes_dropped: int = 0  # evicted blocks not written: the queue was full
     # Per-tenant quotas (empty when off): {tenant: (blocks held, of them cached-free, limit or None)}

@@ -1,0 +1,200 @@
+"""The disk tier touches only its own files (issue 27, item 8): ``pagedkv kv-cache clear`` refuses
+a directory that is not a KV tier and removes only files whose header pagedkv wrote, neither it nor
+the tier at start follows a link, a well-checksummed block file of the wrong size is discarded like
+a checksum failure (the requests batched with its reader succeed), and a directory planted at a
+block path never stops the tier writing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import pytest
+from conftest_models import make_hf_checkpoint
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.cli import main as cli_main
+from pagedkv.memory.disk_files import HEADER, HEADER_SIZE
+from pagedkv.memory.disk_tier import DiskTier, DiskTierError, clear_directory
+
+FP = {"model": "tiny@1", "block_size": "4"}
+
+
+def key(i: int) -> bytes:
+    return hashlib.sha256(f"block {i}".encode()).digest()
+
+
+def block_path(directory, k: bytes):
+    return directory / "blocks" / k.hex()[:2] / f"{k.hex()}.kvb"
+
+
+def snapshot(root) -> dict[str, bytes]:
+    """Every file under ``root`` (links not followed) with its bytes."""
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            if not os.path.islink(path):
+                with open(path, "rb") as f:
+                    out[os.path.relpath(path, root)] = f.read()
+    return out
+
+
+def foreign_tree(root) -> dict[str, bytes]:
+    """A directory laid out like a KV tier by someone else: names pagedkv uses, contents it did not
+    write."""
+    k = key(7).hex()
+    files = {"lock": b"someone's lock", "notes.txt": b"keep me",
+             f"blocks/{k[:2]}/{k}.kvb": b"not a KV block, but named like one",
+             f"blocks/{k[:2]}/{k}.kvb.12-0.tmp": b"a temporary file of another program",
+             "blocks/zz/data.tmp": b"x" * 100}
+    for rel, data in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    os.chmod(root, 0o700)
+    return snapshot(root)
+
+
+# ------------------------------------------------------------------ the wipe
+def test_clear_refuses_a_foreign_directory_and_keeps_every_file(tmp_path, capsys):
+    foreign = tmp_path / "foreign"
+    before = foreign_tree(foreign)
+    with pytest.raises(DiskTierError, match="not a pagedkv KV disk tier"):
+        clear_directory(foreign)
+    assert cli_main(["kv-cache", "clear", str(foreign)]) == 2
+    assert "nothing was removed" in capsys.readouterr().err
+    assert snapshot(foreign) == before
+    # with a fingerprint copied in, only what pagedkv recognizes goes: the fingerprint (and the lock
+    # it takes itself); the foreign files named like blocks and temporary files stay
+    (foreign / "fingerprint.json").write_text(json.dumps({"layout_version": 1, "fingerprint": FP}))
+    assert clear_directory(foreign) == 0
+    assert snapshot(foreign) == before
+
+
+def test_symlinked_blocks_folder_is_never_followed(tmp_path, capsys):
+    foreign = tmp_path / "foreign"
+    before = foreign_tree(foreign)
+    kv_dir = tmp_path / "kv"
+    with DiskTier(kv_dir, 1 << 20, FP) as tier:
+        assert tier.put(key(1), b"payload")
+    block_path(kv_dir, key(1)).unlink()
+    (kv_dir / "blocks" / key(1).hex()[:2]).rmdir()
+    (kv_dir / "blocks").rmdir()
+    (kv_dir / "blocks").symlink_to(foreign / "blocks")
+    with pytest.raises(DiskTierError, match="link"):
+        clear_directory(kv_dir)
+    assert cli_main(["kv-cache", "clear", str(kv_dir)]) == 2
+    assert "never follows links" in capsys.readouterr().err
+    with pytest.raises(DiskTierError, match="link"):  # nor does the tier at start (a changed fingerprint too)
+        DiskTier(kv_dir, 1 << 20, {**FP, "model": "other"})
+    assert snapshot(foreign) == before
+    assert (kv_dir / "fingerprint.json").exists()
+
+
+def test_clear_removes_what_pagedkv_wrote_and_keeps_the_rest(tmp_path):
+    kv_dir = tmp_path / "kv"
+    with DiskTier(kv_dir, 1 << 20, FP) as tier:
+        for i in range(3):
+            assert tier.put(key(i), bytes(16))
+    fan = block_path(kv_dir, key(0)).parent
+    (fan / "mine.txt").write_text("not a block")
+    planted = block_path(kv_dir, key(9))
+    planted.parent.mkdir(exist_ok=True)
+    planted.write_bytes(b"named like a block, not one")
+    outside = tmp_path / "outside.kvb"
+    outside.write_bytes(b"outside")
+    (fan / f"{key(8).hex()}.kvb").symlink_to(outside)
+    assert clear_directory(kv_dir) == 3
+    assert sorted(snapshot(kv_dir)) == sorted([os.path.relpath(fan / "mine.txt", kv_dir),
+                                               os.path.relpath(planted, kv_dir)])
+    assert outside.read_bytes() == b"outside"
+
+
+# ------------------------------------------------------------------ a directory at a block path
+def test_a_directory_or_link_at_a_block_path_never_stops_writing(tmp_path):
+    kv_dir = tmp_path / "kv"
+    with DiskTier(kv_dir, 1 << 20, FP) as tier:
+        empty = block_path(kv_dir, key(1))
+        empty.mkdir(parents=True)  # an empty directory: removed, the block written
+        assert tier.put(key(1), b"one") and tier.get(key(1)) == b"one"
+        full = block_path(kv_dir, key(2))
+        full.mkdir(parents=True, exist_ok=True)
+        (full / "keep").write_text("someone's")  # not empty: that block is skipped
+        assert not tier.put(key(2), b"two")
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        k3 = next(key(i) for i in range(10, 10_000) if key(i).hex()[:2] not in (key(1).hex()[:2], key(2).hex()[:2]))
+        (kv_dir / "blocks" / k3.hex()[:2]).symlink_to(elsewhere)  # a link as its fan-out folder: skipped
+        assert not tier.put(k3, b"three")
+        assert os.listdir(elsewhere) == []
+        for i in range(20, 30):  # and the tier goes on writing every other block
+            assert tier.put(key(i), b"more")
+        s = tier.stats()
+        assert s.enabled and s.write_errors == 0 and s.blocked_writes == 2
+        assert (full / "keep").read_text() == "someone's"
+        tier.check_integrity()
+
+
+# ------------------------------------------------------------------ wrong-size block files
+B = 4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=5)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(make_hf_checkpoint(tmp_path_factory.mktemp("tierfaults"), "llama", seed=5))
+
+
+def _prompts() -> list[list[int]]:
+    shared = [(7 * i + 3) % 97 + 5 for i in range(32)]  # 8 blocks, on disk after the first run
+    others = [[(11 * i + 5 * j) % 90 + 3 for i in range(18)] for j in range(1, 4)]
+    return [shared + [200, 201, 150]] + others
+
+
+def _options(**kw):
+    return {"block_size": B, "num_kv_blocks": 40, "kv_offloading_size": 0.002, "debug_integrity": True, **kw}
+
+
+def _resize(path, extra: int) -> None:
+    """Rewrite a block file with ``extra`` more payload bytes (fewer when negative), its header
+    and checksum made to match: a file every check but the size passes."""
+    data = path.read_bytes()
+    magic, version, key_len, payload_len, _ = HEADER.unpack_from(data)
+    k = data[HEADER_SIZE:HEADER_SIZE + key_len]
+    payload = data[HEADER_SIZE + key_len:]
+    payload = payload + bytes(extra) if extra > 0 else payload[:extra]
+    digest = hashlib.blake2b(k, digest_size=32)
+    digest.update(payload)
+    path.write_bytes(HEADER.pack(magic, version, key_len, len(payload), digest.digest()) + k + payload)
+
+
+@pytest.mark.parametrize("extra", [64, -64])
+def test_a_wrong_size_block_file_is_discarded_and_its_batch_succeeds(model, tmp_path, extra):
+    prompts = _prompts()
+    reference = [o.outputs[0].token_ids for o in
+                 LLM(model, block_size=B, num_kv_blocks=200, enable_prefix_caching=False).generate(prompts, GREEDY)]
+    kv_dir = tmp_path / "kv"
+    with LLM(model, **_options(kv_offload_dir=str(kv_dir))) as llm:
+        llm.generate(prompts[:1], GREEDY)
+    files = sorted((kv_dir / "blocks").glob("*/*.kvb"))
+    assert len(files) >= 8
+    for path in files:
+        _resize(path, extra)
+    with LLM(model, **_options(kv_offload_dir=str(kv_dir))) as llm:  # (open: sizes are checked)
+        pass
+    assert sorted((kv_dir / "blocks").glob("*/*.kvb")) == []  # discarded at open without a read
+    with LLM(model, **_options(kv_offload_dir=str(kv_dir))) as llm:
+        llm.generate(prompts[:1], GREEDY)
+    files = sorted((kv_dir / "blocks").glob("*/*.kvb"))
+    with LLM(model, **_options(kv_offload_dir=str(kv_dir))) as llm:
+        for path in files:  # after the index is built: found only when read
+            _resize(path, extra)
+        outs = llm.generate(prompts, GREEDY)  # the first reads them; the others share its steps
+        assert [o.error for o in outs] == [None] * len(prompts)
+        assert [o.outputs[0].token_ids for o in outs] == reference
+        s = llm.stats().kv
+        assert s.disk_corrupt_discarded >= 1 and s.disk_hit_tokens == 0
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == reference  # and again
