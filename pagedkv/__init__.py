@@ -1,10 +1,11 @@
 """pagedkv: an LLM inference and serving engine built around paged KV-cache memory."""
 
+from pagedkv.lora.request import LoRARequest
 from pagedkv.outputs import CompletionOutput, RequestOutput
 from pagedkv.sampling_params import SamplingParams, StructuredOutput
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutput", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "LoRARequest", "RequestOutput", "SamplingParams", "StructuredOutput", "__version__"]
 
 
 def __getattr__(name: str):

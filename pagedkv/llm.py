@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Sequence
 
 from pagedkv.engine import EngineStats, LLMEngine
+from pagedkv.lora.request import LoRARequest
 from pagedkv.outputs import RequestOutput
 from pagedkv.sampling_params import SamplingParams
 
@@ -28,8 +29,10 @@ class LLM:
     ``kv_offload_disk_size``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``max_model_len``, ``preemption_mode``, ``eviction_policy``,
     ``dtype``, ``quantization``, ``seed``, ``fault_injection``, ``debug_integrity``, ``threads``,
-    ``generation_config``, ``tokenizer``); see
-    ``pagedkv.engine.EngineConfig``.
+    ``generation_config``, ``tokenizer``, ``enable_lora``, ``max_loras``, ``max_lora_rank``,
+    ``max_cpu_loras``); see ``pagedkv.engine.EngineConfig``. With ``enable_lora``, ``generate`` and
+    ``chat`` take ``lora_request``: one ``LoRARequest`` for every prompt, or a list with one per
+    prompt (None: the base model).
     """
 
     def __init__(self, model: str | None = None, **engine_options) -> None:
@@ -60,7 +63,8 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = False, cache_salt: str | None = None,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (strings or token-id lists); outputs keep the prompts' order.
 
         A prompt the engine rejects raises before any request runs (all are validated first).
@@ -69,14 +73,16 @@ class LLM:
         params = _per_prompt(sampling_params or self.get_default_sampling_params(), len(prompts), "sampling_params")
         prios = list(priority) if priority is not None else [0] * len(prompts)
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        loras = _per_prompt_lora(lora_request, len(prompts))
         self.engine.add_requests(list(zip(ids, prompts, params)), cache_salt=cache_salt,
-                                 priorities=prios)
+                                 priorities=prios, lora_requests=loras)
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              use_tqdm: bool = False, add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or to
         a list of conversations, using the model's chat template (``Tokenizer.encode_chat``, the
         server's path too)."""
@@ -84,7 +90,7 @@ class LLM:
         tok = self.engine.tokenizer
         prompts = [tok.encode_chat(c, add_generation_prompt, continue_final_message=continue_final_message,
                                    chat_template_kwargs=chat_template_kwargs) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], beam_width: int, max_tokens: int, *,
                     length_penalty: float = 1.0, ignore_eos: bool = False) -> list[RequestOutput]:
@@ -138,6 +144,18 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt of token ids
     return prompts
+
+
+def _per_prompt_lora(value, n: int) -> list | None:
+    """``lora_request`` as one entry per prompt (None when no prompt uses an adapter)."""
+    if value is None:
+        return None
+    if isinstance(value, LoRARequest):
+        return [value] * n
+    value = list(value)
+    if len(value) != n:
+        raise ValueError(f"lora_request has {len(value)} entries for {n} prompts")
+    return value
 
 
 def _per_prompt(value, n: int, name: str) -> list:

@@ -38,6 +38,8 @@ from pagedkv.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, S
 from pagedkv.engine.sequence import GroupStatus, Sequence, SequenceGroup
 from pagedkv.engine.stats import EngineStats
 from pagedkv.engine.structured_output import GrammarError, StructuredOutputs
+from pagedkv.lora.manager import LoRAManager
+from pagedkv.lora.request import LoRARequest
 from pagedkv.memory import KVCacheManager
 from pagedkv.outputs import RequestOutput
 from pagedkv.runner.batch import SeqChunk
@@ -89,7 +91,9 @@ class LLMEngine:
         self.faults = FaultInjector(spec) if spec else None
         if self.faults is not None and disk is not None:
             install_disk_faults(disk.disk, self.faults)
-        sched = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode)
+        self.lora = build_lora_manager(config, runner)
+        sched = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode,
+                                max_loras=config.max_loras if self.lora is not None else 0)
         self.scheduler = (FaultInjectingScheduler(sched, self.kv, self.faults) if self.faults
                           else Scheduler(sched, self.kv))
         self.sampler = Sampler(config.seed)
@@ -116,7 +120,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
                     *, cache_salt: str | None = None, priority: int = 0, beam_width: int = 0,
                     length_penalty: float = 1.0, tenant: str | None = None,
-                    conversation_id: str | None = None, pin_ttl_s: float | None = None) -> None:
+                    conversation_id: str | None = None, pin_ttl_s: float | None = None,
+                    lora_request: LoRARequest | str | None = None) -> None:
         """Queue a request. Raises RequestRejectedError (RequestTooLongError when it can never
         fit) with a message saying what to change; the engine's other requests are untouched.
 
@@ -125,7 +130,9 @@ class LLMEngine:
         cache. Without a tenant the ``cache_salt`` is the tenant (no salt: the default tenant).
         ``conversation_id``: when the request finishes, its prompt + output prefix stays cached
         (pinned) for ``pin_ttl_s`` seconds (default and bound: ``max_pin_ttl_s``) or until the
-        conversation's next turn finishes (``memory/pins.py``)."""
+        conversation's next turn finishes (``memory/pins.py``). ``lora_request`` runs the request
+        under a LoRA adapter (a ``LoRARequest``, or a registered adapter's name; engines built with
+        ``enable_lora``): LoRAError (status 404 for an unknown name) when it cannot be used."""
         params = params or SamplingParams()
         if request_id in self.scheduler.groups:
             raise RequestRejectedError(f"request id {request_id!r} is already in use")
@@ -139,9 +146,12 @@ class LLMEngine:
             # prefix-cache hit lets the request skip computing part of its prompt.
             salt = f"{salt or ''}\x00prompt-logprobs\x00{self._arrivals}"
         ttl = self._pin_ttl(conversation_id, pin_ttl_s)
+        lora = self._resolve_lora(lora_request)
         group = SequenceGroup(request_id, text, ids, params, self._arrivals, priority, salt,
                               tenant if tenant is not None else cache_salt, conversation_id, ttl, max_tokens,
                               beam_width, length_penalty)
+        if lora is not None:
+            group.lora, group.lora_key = lora, lora.key
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]  # nothing predicts the first prompt token
         group.seqs.append(self._new_seq(group, 0, list(ids)))
@@ -150,6 +160,14 @@ class LLMEngine:
         self._arrivals += 1
         self._prompt_tokens += len(ids)
         self.scheduler.add(group)
+
+    def _resolve_lora(self, lora_request: LoRARequest | str | None):
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise RequestRejectedError("this request names a LoRA adapter, but the engine serves none: "
+                                       "start it with enable_lora=True (--enable-lora)", param="lora_request")
+        return self.lora.resolve(lora_request)
 
     def _pin_ttl(self, conversation_id: str | None, pin_ttl_s: float | None) -> float:
         limit = self.config.max_pin_ttl_s
@@ -179,15 +197,17 @@ class LLMEngine:
     def add_requests(self, requests: list[tuple[str, PromptInput, SamplingParams]], *,
                      cache_salt: str | None = None, priorities: list[int] | None = None,
                      tenant: str | None = None, conversation_id: str | None = None,
-                     pin_ttl_s: float | None = None) -> None:
+                     pin_ttl_s: float | None = None,
+                     lora_requests: list[LoRARequest | None] | None = None) -> None:
         """Add ``(request_id, prompt, params)`` requests atomically: all of them, or (when one is
-        rejected) none, and the error is raised."""
+        rejected) none, and the error is raised. ``lora_requests``: one adapter (or None) per request."""
         added: list[str] = []
         try:
             for i, (rid, prompt, params) in enumerate(requests):
                 self.add_request(rid, prompt, params, cache_salt=cache_salt,
                                  priority=priorities[i] if priorities else 0, tenant=tenant,
-                                 conversation_id=conversation_id, pin_ttl_s=pin_ttl_s)
+                                 conversation_id=conversation_id, pin_ttl_s=pin_ttl_s,
+                                 lora_request=lora_requests[i] if lora_requests else None)
                 added.append(rid)
         except BaseException:
             for rid in added:
@@ -215,7 +235,9 @@ class LLMEngine:
         """
         out = self.scheduler.schedule()
         step = StepResult()
-        chunks = [self._chunk(s) for s in out.scheduled]
+        slots = (self.lora.assign_slots(s.group.lora for s in out.scheduled if s.group.lora is not None)
+                 if self.lora is not None else {})
+        chunks = [self._chunk(s, slots) for s in out.scheduled]
         now = time.time()
         for s in out.scheduled:  # (queue time ends when a request is first computed)
             if "first_scheduled_time" not in s.group.metrics:
@@ -254,15 +276,16 @@ class LLMEngine:
                 self.spec.draft.kv.check_integrity()
         return [self._output(g) for g in step.progressed.values() if not only_finished or g.is_finished]
 
-    def _chunk(self, s: ScheduledSeq) -> SeqChunk:
+    def _chunk(self, s: ScheduledSeq, lora_slots: dict[str, int]) -> SeqChunk:
         seq = s.seq
+        slot = lora_slots[s.group.lora_key] if s.group.lora_key is not None else -1
         if s.proposal:  # the last token, then the proposal: every position's logits verify
             return SeqChunk(seq.token_ids[s.start:s.start + 1] + list(s.proposal), s.start,
                             self.kv.block_table(seq.seq_id), all_logits=True,
-                            group_tables=self.kv.group_tables(seq.seq_id))
+                            group_tables=self.kv.group_tables(seq.seq_id), lora_slot=slot)
         return SeqChunk(seq.token_ids[s.start:s.start + s.num_tokens], s.start,
                         self.kv.block_table(seq.seq_id), all_logits=_prompt_logprob_window(s) is not None,
-                        group_tables=self.kv.group_tables(seq.seq_id))
+                        group_tables=self.kv.group_tables(seq.seq_id), lora_slot=slot)
 
     def _execute(self, out: SchedulerOutput, chunks: list[SeqChunk]):
         """The plan's shared work on the runner; the logits of its chunks, or None."""
@@ -583,3 +606,13 @@ def _prompt_logprob_window(s: ScheduledSeq) -> tuple[int, int] | None:
     first = len(recorded) - 1  # the position whose logits predict the next unrecorded token
     last = min(s.start + s.num_tokens, len(s.group.prompt_token_ids) - 1)
     return (first, last) if last > first >= s.start else None
+
+
+def build_lora_manager(config: EngineConfig, runner) -> LoRAManager | None:
+    """The adapters' manager of an engine with ``enable_lora`` (its runner built with LoRA slots)."""
+    if not config.enable_lora:
+        return None
+    if getattr(runner, "lora", None) is None:
+        raise ValueError("enable_lora: the runner has no LoRA slots (build it with max_loras > 0)")
+    return LoRAManager(runner, runner.config, max_loras=config.max_loras, max_rank=config.max_lora_rank,
+                       max_cpu_loras=config.max_cpu_loras or config.max_loras)

@@ -46,6 +46,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     preemption_mode: str  # "auto" | "recompute" | "swap"
+    max_loras: int = 0  # distinct LoRA adapters running at once (0: no adapters)
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +251,7 @@ class Scheduler:
                 # A sibling not yet back after a recompute: re-prefill when blocks allow.
                 try:
                     computed = self.kv.allocate_prompt(seq.seq_id, seq.token_ids, n, salt=group.salt,
+                                                       adapter_id=group.lora_key,
                                                        tenant=group.tenant)
                 except OutOfBlocksError:
                     continue
@@ -281,7 +283,7 @@ class Scheduler:
                         swap_in: list[CopyPair], resumed: list[str]) -> int:
         while self.swapped and budget > 0:
             group = self.swapped[0]
-            if self.num_running_seqs + group.num_live > self.config.max_num_seqs:
+            if self.num_running_seqs + group.num_live > self.config.max_num_seqs or self._lora_blocked(group):
                 break
             try:
                 swap_in += self.kv.swap_in([s.seq_id for s in group.live_seqs])
@@ -350,7 +352,7 @@ class Scheduler:
                 v.priority > group.priority or (fair and kv.tenant_over_quota(v.tenant)))), None)
             if victim is None:  # (the common case, checked first: no hashing)
                 break
-            need = kv.blocks_to_admit(seq.token_ids, budget, salt=group.salt)
+            need = kv.blocks_to_admit(seq.token_ids, budget, salt=group.salt, adapter_id=group.lora_key)
             if not kv.quota_admits(group.tenant, need):
                 break  # its own quota would refuse it: preempting others would not help
             if self.num_running_seqs + width <= self.config.max_num_seqs and \
@@ -388,7 +390,8 @@ class Scheduler:
         if self.kv.disk is not None:  # issue disk reads for the requests about to be admitted
             for group in self.waiting[1:PREFETCH_LOOKAHEAD]:
                 seq = group.live_seqs[0]
-                self.kv.prefetch(seq.seq_id, seq.token_ids, salt=group.salt, count=False)
+                self.kv.prefetch(seq.seq_id, seq.token_ids, salt=group.salt, adapter_id=group.lora_key,
+                                 count=False)
         at_quota: set[str | None] = set()  # tenants whose new requests wait this step (memory/tenancy.py)
         i = 0
         while i < len(self.waiting) and budget > 0:
@@ -399,15 +402,18 @@ class Scheduler:
             width = group.num_live if group.forked else group.width
             if self.num_running_seqs + width > self.config.max_num_seqs and self.running:
                 break
+            if self._lora_blocked(group):
+                break  # its adapter waits for a free one of max_loras; those behind it wait too (no starvation)
             # Only the first live sequence is allocated here; its siblings (after a recompute)
             # follow in later steps, when they can hit the prefix it recomputes.
             seq = group.live_seqs[0]
-            if self.kv.prefetch(seq.seq_id, seq.token_ids, salt=group.salt):
+            if self.kv.prefetch(seq.seq_id, seq.token_ids, salt=group.salt, adapter_id=group.lora_key):
                 break  # its prefix is being read from disk; running requests go on meanwhile
-            if self.kv.prefix_in_flight(seq.token_ids, salt=group.salt):
+            if self.kv.prefix_in_flight(seq.token_ids, salt=group.salt, adapter_id=group.lora_key):
                 break  # its prefix is being computed for another request: admitted next, it hits
             try:
                 cached = self.kv.allocate_prompt(seq.seq_id, seq.token_ids, budget, salt=group.salt,
+                                                 adapter_id=group.lora_key,
                                                  tenant=group.tenant)
             except TenantQuotaError:
                 at_quota.add(group.tenant)  # its tenant's later requests wait too; others go on
@@ -423,6 +429,18 @@ class Scheduler:
             n = min(seq.num_tokens - cached, budget)
             scheduled.append(ScheduledSeq(group, seq, cached, n))
             budget -= n
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def _lora_blocked(self, group: SequenceGroup) -> bool:
+        """Whether running ``group`` now would make more than ``max_loras`` distinct adapters run
+        (each step computes every running request, and each adapter of a step needs a slot). The
+        caller stops admitting there, so the requests of other adapters behind it wait too: the
+        running adapters drain and the waiting one is admitted, never starved."""
+        limit = self.config.max_loras
+        if not limit or group.lora_key is None:
+            return False
+        running = {g.lora_key for g in self.running if g.lora_key is not None}
+        return group.lora_key not in running and len(running) >= limit
 
     def _preempt(self, group: SequenceGroup, mode: str, swap_out: list[CopyPair],
                  preempted: list[str]) -> None:

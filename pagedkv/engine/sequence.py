@@ -101,6 +101,10 @@ class SequenceGroup:
     prompt_logprobs: list | None = None  # [None, {token: Logprob}, ...] as far as computed
     num_preemptions: int = 0
     preempted_at: int = -1    # total_tokens at the last preemption (the thrash guard's mark)
+    # LoRA: the adapter computing this request (lora.adapter.LoRAWeights, None: the base model) and
+    # its identity in the prefix cache (name + digest of its weights), which keys the block hashes
+    lora: Any = None
+    lora_key: str | None = None
 
     @property
     def sort_key(self) -> tuple[int, int]:

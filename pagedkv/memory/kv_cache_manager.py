@@ -255,6 +255,8 @@ class KVCacheManager:
             raise ValueError("cannot allocate an empty prompt")
         seq = SeqState(seq_id, token_ids, root_hash(salt, adapter_id),
                        tenant=(tenant or DEFAULT_TENANT) if self.pool.tenants is not None else None)
+        if self.enable_prefix_caching:
+            self.history.on_root(seq.root, salt, adapter_id)  # (miss reasons: different_adapter)
         if self.num_groups > 1:
             num_cached = allocate_groups(self, seq, num_new_tokens)
         else:

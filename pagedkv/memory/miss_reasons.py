@@ -10,12 +10,15 @@ forgotten first):
   a prefix ending inside a block can be told apart (``partial_block``);
 - for each cached block, its tokens' unsalted hash and the salted root (tenant) that cached them,
   so a miss on content another tenant holds is seen (``different_tenant``);
-- the keys of disk blocks removed at start for a changed fingerprint (``fingerprint_mismatch``).
+- the keys of disk blocks removed at start for a changed fingerprint (``fingerprint_mismatch``);
+- for each chain root seen, its salt and LoRA adapter, so a miss on content the same tenant cached
+  under another adapter (or the base model) is told apart (``different_adapter``).
 
 ``explain`` gives the reason for the first block of a prompt that was not a hit, in this order:
 ``none`` (every block that could be a hit was: the one holding the last prompt token is always
 computed), ``reload_skipped`` (the host tier holds it, but recomputing was measured cheaper),
-``evicted``, ``different_tenant``, ``partial_block``, ``fingerprint_mismatch``, ``never_seen``.
+``evicted``, ``different_adapter``, ``different_tenant``, ``partial_block``, ``fingerprint_mismatch``,
+``never_seen``. ``different_adapter`` is the caller's to see (the same tenant's cache, another adapter).
 A caller never sees ``different_tenant``: it gets the reason its own tenant's history gives
 (``partial_block``, ``fingerprint_mismatch`` or ``never_seen``), so another tenant's cache state
 is never revealed; the true reason goes only to aggregate counters. Pure Python.
@@ -29,8 +32,8 @@ from typing import Any
 
 from pagedkv.memory.prefix_hash import chain_hashes, root_hash
 
-REASONS = ("none", "reload_skipped", "evicted", "partial_block", "different_tenant", "fingerprint_mismatch",
-           "never_seen")
+REASONS = ("none", "reload_skipped", "evicted", "partial_block", "different_adapter", "different_tenant",
+           "fingerprint_mismatch", "never_seen")
 UNSALTED_ROOT = root_hash(None, None)
 
 
@@ -83,6 +86,11 @@ class CacheHistory:
         self.children: _Bounded = _Bounded(capacity)  # parent hash -> tokens of a cached next block
         self.content: _Bounded = _Bounded(capacity)  # unsalted hash -> the salted root that cached it
         self.fingerprint_discarded: set[bytes] = set()  # disk keys removed for another fingerprint
+        self.roots: _Bounded = _Bounded(capacity)  # chain root -> (salt, adapter id) it was made of
+
+    def on_root(self, root: bytes, salt: str | None, adapter_id: str | None) -> None:
+        """A prompt was allocated under ``root`` = ``root_hash(salt, adapter_id)``."""
+        self.roots.put(root, (salt, adapter_id))
 
     # ------------------------------------------------------------------ events
     def on_evicted(self, block_hash: bytes, tier: str, cause: str) -> None:
@@ -124,5 +132,8 @@ class CacheHistory:
         unsalted = h if root == UNSALTED_ROOT else chain_hashes(UNSALTED_ROOT, token_ids, B, 0, hits + 1)[-1]
         owner = self.content.get(unsalted)
         if owner is not None and owner != root:
+            mine_of, theirs = self.roots.get(root), self.roots.get(owner, (None, None))
+            if mine_of is not None and mine_of[0] == theirs[0] and mine_of[1] != theirs[1]:
+                return "different_adapter", "different_adapter", extra
             return "different_tenant", own, extra
         return own, own, extra

@@ -17,7 +17,8 @@ class SeqChunk:
     ``start_pos + len(token_ids)`` slots. ``all_logits`` asks for the logits of every token of the
     chunk (prompt logprobs), not only of its last one. A hybrid model's KV groups after the first
     (``model_shape.kv_groups``) have their own tables in ``group_tables``; a sliding group's
-    entries for blocks out of every query's window are -1 (released).
+    entries for blocks out of every query's window are -1 (released). ``lora_slot`` is the LoRA
+    slot whose adapter computes the chunk (``pagedkv/lora``), -1 for the base model.
     """
 
     token_ids: list[int]
@@ -25,6 +26,7 @@ class SeqChunk:
     block_table: list[int]
     all_logits: bool = False
     group_tables: tuple[list[int], ...] = ()
+    lora_slot: int = -1
 
     @property
     def num_logits(self) -> int:

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 
+from pagedkv.lora.adapter import LoRAWeights
+from pagedkv.lora.layers import LoRAStack, apply_lora
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.llama import LlamaForCausalLM, RMSNorm
 from pagedkv.models.loader import LoadedModel
@@ -120,6 +123,20 @@ class _StepAttention:
         return out
 
 
+def _unsort_rows(chunks: list[SeqChunk], order: list[int], all_tokens: bool) -> torch.Tensor:
+    """Row indices putting logits of ``chunks`` (original chunk ``order[j]`` at position j) back in
+    the original chunk order."""
+    sizes = [c.num_tokens if all_tokens else c.num_logits for c in chunks]
+    starts = [0]
+    for n in sizes[:-1]:
+        starts.append(starts[-1] + n)
+    where = [0] * len(order)
+    for j, i in enumerate(order):
+        where[i] = j
+    return torch.tensor([r for i in range(len(order)) for r in range(starts[where[i]], starts[where[i]] + sizes[where[i]])],
+                        dtype=torch.long)
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
     """``"cpu"``, ``"cuda"`` (``"cuda:N"``) or ``"auto"`` (CUDA when a device is visible) as a
     torch device; ValueError for CUDA without one."""
@@ -167,7 +184,9 @@ class ModelRunner:
     block format (:func:`pagedkv.ops.kv_format.kv_format`: "auto" is the model dtype; "int8",
     "fp8_e4m3", "fp8_e5m2" store 8-bit blocks with per-block scales and need the native kernels).
     ``pack_lm_head`` replaces the model's LM head with a oneDNN-packed copy (float32 CPU only; the
-    model is for inference).
+    model is for inference). ``max_loras`` > 0 wraps the model's linears with that many LoRA slots
+    of rank ``max_lora_rank`` (``pagedkv/lora/layers.py``; ``set_lora_slot`` fills one, a chunk's
+    ``lora_slot`` picks one).
     """
 
     def __init__(
@@ -183,6 +202,8 @@ class ModelRunner:
         native_attention: bool | None = None,
         device: str | torch.device = "cpu",
         attention_backend: str | None = None,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
     ) -> None:
         net = model.model if isinstance(model, LoadedModel) else model
         self.device = resolve_device(device)
@@ -228,6 +249,13 @@ class ModelRunner:
             for module in net.modules():
                 if isinstance(module, RMSNorm):
                     module.native = True
+        self.lora: LoRAStack | None = apply_lora(net, max_loras, max_lora_rank) if max_loras else None
+
+    def set_lora_slot(self, slot: int, weights: LoRAWeights | None) -> None:
+        """Copy an adapter's weights into LoRA slot ``slot`` (None: empty it)."""
+        if self.lora is None:
+            raise ValueError("this runner has no LoRA slots (build it with max_loras > 0)")
+        self.lora.set_slot(slot, weights)
 
     @property
     def kv_format(self) -> KVFormat:
@@ -279,11 +307,23 @@ class ModelRunner:
         a chunk with ``all_logits``, in chunk order: ``sum(c.num_logits)`` rows), or
         ``[total_tokens, vocab]`` (chunk order) with ``return_all_logits``. Raises BatchError.
         """
+        chunks = list(chunks)
+        order = None
+        if self.lora is not None and any(c.lora_slot >= 0 for c in chunks):
+            # each adapter's rows as one run (layers.py): chunks ordered by slot, logits put back
+            order = sorted(range(len(chunks)), key=lambda i: chunks[i].lora_slot)
+            if order == list(range(len(chunks))):
+                order = None
+            else:
+                chunks = [chunks[i] for i in order]
         inputs = self.prepare(chunks)
         attention = _StepAttention(self.cache, inputs, self.config, self.write_error, self.rotation)
-        logits = self.model(inputs.input_ids, inputs.positions, attention,
-                            logits_indices=None if return_all_logits else inputs.logits_indices,
-                            max_position=inputs.max_position)
+        with self.lora.step(inputs.lora_ranges) if self.lora is not None else nullcontext():
+            logits = self.model(inputs.input_ids, inputs.positions, attention,
+                                logits_indices=None if return_all_logits else inputs.logits_indices,
+                                max_position=inputs.max_position)
+        if order is not None:
+            logits = logits.index_select(0, _unsort_rows(chunks, order, return_all_logits).to(logits.device))
         return logits.float().cpu()  # the sampler works on the host (a no-op on CPU)
 
     @torch.inference_mode()

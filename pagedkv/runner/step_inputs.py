@@ -114,6 +114,8 @@ class StepInputs:
     triton: TritonMetadata | None = None  # the Triton kernels' rows and chunks (then neither of the above)
     # a hybrid model's KV groups after the first: their own slots, tables and metadata
     other_groups: list[StepInputs] = field(default_factory=list)
+    # LoRA: (slot, first row, end row) runs of rows computed by one adapter (pagedkv/lora/layers.py)
+    lora_ranges: tuple[tuple[int, int, int], ...] = ()
 
     def group(self, g: int) -> StepInputs:
         """The inputs of KV group ``g``'s layers."""
@@ -147,6 +149,7 @@ def build_step_inputs(chunks: list[SeqChunk], *, block_size: int, num_blocks: in
     tables: list[list[int]] = []  # native: one per chunk
     row_seq: list[int] = []
     row_len: list[int] = []
+    lora_ranges: list[tuple[int, int, int]] = []
     for i, c in enumerate(chunks):
         n = len(c.token_ids)
         if n == 0:
@@ -166,6 +169,11 @@ def build_step_inputs(chunks: list[SeqChunk], *, block_size: int, num_blocks: in
         if min(table) < 0:  # a sliding group's released blocks: out of every query's window, never read
             table = [b if b >= 0 else 0 for b in table]
         row = len(input_ids)
+        if c.lora_slot >= 0:
+            if lora_ranges and lora_ranges[-1][0] == c.lora_slot and lora_ranges[-1][2] == row:
+                lora_ranges[-1] = (c.lora_slot, lora_ranges[-1][1], row + n)
+            else:
+                lora_ranges.append((c.lora_slot, row, row + n))
         input_ids.extend(c.token_ids)
         for p in range(c.start_pos, ctx):
             positions.append(p)
@@ -193,7 +201,8 @@ def build_step_inputs(chunks: list[SeqChunk], *, block_size: int, num_blocks: in
         else:
             prefills.append(PrefillItem(row, row + n, c.start_pos, torch.tensor(table, dtype=torch.long)))
     if triton:
-        return _triton_inputs(input_ids, positions, slots, last_rows, tables, row_seq, row_len, prefills, device)
+        return _triton_inputs(input_ids, positions, slots, last_rows, tables, row_seq, row_len, prefills, device,
+                              tuple(lora_ranges))
     groups = []
     for members in (split_decode_groups(dec_lens) if dec_rows else []):
         meta = DecodeMetadata.build([dec_tables[i] for i in members], [dec_lens[i] for i in members],
@@ -212,12 +221,14 @@ def build_step_inputs(chunks: list[SeqChunk], *, block_size: int, num_blocks: in
         prefills=prefills,
         identity_decode=identity,
         native=NativeMetadata.build(tables, row_seq, row_len) if native else None,
+        lora_ranges=tuple(lora_ranges),
     )
 
 
 def _triton_inputs(input_ids: list[int], positions: list[int], slots: list[int], last_rows: list[int],
                    tables: list[list[int]], row_seq: list[int], row_len: list[int],
-                   prefills: list[PrefillItem], device: torch.device | str) -> StepInputs:
+                   prefills: list[PrefillItem], device: torch.device | str,
+                   lora_ranges: tuple[tuple[int, int, int], ...] = ()) -> StepInputs:
     def t(values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(device)
 
@@ -230,4 +241,4 @@ def _triton_inputs(input_ids: list[int], positions: list[int], slots: list[int],
     return StepInputs(input_ids=t(input_ids, torch.long), positions=t(positions, torch.long),
                       slot_mapping=t(slots, torch.long), logits_indices=t(last_rows, torch.long),
                       max_position=max(positions), decode_groups=[], prefills=[], identity_decode=False,
-                      triton=meta)
+                      triton=meta, lora_ranges=lora_ranges)

@@ -1,0 +1,129 @@
+"""The LoRA transform: a wrapper around each adaptable linear layer, adapters in preallocated slots.
+
+The model code is untouched (STYLE habit 13): ``apply_lora`` swaps every layer's ``qkv_proj``,
+``o_proj``, ``gate_up_proj`` and ``down_proj`` (float, input-major or Q8_0: whatever the loader
+and the runner put there) for a ``LoRALinear`` holding the base module and ``max_loras`` slots::
+
+    lora_a  [max_loras, parts * max_rank, in]     slot s: the adapter's A rows of every fused part
+    lora_bt [max_loras, parts * max_rank, out]    slot s: its B^T (scale folded in), each part's
+                                                  columns only on that part's output rows
+
+so loading an adapter is a copy into a slot and a fused layer's adapters (q, k, v) are one pair of
+matmuls. Each step the runner hands the rows of each slot (``LoRABatch.ranges``: the chunks are
+ordered by slot, so an adapter's rows are one run) and every wrapper adds, per run,
+
+    y[s:e] += (x[s:e] @ A_slot^T) @ B_slot^T          (rows of the base model: nothing added)
+
+never merging weights: rows of many adapters and of the base model share the base matmul.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedkv.lora.adapter import FUSED_PARTS, LoRAPart, LoRAWeights
+
+
+@dataclass(slots=True)
+class LoRABatch:
+    """The step's rows per slot: ``(slot, first row, end row)`` runs of the flattened tokens."""
+
+    ranges: tuple[tuple[int, int, int], ...] = ()
+
+
+class LoRALinear(nn.Module):
+    """``base(x)`` plus each slot's low-rank product on that slot's rows (see the module doc)."""
+
+    def __init__(self, base: nn.Module, parts: int, max_loras: int, max_rank: int, batch: LoRABatch,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.base = base
+        self.in_features: int = base.in_features  # type: ignore[assignment]
+        self.out_features: int = base.out_features  # type: ignore[assignment]
+        width = parts * max_rank
+        self.register_buffer("lora_a", torch.zeros(max_loras, width, self.in_features, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("lora_bt", torch.zeros(max_loras, width, self.out_features, dtype=dtype, device=device),
+                             persistent=False)
+        self.width = [0] * max_loras  # columns in use per slot (the adapter's ranks summed)
+        self.batch = batch
+
+    def set_slot(self, slot: int, parts: list[LoRAPart]) -> None:
+        """Fill ``slot`` with ``parts`` (empty: this adapter leaves the layer alone)."""
+        self.lora_a[slot].zero_()
+        self.lora_bt[slot].zero_()
+        col = 0
+        for p in parts:
+            r = p.a.shape[0]
+            self.lora_a[slot, col:col + r] = p.a.to(self.lora_a.dtype)
+            self.lora_bt[slot, col:col + r, p.row_start:p.row_end] = p.b.t().to(self.lora_bt.dtype)
+            col += r
+        self.width[slot] = col
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
+        y = self.base(x)
+        for slot, s, e in self.batch.ranges:
+            w = self.width[slot]
+            if w:
+                y[s:e].addmm_(F.linear(x[s:e], self.lora_a[slot, :w]), self.lora_bt[slot, :w])
+        return y
+
+    def extra_repr(self) -> str:
+        slots, width = self.lora_a.shape[:2]
+        return f"slots={slots}, width={width}"
+
+
+class LoRAStack:
+    """The wrappers of one model and the step's ``LoRABatch`` they read (owned by the runner)."""
+
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int) -> None:
+        if max_loras < 1 or max_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras} and {max_rank}")
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.batch = LoRABatch()
+        self.layers: dict[str, LoRALinear] = {}  # "layers.3.self_attn.qkv_proj" -> wrapper
+        ref = next(model.parameters())
+        dtype = ref.dtype if ref.dtype.is_floating_point else torch.float32
+        for i, layer in enumerate(getattr(model, "layers", ())):
+            for suffix, parts in FUSED_PARTS.items():
+                parent_name, child = suffix.split(".")
+                parent = getattr(layer, parent_name)
+                base = getattr(parent, child)
+                if isinstance(base, LoRALinear):
+                    raise ValueError("apply_lora: the model already carries LoRA slots")
+                wrapper = LoRALinear(base, parts, max_loras, max_rank, self.batch, dtype, ref.device)
+                setattr(parent, child, wrapper)
+                self.layers[f"layers.{i}.{suffix}"] = wrapper
+
+    def set_slot(self, slot: int, weights: LoRAWeights | None) -> None:
+        """Load ``weights`` into ``slot`` (None: empty it). Modules it does not adapt are zeroed."""
+        if not 0 <= slot < self.max_loras:
+            raise ValueError(f"LoRA slot {slot} out of range 0..{self.max_loras - 1}")
+        modules = weights.modules if weights is not None else {}
+        unknown = set(modules) - set(self.layers)
+        if unknown:
+            raise ValueError(f"adapter {weights.name!r} adapts modules this model lacks: {sorted(unknown)[:3]}")  # type: ignore[union-attr]
+        with torch.inference_mode():
+            for name, layer in self.layers.items():
+                layer.set_slot(slot, modules.get(name, []))
+
+    @contextmanager
+    def step(self, ranges: tuple[tuple[int, int, int], ...]) -> Iterator[None]:
+        """The rows of each slot while one forward pass runs (then none again)."""
+        self.batch.ranges = ranges
+        try:
+            yield
+        finally:
+            self.batch.ranges = ()
+
+
+def apply_lora(model: nn.Module, max_loras: int, max_rank: int) -> LoRAStack:
+    """Wrap ``model``'s adaptable linears with ``max_loras`` empty slots of rank ``max_rank``."""
+    return LoRAStack(model, max_loras, max_rank)
