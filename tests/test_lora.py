@@ -246,3 +246,21 @@ def test_faults_and_preemption_with_adapters_give_the_clean_outputs(tiny: dict) 
     outs = faulty.generate(prompts, GREEDY, lora_request=loras)
     assert [list(o.outputs[0].token_ids) for o in outs if o.error is None] == \
         [w for w, o in zip(want, outs) if o.error is None]
+
+
+def test_kv_events_carry_the_adapter(tiny: dict) -> None:
+    """BlockStored of an adapter's blocks names it (vLLM's lora_id and lora_name); the base model's none."""
+    from pagedkv.memory.kv_events import BlockStored
+    from pagedkv.server.kv_events import encode_event
+
+    llm = _llm(tiny, kv_events=True)
+    prompt = PROMPTS[0]
+    llm.generate([prompt], GREEDY, lora_request=tiny["reqs"]["qv"])
+    llm.generate([prompt], GREEDY)
+    stored = [e for e in llm.engine.kv.events.take() if isinstance(e, BlockStored)]
+    key = llm.engine.lora.resolve(tiny["reqs"]["qv"]).key
+    assert {e.lora_name for e in stored} == {key, None}
+    wire = [encode_event(e) for e in stored]
+    ids = {w[5] for w in wire if w[7] == key}
+    assert len(ids) == 1 and isinstance(next(iter(ids)), int)
+    assert all(w[5] is None for w in wire if w[7] is None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from pagedkv.lora.stats import LoRAStats
 from pagedkv.memory import KVStats
 
 
@@ -40,6 +41,7 @@ class EngineStats:
     spec_acceptance_rate: float = 0.0
     spec_mean_accepted_length: float = 0.0
     spec_accepted_per_position: tuple[int, ...] = ()
+    lora: LoRAStats | None = None  # LoRA adapters (None unless enable_lora)
 
     def as_dict(self) -> dict:
         d = asdict(self)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from pagedkv.lora.adapter import LoRAWeights, load_adapter, weights_stamp
 from pagedkv.lora.request import LoRAError, LoRARequest
+from pagedkv.lora.stats import LoRAStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +108,12 @@ class LoRAManager:
         while len(self.idle) > self.max_cpu_loras:
             self.idle.popitem(last=False)
         return weights
+
+    def stats(self, running: Iterable[LoRAWeights | None], waiting: Iterable[LoRAWeights | None]) -> LoRAStats:
+        """A snapshot: the adapters of the running and the waiting requests (``None``: base model)."""
+        return LoRAStats(self.max_loras, tuple(sorted({w.name for w in running if w is not None})),
+                         tuple(sorted({w.name for w in waiting if w is not None})), dict(self.requests),
+                         self.slot_loads)
 
     # ------------------------------------------------------------------ steps
     def assign_slots(self, adapters: Iterable[LoRAWeights]) -> dict[str, int]:

@@ -255,6 +255,7 @@ class KVCacheManager:
             raise ValueError("cannot allocate an empty prompt")
         seq = SeqState(seq_id, token_ids, root_hash(salt, adapter_id),
                        tenant=(tenant or DEFAULT_TENANT) if self.pool.tenants is not None else None)
+        seq.adapter = adapter_id
         if self.enable_prefix_caching:
             self.history.on_root(seq.root, salt, adapter_id)  # (miss reasons: different_adapter)
         if self.num_groups > 1:
@@ -520,7 +521,7 @@ class KVCacheManager:
         child = SeqState(child_id, token_ids, parent.root, parent.tenant, list(parent.block_table),
                          parent.num_computed, list(parent.block_hashes), parent.num_cached_blocks,
                          group_tables=[list(t) for t in parent.group_tables], released=list(parent.released),
-                         content_hashes=list(parent.content_hashes))
+                         content_hashes=list(parent.content_hashes), adapter=parent.adapter)
         blocks = self.pool.blocks
         for block_id in child.block_ids():
             self.pool.touch(blocks[block_id])

@@ -34,6 +34,7 @@ class BlockStored:
     block_size: int
     medium: str
     extra_keys: list[str] | None = None
+    lora_name: str | None = None  # the LoRA adapter that computed them (its key: name and weights digest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +60,10 @@ class KVEventLog:
     total: int = 0
 
     def stored(self, hashes: list[bytes], parent: bytes | None, token_ids: list[int], medium: str,
-               extra_keys: list[str] | None = None) -> None:
+               extra_keys: list[str] | None = None, lora_name: str | None = None) -> None:
         if hashes:
-            self.events.append(BlockStored(hashes, parent, token_ids, self.block_size, medium, extra_keys))
+            self.events.append(BlockStored(hashes, parent, token_ids, self.block_size, medium, extra_keys,
+                                           lora_name))
             self.total += 1
 
     def removed(self, block_hash: bytes, medium: str) -> None:

@@ -69,5 +69,5 @@ def stored_events(kv: KVCacheManager, seq: SeqState, new: list[int]) -> None:
             continue
         first, last = run[0], run[-1] + 1
         kv.events.stored(hashes[first:last], hashes[first - 1] if first else None,  # type: ignore[union-attr]
-                           seq.token_ids[first * B:last * B], DEVICE_MEDIUM, extra)
+                           seq.token_ids[first * B:last * B], DEVICE_MEDIUM, extra, seq.adapter)
         run = [i]

@@ -29,6 +29,7 @@ class SeqState:
     group_tables: list[list[int]] = field(default_factory=list)
     released: list[int] = field(default_factory=list)
     content_hashes: list[bytes] = field(default_factory=list)  # unsalted chain of a salted root (miss reasons)
+    adapter: str | None = None  # the LoRA adapter its KV was computed by (in the root too; for KV events)
     # the last allocate_prompt's outcome, for cache_details(): hit blocks per tier, the most that
     # could hit, and whether the host tier held more than was reloaded
     hits: tuple[int, int, int, int, bool] = (0, 0, 0, 0, False)  # device, host, disk, max, skipped

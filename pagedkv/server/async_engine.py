@@ -151,6 +151,7 @@ class AsyncEngine:
         tenant: str | None = None,
         conversation_id: str | None = None,
         pin_ttl_s: float | None = None,
+        lora_request: str | None = None,
     ) -> OutputStream:
         """Add ``(request_id, prompt)`` pairs atomically: all are added, or none and the error is raised.
 
@@ -163,7 +164,8 @@ class AsyncEngine:
         def add() -> None:
             self.engine.add_requests([(rid, prompt, params) for rid, prompt in prompts],
                                      cache_salt=cache_salt, priorities=[priority] * len(prompts), tenant=tenant,
-                                     conversation_id=conversation_id, pin_ttl_s=pin_ttl_s)
+                                     conversation_id=conversation_id, pin_ttl_s=pin_ttl_s,
+                                     lora_requests=[lora_request] * len(prompts) if lora_request else None)
             for rid in request_ids:
                 self._streams[rid] = stream
             self._num_in_flight += len(request_ids)

@@ -67,6 +67,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help="vLLM's spelling of the above: {\"endpoint\": ..., \"replay_endpoint\": ..., \"topic\": ..., "
                         "\"buffer_steps\": 10000, \"hwm\": 100000, \"max_queue_size\": 100000}")
+    p.add_argument("--lora-modules", action="extend", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) a request selects by its model field: NAME=PATH, or vLLM's "
+                        "JSON form {\"name\": ..., \"path\": ..., \"base_model_name\": ...}; needs --enable-lora "
+                        "(docs/lora.md)")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key; also env "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     add_engine_arguments(p.add_argument_group("engine"))
 
@@ -125,6 +132,12 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError, RuntimeError) as exc:  # bad options, ModelLoadError
         print(f"pagedkv serve: cannot start the engine: {exc}", file=sys.stderr)
         return 2
+    try:
+        from pagedkv.server.lora import parse_lora_modules, register_lora_modules
+        register_lora_modules(engine, parse_lora_modules(args.lora_modules or []))
+    except ValueError as exc:  # a bad --lora-modules item, or an adapter that cannot be applied
+        print(f"pagedkv serve: {exc}", file=sys.stderr)
+        return 2
     publisher = None
     if events_config is not None:
         from pagedkv.server.kv_events import KVEventPublisher
@@ -139,7 +152,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if publisher is not None:
         async_engine.kv_event_sink = publisher.publish
     app = create_app(async_engine, served_model_names=args.served_model_name, api_keys=api_keys,
-                     max_queue=args.max_queue, limits=limits)
+                     max_queue=args.max_queue, limits=limits,
+                     allow_lora_updates=args.allow_runtime_lora_updating)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.drain_timeout, access_log=False)
     server = DrainingServer(config, app.state.server)

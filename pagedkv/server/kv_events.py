@@ -30,6 +30,7 @@ is not a wildcard.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
@@ -85,12 +86,20 @@ def hash64(block_hash: bytes) -> int:
     return int.from_bytes(block_hash, "big") & 0xFFFF_FFFF_FFFF_FFFF
 
 
+def lora_id(lora_name: str | None) -> int | None:
+    """The ``lora_id`` of blocks a LoRA adapter computed: 63 bits of SHA-256 of its key (name and
+    weights digest), so a reloaded adapter with other weights gets another id."""
+    if lora_name is None:
+        return None
+    return int.from_bytes(hashlib.sha256(lora_name.encode()).digest()[:8], "big") >> 1
+
+
 def encode_event(event: KVEvent) -> list:
     if isinstance(event, BlockStored):
         parent = hash64(event.parent_block_hash) if event.parent_block_hash is not None else None
         extra = [list(event.extra_keys) for _ in event.block_hashes] if event.extra_keys else None
         return ["BlockStored", [hash64(h) for h in event.block_hashes], parent, list(event.token_ids),
-                event.block_size, None, event.medium, None, extra]
+                event.block_size, lora_id(event.lora_name), event.medium, event.lora_name, extra]
     if isinstance(event, BlockRemoved):
         return ["BlockRemoved", [hash64(h) for h in event.block_hashes], event.medium]
     if isinstance(event, AllBlocksCleared):

@@ -145,6 +145,9 @@ class EngineStatsCollector(Collector):
         if getattr(s, "spec_accepted_per_position", ()):  # speculative decoding is on
             yield from self._spec_metrics(s, counter, gauge)
         yield from self._vllm_metrics(s, kv)
+        if getattr(s, "lora", None) is not None:  # LoRA adapters (server/lora.py)
+            from pagedkv.server.lora import lora_metrics
+            yield from lora_metrics(self._model, s.lora)
         if getattr(kv, "tenants", None):
             yield from self._tenant_metrics(kv)
         if getattr(kv, "first_misses", None):
