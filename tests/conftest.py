@@ -11,6 +11,9 @@ CPU tensors here (``TRITON_INTERPRET=1``, set before anything imports triton);
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# No test reaches the Hugging Face Hub: a repo id not in the cache is an error, not a download
+# (tests/test_hub_download.py runs its downloads against a local stand-in, in subprocesses).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TEST_DEVICE = os.environ.get("PAGEDKV_TEST_DEVICE", "cpu")
 if TEST_DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -107,7 +107,7 @@ def test_missing_tensor_is_named(tmp_path: Path) -> None:
 
 
 def test_bad_paths_give_clear_errors(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match="local cache .* never downloads"):
+    with pytest.raises(ModelLoadError, match="Hugging Face cache .* HF_HUB_OFFLINE is set"):
         load_model("some-org/some-model")
     with pytest.raises(ModelLoadError, match="Hugging Face model folder"):
         load_model("not/a/model/path")
@@ -232,7 +232,7 @@ def test_repo_id_resolves_in_the_local_hugging_face_cache_only(tmp_path: Path,
     assert path == repo / "snapshots" / commit and name == "tiny-org/tiny-llama"
     loaded = load_model("tiny-org/tiny-llama")
     assert loaded.name == "tiny-org/tiny-llama" and loaded.config.num_hidden_layers == 2
-    with pytest.raises(ModelLoadError, match="never downloads"):
+    with pytest.raises(ModelLoadError, match="HF_HUB_OFFLINE is set, so it is not downloaded"):
         resolve_model_path("tiny-org/not-there")
 
 

@@ -31,7 +31,7 @@ def build_runner(config: EngineConfig):
     if config.threads:
         torch.set_num_threads(config.threads)
     device = resolve_device(config.device)
-    path, _ = resolve_model_path(config.model)
+    path, _ = resolve_model_path(config.model, config.revision, config.download_dir)
     dtype = getattr(torch, resolve_dtype(config.dtype, path))
     kv_dtype = kv_format(config.kv_cache_dtype, dtype).name
     quantization = config.quantization
@@ -39,7 +39,8 @@ def build_runner(config: EngineConfig):
         if quantization == "q8_0":
             raise ValueError("quantization q8_0 runs on the CPU only; use quantization none (or auto) on cuda")
         quantization = "none"
-    loaded = load_model(config.model, dtype=dtype, quantization=quantization, tokenizer=config.tokenizer)
+    loaded = load_model(config.model, dtype=dtype, quantization=quantization, tokenizer=config.tokenizer,
+                        revision=config.revision, download_dir=config.download_dir)
     per_block = bytes_per_block(loaded.config, config.block_size, kv_dtype)  # scales included
     device_blocks = config.num_kv_blocks or num_blocks_for_memory(
         loaded.config, config.block_size, config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, kv_dtype)
@@ -49,9 +50,7 @@ def build_runner(config: EngineConfig):
     # More host blocks than 4x the device pool buy nothing.
     host_blocks = min(int(config.host_tier_gib * (1 << 30)) // per_block, 4 * device_blocks)
     runner = ModelRunner(loaded, block_size=config.block_size, num_blocks=device_blocks,
-                         num_host_blocks=host_blocks, kv_cache_dtype=kv_dtype, device=device,
-                         max_loras=config.max_loras if config.enable_lora else 0,
-                         max_lora_rank=config.max_lora_rank)
+                         num_host_blocks=host_blocks, kv_cache_dtype=kv_dtype, device=device)
     head = runner.model.lm_head
     if isinstance(head, PackedLinear):  # every batch size's LM-head kernel built now: flat RSS later
         head.warm_up(config.max_num_seqs)

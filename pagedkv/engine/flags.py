@@ -25,6 +25,10 @@ def _size(text: str) -> int | str:
 _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "tokenizer": ("a tokenizer instead of the model's: a folder with tokenizer.json, a .gguf file or a cached "
                   "Hugging Face repo id (default: the model's own)", {"type": str}),
+    "revision": ("the branch, tag or commit of a Hugging Face repo id given as the model (default main)",
+                 {"type": str}),
+    "download_dir": ("the Hugging Face cache a repo id given as the model is looked up in and downloaded into "
+                     "(default: Hugging Face's own, $HF_HUB_CACHE or ~/.cache/huggingface/hub)", {"type": str}),
     "block_size": ("token slots per KV block", {"type": int}),
     "enable_prefix_caching": ("share KV blocks of common prompt prefixes",
                               {"action": argparse.BooleanOptionalAction}),
@@ -77,11 +81,6 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
                   "pagedkv serve --kv-events-endpoint publishes them", {"action": argparse.BooleanOptionalAction}),
     "device": ("where the model, the KV pool and attention run: cpu, cuda (Triton kernels; also cuda:N) or "
                "auto (cuda when a GPU is visible)", {"type": str, "metavar": "|".join(DEVICES)}),
-    "enable_lora": ("serve LoRA adapters (--lora-modules, or selected per request); see docs/lora.md",
-                    {"action": argparse.BooleanOptionalAction}),
-    "max_loras": ("most distinct LoRA adapters computed in one step (their slots are preallocated)", {"type": int}),
-    "max_lora_rank": ("the highest LoRA rank served (slot size)", {"type": int}),
-    "max_cpu_loras": ("LoRA adapters kept read in memory while idle (default: --max-loras)", {"type": int}),
     "generation_config": ("sampling defaults for fields a request leaves out: auto (the model folder's "
                           "generation_config.json), vllm (neutral defaults), or a folder holding a "
                           "generation_config.json", {"type": str}),

@@ -44,6 +44,7 @@ from pagedkv.models.gguf_quants import EXACT_TYPES, unpack
 from pagedkv.models.gguf_tokenizer import build_gguf_tokenizer
 from pagedkv.models.quant_linear import quantize_q8_0
 from pagedkv.models.weights import map_name
+from pagedkv.progress import phase
 from pagedkv.weight_quant import Q8_0_GROUP, check_quantization
 
 CONVERTER_VERSION = "4"
@@ -385,7 +386,9 @@ def converted_folder(path: Path, quantization: str = "none") -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=folder.parent))
     try:
-        convert_gguf(path, tmp, quantization)
+        with phase(f"converting {path.name} once into {folder} (later starts load the converted copy)",
+                   done="converted"):
+            convert_gguf(path, tmp, quantization)
         (tmp / _DONE).write_text(str(path))
         try:
             os.replace(tmp, folder)

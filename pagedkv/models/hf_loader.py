@@ -16,6 +16,7 @@ from pagedkv.models.errors import ModelLoadError
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.tokenizer import Tokenizer
 from pagedkv.models.weights import build_model, quantized_modules
+from pagedkv.progress import interactive, quiet
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -132,7 +133,11 @@ def load_hf_folder(folder: Path, dtype: torch.dtype = torch.float32
     config_json = read_json(config_path)
     config = ModelConfig.from_hf_dict(config_json)
     files = safetensors_files(folder)
-    model = build_model(config, iter_safetensors(files), dtype=dtype,
-                        quantized=quantized_modules(config, safetensors_names(files)))
+    names = safetensors_names(files)
+    tensors: Iterator[tuple[str, torch.Tensor]] = iter_safetensors(files)
+    if interactive() and not quiet():  # a bar for people; nothing in log files
+        from tqdm import tqdm
+        tensors = tqdm(tensors, total=len(names), desc="pagedkv: loading weights", unit="tensor", leave=False)
+    model = build_model(config, tensors, dtype=dtype, quantized=quantized_modules(config, names))
     tokenizer = load_hf_tokenizer(folder, config_json) if (folder / "tokenizer.json").exists() else None
     return model, config, tokenizer

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,8 @@ from pagedkv.models.default_model import DEFAULT_MODEL_NAME, default_model_path
 from pagedkv.models.errors import ModelLoadError
 from pagedkv.models.gguf_loader import converted_folder, has_exact_quantized_matrices, tokenizer_folder
 from pagedkv.models.hf_loader import load_hf_folder, load_hf_tokenizer, read_generation_defaults, read_json
+from pagedkv.models.hub import hf_cache_snapshot, hf_hub_cache  # noqa: F401 - importable from here as before
+from pagedkv.models.hub import looks_like_repo_id, model_snapshot
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.quant_linear import quantize_model
 from pagedkv.models.tokenizer import Tokenizer
@@ -36,22 +37,18 @@ class LoadedModel:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
 
 
-def resolve_model_path(model: str | Path | None) -> tuple[Path, str]:
+def resolve_model_path(model: str | Path | None, revision: str | None = None,
+                       download_dir: str | Path | None = None) -> tuple[Path, str]:
     """(path, display name): None -> bundled default GGUF; a folder -> HF (or its only ``*.gguf``
     when it has no config.json); ``*.gguf`` -> GGUF; ``org/name`` that is no local path -> that
-    model's snapshot in the local Hugging Face cache (never downloaded). Raises ModelLoadError for
-    anything else."""
+    model's snapshot at ``revision`` in the Hugging Face cache (``download_dir``, else Hugging
+    Face's own), downloaded from the Hub when absent (``models/hub.py``; never with
+    ``HF_HUB_OFFLINE``). Raises ModelLoadError for anything else."""
     if model is None or str(model) in ("", "default", DEFAULT_MODEL_NAME):
         return default_model_path(), DEFAULT_MODEL_NAME
     path = Path(model).expanduser()
-    if not path.exists() and _looks_like_repo_id(str(model)):
-        cached = hf_cache_snapshot(str(model))
-        if cached is None:
-            raise ModelLoadError(
-                f"{model!r} is neither a local path nor a Hugging Face model in the local cache "
-                f"({hf_hub_cache()}); pagedkv never downloads models: fetch it first, e.g. "
-                f"`huggingface-cli download {model}`, or give a folder or a .gguf file")
-        path = cached
+    if not path.exists() and looks_like_repo_id(str(model)):
+        path = model_snapshot(str(model), revision, download_dir)
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if not (path / "config.json").exists() and len(ggufs) == 1:  # a folder holding one GGUF file
@@ -63,39 +60,9 @@ def resolve_model_path(model: str | Path | None) -> tuple[Path, str]:
         return path, path.stem
     raise ModelLoadError(
         f"cannot load model {str(model)!r}: expected a Hugging Face model folder (config.json + "
-        f"*.safetensors), a .gguf file, or None for the bundled default ({DEFAULT_MODEL_NAME}); "
-        f"pagedkv never downloads models"
+        f"*.safetensors), a .gguf file, a Hugging Face repo id (org/name), or None for the bundled "
+        f"default ({DEFAULT_MODEL_NAME})"
     )
-
-
-def _looks_like_repo_id(text: str) -> bool:
-    parts = text.split("/")
-    return len(parts) == 2 and all(p and not p.startswith(".") for p in parts) and not text.endswith(".gguf")
-
-
-def hf_hub_cache() -> Path:
-    """Where Hugging Face keeps downloaded models: $HF_HUB_CACHE, else $HF_HOME/hub, else
-    ~/.cache/huggingface/hub."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
-    return Path(home).expanduser() / "hub"
-
-
-def hf_cache_snapshot(repo_id: str, revision: str = "main") -> Path | None:
-    """The snapshot folder of ``repo_id`` (``org/name``) in the local Hugging Face cache at
-    ``revision`` (a branch or tag named in refs/, or a commit hash), or None. No network."""
-    root = hf_hub_cache() / ("models--" + repo_id.replace("/", "--"))
-    ref = root / "refs" / revision
-    try:
-        commit = ref.read_text().strip() if ref.is_file() else revision
-    except OSError:
-        return None
-    snapshot = root / "snapshots" / commit
-    if snapshot.is_dir():
-        return snapshot
-    snapshots = sorted((root / "snapshots").glob("*"), key=lambda p: p.stat().st_mtime) if root.is_dir() else []
-    return snapshots[-1] if snapshots and not ref.is_file() and revision == "main" else None
 
 
 def resolve_quantization(requested: str, path: Path) -> str:
@@ -123,17 +90,19 @@ def load_tokenizer(source: str | Path) -> Tokenizer:
 
 
 def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float32,
-               quantization: str = "auto", tokenizer: str | Path | None = None) -> LoadedModel:
+               quantization: str = "auto", tokenizer: str | Path | None = None, *,
+               revision: str | None = None, download_dir: str | Path | None = None) -> LoadedModel:
     """Load ``model`` (see :func:`resolve_model_path`) with weights in ``dtype``, the linear ones
     in Q8_0 where ``quantization`` (:func:`resolve_quantization`) says so.
 
     GGUF files are converted once (dequantized to float32, or to Q8_0 tensors) into the pagedkv cache
     directory and loaded from there afterwards; a float folder asked for "q8_0" is quantized as
-    it loads. ``tokenizer`` replaces the model's own (:func:`load_tokenizer`). Raises ModelLoadError
+    it loads. ``tokenizer`` replaces the model's own (:func:`load_tokenizer`). ``revision`` and
+    ``download_dir`` apply to a Hugging Face repo id (:func:`resolve_model_path`). Raises ModelLoadError
     (or a subclass) with a clear message, ValueError for an unknown ``quantization``.
     """
     check_quantization(quantization)
-    path, name = resolve_model_path(model)
+    path, name = resolve_model_path(model, revision, download_dir)
     chosen = load_tokenizer(tokenizer) if tokenizer is not None else None  # a bad one fails before the weights
     quant = resolve_quantization(quantization, path)
     folder = converted_folder(path, quant) if path.is_file() else path
