@@ -50,7 +50,9 @@ def build_runner(config: EngineConfig):
     # More host blocks than 4x the device pool buy nothing.
     host_blocks = min(int(config.host_tier_gib * (1 << 30)) // per_block, 4 * device_blocks)
     runner = ModelRunner(loaded, block_size=config.block_size, num_blocks=device_blocks,
-                         num_host_blocks=host_blocks, kv_cache_dtype=kv_dtype, device=device)
+                         num_host_blocks=host_blocks, kv_cache_dtype=kv_dtype, device=device,
+                         max_loras=config.max_loras if config.enable_lora else 0,
+                         max_lora_rank=config.max_lora_rank)
     head = runner.model.lm_head
     if isinstance(head, PackedLinear):  # every batch size's LM-head kernel built now: flat RSS later
         head.warm_up(config.max_num_seqs)

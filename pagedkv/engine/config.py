@@ -71,6 +71,9 @@ class EngineConfig:
     are vLLM's ``--revision`` and ``--download-dir``.
     ``tokenizer`` (vLLM's ``--tokenizer``) replaces the model's tokenizer: a folder with
     tokenizer.json, a .gguf file, or a cached Hugging Face repo id (``pagedkv.models.load_tokenizer``).
+    ``enable_lora`` serves LoRA adapters (``pagedkv/lora``, docs/lora.md): ``max_loras`` of them
+    in one step (slots preallocated at rank ``max_lora_rank``), ``max_cpu_loras`` (default
+    ``max_loras``) kept read in memory while idle.
     """
 
     model: str | None = None
@@ -106,6 +109,10 @@ class EngineConfig:
     speculative_config: str | dict | SpeculativeConfig | None = None
     kv_events: bool = False
     device: str = "cpu"
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -140,6 +147,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        _int_in("max_loras", self.max_loras, 1, 256)
+        _int_in("max_lora_rank", self.max_lora_rank, 1, 512)
+        if self.max_cpu_loras is not None:
+            _int_in("max_cpu_loras", self.max_cpu_loras, self.max_loras, 1 << 16)
         for name in ("kv_offloading_size", "swap_space"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))

@@ -81,6 +81,11 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
                   "pagedkv serve --kv-events-endpoint publishes them", {"action": argparse.BooleanOptionalAction}),
     "device": ("where the model, the KV pool and attention run: cpu, cuda (Triton kernels; also cuda:N) or "
                "auto (cuda when a GPU is visible)", {"type": str, "metavar": "|".join(DEVICES)}),
+    "enable_lora": ("serve LoRA adapters (--lora-modules, or selected per request); see docs/lora.md",
+                    {"action": argparse.BooleanOptionalAction}),
+    "max_loras": ("most distinct LoRA adapters computed in one step (their slots are preallocated)", {"type": int}),
+    "max_lora_rank": ("the highest LoRA rank served (slot size)", {"type": int}),
+    "max_cpu_loras": ("LoRA adapters kept read in memory while idle (default: --max-loras)", {"type": int}),
     "generation_config": ("sampling defaults for fields a request leaves out: auto (the model folder's "
                           "generation_config.json), vllm (neutral defaults), or a folder holding a "
                           "generation_config.json", {"type": str}),
