@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Sets everything up (scripts/setup.sh) and runs the test suite. Extra arguments go to pytest.
+# Sets everything up, test extras included (scripts/setup.sh --test), and runs the test suite.
+# Extra arguments go to pytest.
 # The default run skips tests marked slow; PAGEDKV_SLOW=1 (as in CI) runs the slow tier too.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$root/scripts/setup.sh"
+bash "$root/scripts/setup.sh" --test
 cd "$root"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 if [ "${PAGEDKV_SLOW:-0}" = "1" ]; then

@@ -8,6 +8,7 @@ the process exit code (2 and a one-line message on stderr for a bad argument).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import sys
@@ -198,6 +199,11 @@ def run_simulate(args: argparse.Namespace) -> int:
         parse_tenant_spec,
     )
 
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # said before a long simulation
+        print("pagedkv simulate: --plot needs matplotlib, which is not installed: install the plot extra "
+              "(.venv/bin/pip install -e '.[plot]', or pip install matplotlib), or leave --plot out",
+              file=sys.stderr)
+        return 2
     try:
         shape = resolve_shape(args.dataset, args.prompt_len, args.output_len)
         specs = parse_policies(args.policies, parse_block_sizes(args.block_sizes))
