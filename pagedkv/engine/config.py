@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from pagedkv.engine.faults import FaultSpec
+from pagedkv.engine.grammar_compiler import GrammarLimits
 from pagedkv.memory import EVICTION_POLICIES
 from pagedkv.memory.prefix_index import PREFIX_INDEXES
 from pagedkv.memory.tenancy import check_fraction, parse_quotas
@@ -21,6 +22,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_KV_CACHE_MEMORY = "1GiB"
 DEFAULT_HOST_TIER_GIB = 0.5
 DEFAULT_DISK_TIER_SIZE = "20GiB"
+_GRAMMAR = GrammarLimits()  # the structured-output limits' defaults live there
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,21 +67,19 @@ class EngineConfig:
     with ``--kv-events-endpoint``, which turns this on).
     ``device``: "cpu" (default), "cuda" or "auto" (CUDA when torch sees a GPU): where the model,
     the KV pool and the attention kernels run (Triton on CUDA; the host tier stays in host memory).
-    A Hugging Face repo id as ``model`` that is not in the cache is downloaded from the Hub
-    (``pagedkv/models/hub.py``; never with HF_HUB_OFFLINE=1): ``revision`` (a branch, tag or commit;
-    default "main") and ``download_dir`` (the Hugging Face cache to use; default Hugging Face's own)
-    are vLLM's ``--revision`` and ``--download-dir``.
     ``tokenizer`` (vLLM's ``--tokenizer``) replaces the model's tokenizer: a folder with
     tokenizer.json, a .gguf file, or a cached Hugging Face repo id (``pagedkv.models.load_tokenizer``).
     ``enable_lora`` serves LoRA adapters (``pagedkv/lora``, docs/lora.md): ``max_loras`` of them
     in one step (slots preallocated at rank ``max_lora_rank``), ``max_cpu_loras`` (default
     ``max_loras``) kept read in memory while idle.
+    ``grammar_compile_timeout_s``, ``grammar_memory_mib``, ``grammar_max_lexer_states``,
+    ``grammar_max_spec_chars``, ``max_guided_choices`` and ``grammar_cache_mib`` bound what one
+    structured-output grammar may cost (``engine/grammar_compiler.py``'s GrammarLimits): past
+    one the request is refused, naming it.
     """
 
     model: str | None = None
     tokenizer: str | None = None
-    revision: str | None = None
-    download_dir: str | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_cache_memory: str | int | None = None
@@ -113,6 +113,12 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    grammar_compile_timeout_s: float = _GRAMMAR.grammar_compile_timeout_s
+    grammar_memory_mib: int = _GRAMMAR.grammar_memory_mib
+    grammar_max_lexer_states: int = _GRAMMAR.grammar_max_lexer_states
+    grammar_max_spec_chars: int = _GRAMMAR.grammar_max_spec_chars
+    max_guided_choices: int = _GRAMMAR.max_guided_choices
+    grammar_cache_mib: int = _GRAMMAR.grammar_cache_mib
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -143,14 +149,11 @@ class EngineConfig:
             raise ValueError(f"device must be one of {DEVICES} (or cuda:N), got {self.device!r}")
         if self.threads is not None:
             _int_in("threads", self.threads, 1, 1024)
-        for name in ("revision", "download_dir"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
         _int_in("max_loras", self.max_loras, 1, 256)
         _int_in("max_lora_rank", self.max_lora_rank, 1, 512)
         if self.max_cpu_loras is not None:
             _int_in("max_cpu_loras", self.max_cpu_loras, self.max_loras, 1 << 16)
+        GrammarLimits.of(self)  # ValueError naming the field
         for name in ("kv_offloading_size", "swap_space"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))

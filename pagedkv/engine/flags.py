@@ -25,10 +25,6 @@ def _size(text: str) -> int | str:
 _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "tokenizer": ("a tokenizer instead of the model's: a folder with tokenizer.json, a .gguf file or a cached "
                   "Hugging Face repo id (default: the model's own)", {"type": str}),
-    "revision": ("the branch, tag or commit of a Hugging Face repo id given as the model (default main)",
-                 {"type": str}),
-    "download_dir": ("the Hugging Face cache a repo id given as the model is looked up in and downloaded into "
-                     "(default: Hugging Face's own, $HF_HUB_CACHE or ~/.cache/huggingface/hub)", {"type": str}),
     "block_size": ("token slots per KV block", {"type": int}),
     "enable_prefix_caching": ("share KV blocks of common prompt prefixes",
                               {"action": argparse.BooleanOptionalAction}),
@@ -86,6 +82,15 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "max_loras": ("most distinct LoRA adapters computed in one step (their slots are preallocated)", {"type": int}),
     "max_lora_rank": ("the highest LoRA rank served (slot size)", {"type": int}),
     "max_cpu_loras": ("LoRA adapters kept read in memory while idle (default: --max-loras)", {"type": int}),
+    "grammar_compile_timeout_s": ("longest one structured-output grammar may take to compile (in a worker "
+                                  "process); past it the request gets a 400", {"type": float, "metavar": "SECONDS"}),
+    "grammar_memory_mib": ("memory one grammar compile may map in the worker process (MiB); past it the "
+                           "request gets a 400", {"type": int}),
+    "grammar_max_lexer_states": ("most lexer states one grammar may build (llguidance's max_lexer_states, "
+                                 "~1-2 kB each), at compile time and while generating", {"type": int}),
+    "grammar_max_spec_chars": ("most characters of a JSON schema, regex or choice list (as JSON)", {"type": int}),
+    "max_guided_choices": ("most strings in a guided_choice list", {"type": int}),
+    "grammar_cache_mib": ("memory for compiled grammars kept for reuse, by their text (MiB)", {"type": int}),
     "generation_config": ("sampling defaults for fields a request leaves out: auto (the model folder's "
                           "generation_config.json), vllm (neutral defaults), or a folder holding a "
                           "generation_config.json", {"type": str}),

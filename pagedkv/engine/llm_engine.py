@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from concurrent.futures import Future
 from typing import Any
 
 from pagedkv.engine.beam_search import select_beams
@@ -37,13 +38,14 @@ from pagedkv.engine.sampler import (
 from pagedkv.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput, StepResult
 from pagedkv.engine.sequence import GroupStatus, Sequence, SequenceGroup
 from pagedkv.engine.stats import EngineStats
-from pagedkv.engine.structured_output import GrammarError, StructuredOutputs
+from pagedkv.engine.grammar_compiler import CompiledGrammar, GrammarLimits
+from pagedkv.engine.structured_output import GrammarError, GrammarLimitError, StructuredOutputs
 from pagedkv.lora.manager import LoRAManager
 from pagedkv.lora.request import LoRARequest
 from pagedkv.memory import KVCacheManager
 from pagedkv.outputs import RequestOutput
 from pagedkv.runner.batch import SeqChunk
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.sampling_params import SamplingParams, StructuredOutput
 from pagedkv.spec.verify import verify
 
 logger = logging.getLogger(__name__)
@@ -103,8 +105,9 @@ class LLMEngine:
         vocab_size = getattr(getattr(runner, "config", None), "vocab_size", None)
         self.inputs = InputProcessor(tokenizer, self.config.max_model_len, self.kv, vocab_size,
                                      chunk=config.max_num_batched_tokens)
-        # Structured output: the grammar library's tokenizer info is built on first use
-        self.structured = StructuredOutputs(tokenizer, vocab_size, self.outputs.eos_token_ids)
+        # Structured output: grammars compile in a worker process, under limits (grammar_compiler.py)
+        self.structured = StructuredOutputs(tokenizer, vocab_size, self.outputs.eos_token_ids,
+                                            limits=GrammarLimits.of(config))
         self.spec = build_spec_decoder(config, runner, tokenizer, self.config.max_model_len)
         self._arrivals = 0
         self._steps = 0
@@ -193,6 +196,13 @@ class LLMEngine:
             return self.structured.start(so)
         except GrammarError as exc:
             raise RequestRejectedError(f"structured output: {exc}", param="structured_output") from exc
+
+    def compile_grammar(self, so: StructuredOutput) -> Future[CompiledGrammar]:
+        """Compile ``so``'s grammar ahead of ``add_request`` (which then only copies it, while the
+        caller holds the result): a future of it, or of its GrammarError (a GrammarLimitError
+        names the limit). Any thread may call it; the size checks raise at once, and cost in
+        proportion to the input (call it off the event loop)."""
+        return self.structured.submit(so)
 
     def add_requests(self, requests: list[tuple[str, PromptInput, SamplingParams]], *,
                      cache_salt: str | None = None, priorities: list[int] | None = None,
@@ -385,14 +395,18 @@ class LLMEngine:
                 except Exception as exc:  # noqa: BLE001
                     self._fail_requests([group], "forking", exc, step)
                     continue
-            try:
-                for q in seqs:  # a grammar's allowed tokens, from its state after q's tokens so far
+            for q in seqs:  # a grammar's allowed tokens, from its state after q's tokens so far
+                try:
                     bitmask = (q.grammar.fill_bitmask(self.structured.new_bitmask())  # type: ignore[attr-defined]
                                if q.grammar is not None else None)
-                    rows.append(SampleRow(first_row[i], group.params, q.rng, q.token_ids, q.prompt_len, bitmask))
-                    targets.append((group, q))
-            except Exception as exc:  # noqa: BLE001
-                self._fail_requests([group], "structured output", exc, step)
+                except GrammarLimitError as exc:  # this sequence ends here, its siblings go on
+                    self._stop_at_grammar_limit(group, q, exc, step)
+                    continue
+                except Exception as exc:  # noqa: BLE001
+                    self._fail_requests([group], "structured output", exc, step)
+                    break
+                rows.append(SampleRow(first_row[i], group.params, q.rng, q.token_ids, q.prompt_len, bitmask))
+                targets.append((group, q))
         if rows or speculating:
             try:
                 batch = self.sampler.prepare(logits, rows + [r for _, spec_rows in speculating for r in spec_rows])
@@ -412,6 +426,16 @@ class LLMEngine:
                     step.progressed[group.request_id] = group
         if beam_rows:
             self._beam_step(out, logits, beam_rows, step)
+
+    def _stop_at_grammar_limit(self, group: SequenceGroup, seq: Sequence, exc: GrammarLimitError,
+                               step: StepResult) -> None:
+        """End ``seq`` with finish_reason "length" (its output so far, which may not match, as a
+        max_tokens cut): its grammar hit a per-step limit and cannot go on. Not an error of the
+        request (its siblings go on) nor of the server; one short log line."""
+        logger.warning("request %s: %s; finish_reason length", group.request_id, exc)
+        seq.finish_reason = "length"
+        step.finished.append((group, seq))
+        step.progressed[group.request_id] = group
 
     def _fail_requests(self, groups: list[SequenceGroup], stage: str, exc: Exception,
                        step: StepResult) -> None:
@@ -450,8 +474,12 @@ class LLMEngine:
 
     def _append(self, group: SequenceGroup, seq: Sequence, sampled: Sampled, step: StepResult) -> None:
         seq.token_ids.append(sampled.token)
+        grammar_limit: GrammarLimitError | None = None
         if seq.grammar is not None:
-            seq.grammar.accept(sampled.token)  # type: ignore[attr-defined]
+            try:
+                seq.grammar.accept(sampled.token)  # type: ignore[attr-defined]
+            except GrammarLimitError as exc:  # the token stands; the sequence ends after it
+                grammar_limit = exc
         self._generation_tokens += 1
         if sampled.top is not None:
             seq.logprobs.append(sampled.top)  # type: ignore[union-attr]
@@ -461,7 +489,9 @@ class LLMEngine:
             group.metrics["first_token_time"] = now
         group.metrics["last_token_time"] = now
         self.outputs.check_stop(group, seq, sampled.token)
-        if seq.finish_reason is not None:
+        if seq.finish_reason is None and grammar_limit is not None:
+            self._stop_at_grammar_limit(group, seq, grammar_limit, step)
+        elif seq.finish_reason is not None:
             step.finished.append((group, seq))
 
     def _beam_step(self, out: SchedulerOutput, logits, beam_rows, step: StepResult) -> None:
@@ -550,6 +580,7 @@ class LLMEngine:
             self.scheduler.abort(request_id)
         if self.spec is not None:
             self.spec.close()
+        self.structured.close()
         written = self.tiers.persist()
         if written:
             logger.info("KV disk tier: %d blocks written at shutdown", written)
@@ -579,9 +610,7 @@ class LLMEngine:
             enable_prefix_caching=self.config.enable_prefix_caching,
             kv_bytes_per_block=int(getattr(getattr(runner, "cache", None), "bytes_per_block", 0)),
             kv_quant_error=quant, kv_quant_error_max=max_quant_error(quant),
-            tier_costs=self.kv.costs.as_dict(), thrash_guarded=s.thrash_guarded, **self._spec_stats(),
-            lora=self.lora.stats((g.lora for g in s.running), (g.lora for g in s.waiting + s.swapped))
-            if self.lora is not None else None)
+            tier_costs=self.kv.costs.as_dict(), thrash_guarded=s.thrash_guarded, **self._spec_stats())
 
     def _spec_stats(self) -> dict[str, Any]:
         if self.spec is None:

@@ -3,66 +3,61 @@
 The grammar library is llguidance (bench/structured_output.py compares it with xgrammar and
 outlines-core). The pieces:
 
-- :func:`grammar_of` turns a :class:`StructuredOutput` into llguidance's grammar text, checked
-  (no tokenizer needed, so the server can refuse a bad schema or regex before queueing it).
-- :class:`StructuredOutputs` (one per engine) builds the tokenizer info once, on first use, and
-  keeps a compiled matcher per grammar key; each sequence gets a copy (:class:`GrammarState`).
+- :func:`grammar_of` turns a :class:`StructuredOutput` into llguidance's grammar text (cheap,
+  unchecked: a grammar is checked when it is compiled).
+- :class:`StructuredOutputs` (one per engine) owns the tokenizer info and the
+  :class:`~pagedkv.engine.grammar_compiler.GrammarCompiler`: grammars compile in a worker process
+  under limits (time, memory, lexer states, size), off the event loop and the engine thread, and
+  are cached by their text. The server compiles a request's grammar before adding the request, so
+  the engine only copies it (``start``); each sequence gets a copy (:class:`GrammarState`).
 - Each step, before sampling, a sequence's state writes its allowed tokens as a bitmask (bit
   ``t % 32`` of word ``t // 32``); the sampler sets the logits of the other tokens to -inf
   (:func:`apply_bitmask`, vectorized over the rows that have one). The sampled token then
   advances the state (``LLMEngine._append``). The state follows the sequence's generated tokens,
   not the steps: a recompute after preemption samples nothing again, so nothing is consumed twice.
 - When the grammar is complete, the mask allows EOS (and, once nothing can follow, only EOS), so
-  the sequence finishes with "stop".
+  the sequence finishes with "stop". When computing a mask hits one of llguidance's per-step
+  limits (lexer states, fuel, Earley items), :meth:`GrammarState.fill_bitmask` raises
+  :class:`GrammarLimitError` and the engine ends that sequence with finish_reason "length" (its
+  output so far, like a max_tokens cut: it may not match); the others go on.
 """
 
 from __future__ import annotations
 
-import json
 import sys
-from collections import OrderedDict
-from functools import lru_cache
 
 import llguidance
 import numpy as np
 import torch
 
+from pagedkv.engine.grammar_compiler import (
+    CompiledGrammar,
+    GrammarCompiler,
+    GrammarError,
+    GrammarLimitError,
+    GrammarLimits,
+    TokenizerSetup,
+)
+from pagedkv.engine.grammar_worker import escape_literal, excerpt, grammar_text, limit_named
 from pagedkv.sampling_params import StructuredOutput
 
 assert sys.byteorder == "little", "bitmask words are read as little-endian bytes"
-_NO_FLEX_WHITESPACE = {"whitespace_flexible": False}  # compact JSON: no runs of spaces for a model to fill
 
-
-class GrammarError(ValueError):
-    """A schema, regex or choice list that llguidance cannot turn into a grammar."""
-
-
-@lru_cache(maxsize=256)
-def _grammar(kind: str, spec: str) -> str:
-    M = llguidance.LLMatcher
-    try:
-        if kind == "json":
-            grammar = M.grammar_from_json_schema(spec, defaults=_NO_FLEX_WHITESPACE)
-        elif kind == "regex":
-            grammar = M.grammar_from_regex(spec)
-        else:  # choice: a regex alternation of the escaped literals
-            grammar = M.grammar_from_regex("|".join(_escape(c) for c in json.loads(spec)))
-    except ValueError as exc:
-        raise GrammarError(str(exc)) from exc
-    is_error, messages = M.validate_grammar_with_warnings(grammar)
-    if is_error:
-        raise GrammarError(messages[0] if messages else "invalid grammar")
-    return grammar
+__all__ = ["GrammarError", "GrammarLimitError", "GrammarState", "StructuredOutputs", "apply_bitmask",
+           "grammar_of", "unpack_bitmask"]
 
 
 def grammar_of(so: StructuredOutput) -> str:
-    """llguidance's grammar text for ``so``; GrammarError (with llguidance's reason) if invalid."""
-    return _grammar(*so.key)
+    """llguidance's grammar text for ``so`` (cheap and unchecked: whether it compiles, and within
+    which limits, is the GrammarCompiler's to find out, in its worker). GrammarError for a schema
+    that is not a JSON object."""
+    try:
+        return grammar_text(*so.key)
+    except ValueError as exc:
+        raise GrammarError(excerpt(exc)) from exc
 
 
-def _escape(text: str) -> str:
-    # llguidance reads Rust regex syntax: escape every punctuation character it may treat specially.
-    return "".join("\\" + c if c in r"\.+*?()|[]{}^$#&-~" else c for c in text)
+_escape = escape_literal
 
 
 class GrammarState:
@@ -74,16 +69,30 @@ class GrammarState:
         self._matcher = matcher
 
     def fill_bitmask(self, out: torch.Tensor) -> torch.Tensor:
-        """Write the allowed next tokens into ``out`` (int32 ``[words]``, contiguous); returns it."""
+        """Write the allowed next tokens into ``out`` (int32 ``[words]``, contiguous); returns it.
+        GrammarLimitError when computing it hit one of llguidance's per-step limits (the state
+        cannot go on: the sequence ends there)."""
         self._matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * out.element_size())
+        if self._matcher.is_error():
+            message = self._reason()
+            raise GrammarLimitError(f"structured output stopped at a grammar limit: {message}",
+                                    limit_named(message) or "grammar")
         return out
 
     def accept(self, token: int) -> None:
-        """Advance by ``token``; RuntimeError if the grammar does not allow it (a masked sampler
-        never picks such a token)."""
+        """Advance by ``token``. GrammarLimitError when following it hit one of llguidance's
+        limits (the token is fine; the state cannot go on); RuntimeError if the grammar does not
+        allow it (a masked sampler never picks such a token)."""
         if not self._matcher.consume_token(token):
-            raise RuntimeError(f"structured output: token {token} breaks the grammar "
-                               f"({self._matcher.get_error()})")
+            message = self._reason()
+            limit = limit_named(message)
+            if limit is not None:
+                raise GrammarLimitError(f"structured output stopped at a grammar limit: {message}", limit)
+            raise RuntimeError(f"structured output: token {token} breaks the grammar ({message})")
+
+    def _reason(self) -> str:
+        """The matcher's error, short (llguidance's marker of a withheld detail dropped)."""
+        return excerpt(self._matcher.get_error().replace("<non-verbose/>", "").strip())
 
     @property
     def is_complete(self) -> bool:
@@ -95,49 +104,44 @@ class GrammarState:
 
 
 class StructuredOutputs:
-    """Per engine: the tokenizer info (built on first use) and compiled grammars by key (LRU)."""
+    """Per engine: the tokenizer info (built on first use) and the grammar compiler."""
 
-    def __init__(self, tokenizer, vocab_size: int | None, eos_token_ids, *, cache_size: int = 64) -> None:
+    def __init__(self, tokenizer, vocab_size: int | None, eos_token_ids, *,
+                 limits: GrammarLimits | None = None) -> None:
         self._tokenizer = tokenizer
         self._eos = sorted(eos_token_ids)
         backend = getattr(tokenizer, "backend", None)
         self.vocab_size = max(vocab_size or 0, backend.get_vocab_size(with_added_tokens=True) if backend else 0)
-        self._llg_tokenizer: llguidance.LLTokenizer | None = None
-        self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
-        self._cache_size = cache_size
+        self.compiler = GrammarCompiler(self._tokenizer_setup, limits)
 
     @property
     def num_words(self) -> int:
         """int32 words of a bitmask over the vocabulary."""
         return (self.vocab_size + 31) // 32
 
-    def _tokenizer_info(self) -> llguidance.LLTokenizer:
-        if self._llg_tokenizer is None:
-            backend = getattr(self._tokenizer, "backend", None)
-            if backend is None or not self._eos:
-                raise GrammarError("structured output needs the model's tokenizer (tokenizers-based) "
-                                   "with an EOS token")
-            self._llg_tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
-                                                         eos_token=self._eos)
-        return self._llg_tokenizer
+    def _tokenizer_setup(self) -> TokenizerSetup:
+        backend = getattr(self._tokenizer, "backend", None)
+        if backend is None or not self._eos:
+            raise GrammarError("structured output needs the model's tokenizer (tokenizers-based) with an EOS token")
+        text = backend.to_str()
+        return TokenizerSetup(llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self._eos),
+                              text, self.vocab_size, self._eos)
+
+    def submit(self, so: StructuredOutput):
+        """A future of ``so``'s compiled grammar (any thread; see GrammarCompiler.submit)."""
+        return self.compiler.submit(so)
 
     def start(self, so: StructuredOutput) -> GrammarState:
-        """A new state at the start of ``so``'s grammar; GrammarError if it does not compile."""
-        key = so.key
-        compiled = self._compiled.get(key)
+        """A new state at the start of ``so``'s grammar; GrammarError if it does not compile
+        within the limits. The grammar is copied when a handler compiled it (``submit``) and
+        still holds it, or it is cached; else it compiles here, waiting (the offline path)."""
+        compiled: CompiledGrammar | None = self.compiler.lookup(self.compiler.digest_of(so))
         if compiled is None:
-            compiled = llguidance.LLMatcher(self._tokenizer_info(), grammar_of(so), log_level=0)
-            if compiled.is_error():
-                raise GrammarError(compiled.get_error())
-            GrammarState(compiled).fill_bitmask(self.new_bitmask())
-            if compiled.is_error():  # e.g. the regex [^\s\S]: no token, not even EOS, can start it
-                raise GrammarError(f"the grammar matches no text ({compiled.get_error()})")
-            self._compiled[key] = compiled
-            if len(self._compiled) > self._cache_size:
-                self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(key)
-        return GrammarState(compiled.deep_copy())
+            compiled = self.compiler.compile(so)
+        return GrammarState(compiled.matcher.deep_copy())
+
+    def close(self) -> None:
+        self.compiler.close()
 
     def new_bitmask(self) -> torch.Tensor:
         return torch.empty(self.num_words, dtype=torch.int32)

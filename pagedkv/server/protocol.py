@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pagedkv.engine.grammar_worker import excerpt
 from pagedkv.sampling_params import SamplingParams, StructuredOutput
 from pagedkv.server.limits import MAX_CHOICES
 
@@ -148,8 +149,9 @@ class _SamplingFields(_Body):
         if self.tools:
             raise bad_request("tools are not supported", param="tools")
 
-    def _structured_output(self) -> StructuredOutput | None:
-        """The request's structured output, its grammar checked: a 400 naming the field otherwise."""
+    def _structured_source(self) -> tuple[str, dict[str, Any]] | None:
+        """(the field, StructuredOutput's arguments) of the request's structured output, if any; a
+        400 naming the field when two are given or response_format has a bad shape."""
         given: list[tuple[str, dict[str, Any]]] = []  # (field, StructuredOutput's arguments)
         rf = self.response_format
         kind = rf.get("type", "text") if rf else "text"
@@ -173,17 +175,26 @@ class _SamplingFields(_Body):
         if len(given) > 1:
             raise bad_request(f"give at most one of response_format, guided_json, guided_regex, guided_choice "
                               f"and structured_outputs (got {given[0][0]} and {given[1][0]})", param=given[1][0])
-        if not given:
+        return given[0] if given else None
+
+    @property
+    def grammar_param(self) -> str:
+        """The field a 400 about the request's grammar names (its compile, server/serving.py):
+        the one that gave it; a chat request's forced tool call comes from tool_choice."""
+        source = self._structured_source()
+        return source[0] if source is not None else "tool_choice"
+
+    def _structured_output(self) -> StructuredOutput | None:
+        """The request's structured output, its shape checked (a 400 naming the field otherwise).
+        Its grammar is compiled later, off the event loop and within the engine's limits."""
+        source = self._structured_source()
+        if source is None:
             return None
-        name, args = given[0]
-        # (here, not at the top: the CLI's parsers import this module and stay free of torch)
-        from pagedkv.engine.structured_output import grammar_of
+        name, args = source
         try:
-            so = StructuredOutput(**args)
-            grammar_of(so)
-        except (TypeError, ValueError) as exc:  # an unknown key, a bad shape, a grammar that fails
-            raise bad_request(f"{name}: {exc}", param=name) from exc
-        return so
+            return StructuredOutput(**args)
+        except (TypeError, ValueError) as exc:  # an unknown key, a bad shape
+            raise bad_request(f"{name}: {excerpt(str(exc))}", param=name) from exc
 
     def _params(self, max_tokens: int | None, logprobs: int | None,
                 prompt_logprobs: int | None = None, defaults: Mapping[str, Any] | None = None) -> SamplingParams:

@@ -25,12 +25,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagedkv.engine import EngineDeadError, RequestTooLongError, TokenizedPrompt
-from pagedkv.lora.request import LoRAError
+from pagedkv.engine.grammar_compiler import CompiledGrammar, GrammarError, GrammarLimitError
 from pagedkv.outputs import CompletionOutput, RequestOutput
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.server.async_engine import AsyncEngine, OutputStream
 from pagedkv.server.limits import RequestLimits
-from pagedkv.server.lora import adapter_of, lora_api_error
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import APIError, bad_request
 from pagedkv.server.responses import ResponseFormat, Usage
@@ -58,14 +57,9 @@ class ServerState:
         return self.served_model_names[0]
 
     def check_model(self, model: str | None) -> None:
-        """404 unless ``model`` is a served name of the base model or a LoRA adapter's (server/lora.py)."""
-        if model is not None and model not in self.served_model_names and self.adapter_of(model) is None:
+        if model is not None and model not in self.served_model_names:
             raise APIError(404, f"The model `{model}` does not exist. Served: {self.served_model_names}",
                            type="not_found_error", param="model", code="model_not_found")
-
-    def adapter_of(self, model: str | None) -> str | None:
-        """The LoRA adapter ``model`` names (None: the base model)."""
-        return None if model in self.served_model_names else adapter_of(self.engine.engine, model)
 
     def admit(self, count: int) -> Callable[[], None]:
         """Count ``count`` engine requests in, or raise 503 (draining) / 429 (queue full)."""
@@ -144,7 +138,7 @@ class Generation:
     return_cache_details: bool = False  # usage.prompt_tokens_details.cache_details
     conversation_id: str | None = None  # pin the turn's prefix (memory/pins.py) for pin_ttl_s
     pin_ttl_s: float | None = None
-    lora: str | None = None  # the LoRA adapter ``model`` named (server/lora.py), None: the base model
+    grammar_param: str = "structured_output"  # the request field that gave params.structured_output
 
 
 async def serve_generation(state: ServerState, request: Request, gen: Generation) -> Response:
@@ -154,17 +148,16 @@ async def serve_generation(state: ServerState, request: Request, gen: Generation
     tracker = _Tracker(arrival=time.monotonic())
     try:
         prompts = await _tokenize(state, gen)
+        grammar = await _compile_grammar(state, gen)  # held until added: the engine then only copies it
         stream = await state.engine.add_requests(
             [(f"{base_id}-{i}", p) for i, p in enumerate(prompts)], gen.params,
             cache_salt=gen.cache_salt, priority=gen.priority, tenant=gen.tenant,
-            conversation_id=gen.conversation_id, pin_ttl_s=gen.pin_ttl_s, lora_request=gen.lora,
+            conversation_id=gen.conversation_id, pin_ttl_s=gen.pin_ttl_s,
         )
+        del grammar
     except EngineDeadError as exc:
         release()
         raise APIError(503, str(exc), type="service_unavailable", code="engine_dead") from exc
-    except LoRAError as exc:  # its adapter was unloaded meanwhile (404), or cannot be read now
-        release()
-        raise lora_api_error(exc, "model") from exc
     except ValueError as exc:  # RequestRejectedError, RequestTooLongError, bad token ids
         release()
         code = "context_length_exceeded" if isinstance(exc, RequestTooLongError) else "invalid_prompt"
@@ -188,6 +181,21 @@ async def serve_generation(state: ServerState, request: Request, gen: Generation
     finally:
         cleanup()
     return JSONResponse(body)
+
+
+async def _compile_grammar(state: ServerState, gen: Generation) -> CompiledGrammar | None:
+    """The request's grammar, compiled off the event loop and the engine thread (a request whose
+    grammar compiles waits here; the engine's steps go on). A 400 naming the request's field
+    when it is invalid or past a limit (code grammar_limit_exceeded, the message naming the limit)."""
+    so = gen.params.structured_output
+    if so is None:
+        return None
+    try:
+        future = await asyncio.to_thread(state.engine.engine.compile_grammar, so)  # the key: O(size)
+        return await asyncio.wrap_future(future)
+    except GrammarError as exc:
+        code = "grammar_limit_exceeded" if isinstance(exc, GrammarLimitError) else None
+        raise bad_request(f"{gen.grammar_param}: {exc}", param=gen.grammar_param, code=code) from None
 
 
 def _check_stops(params: SamplingParams, limits: RequestLimits) -> None:
