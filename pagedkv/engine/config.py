@@ -67,6 +67,10 @@ class EngineConfig:
     with ``--kv-events-endpoint``, which turns this on).
     ``device``: "cpu" (default), "cuda" or "auto" (CUDA when torch sees a GPU): where the model,
     the KV pool and the attention kernels run (Triton on CUDA; the host tier stays in host memory).
+    A Hugging Face repo id as ``model`` that is not in the cache is downloaded from the Hub
+    (``pagedkv/models/hub.py``; never with HF_HUB_OFFLINE=1): ``revision`` (a branch, tag or commit;
+    default "main") and ``download_dir`` (the Hugging Face cache to use; default Hugging Face's own)
+    are vLLM's ``--revision`` and ``--download-dir``.
     ``tokenizer`` (vLLM's ``--tokenizer``) replaces the model's tokenizer: a folder with
     tokenizer.json, a .gguf file, or a cached Hugging Face repo id (``pagedkv.models.load_tokenizer``).
     ``enable_lora`` serves LoRA adapters (``pagedkv/lora``, docs/lora.md): ``max_loras`` of them
@@ -80,6 +84,8 @@ class EngineConfig:
 
     model: str | None = None
     tokenizer: str | None = None
+    revision: str | None = None
+    download_dir: str | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_cache_memory: str | int | None = None
@@ -149,6 +155,10 @@ class EngineConfig:
             raise ValueError(f"device must be one of {DEVICES} (or cuda:N), got {self.device!r}")
         if self.threads is not None:
             _int_in("threads", self.threads, 1, 1024)
+        for name in ("revision", "download_dir"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
         _int_in("max_loras", self.max_loras, 1, 256)
         _int_in("max_lora_rank", self.max_lora_rank, 1, 512)
         if self.max_cpu_loras is not None:

@@ -25,6 +25,10 @@ def _size(text: str) -> int | str:
 _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "tokenizer": ("a tokenizer instead of the model's: a folder with tokenizer.json, a .gguf file or a cached "
                   "Hugging Face repo id (default: the model's own)", {"type": str}),
+    "revision": ("the branch, tag or commit of a Hugging Face repo id given as the model (default main)",
+                 {"type": str}),
+    "download_dir": ("the Hugging Face cache a repo id given as the model is looked up in and downloaded into "
+                     "(default: Hugging Face's own, $HF_HUB_CACHE or ~/.cache/huggingface/hub)", {"type": str}),
     "block_size": ("token slots per KV block", {"type": int}),
     "enable_prefix_caching": ("share KV blocks of common prompt prefixes",
                               {"action": argparse.BooleanOptionalAction}),

@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagedkv import __version__
 from pagedkv.server.async_engine import AsyncEngine
 from pagedkv.server.limits import MAX_CHOICES, RequestLimits
+from pagedkv.server.lora import lora_router, model_cards, runtime_updates_allowed
 from pagedkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedkv.server.protocol import (
     APIError,
@@ -55,8 +56,11 @@ def create_app(
     api_keys: dict[str, str | None] | None = None,
     max_queue: int | None = None,
     limits: RequestLimits | None = None,
+    allow_lora_updates: bool = False,
 ) -> FastAPI:
-    """Build the app around an AsyncEngine; the app starts its engine thread and drains it on shutdown."""
+    """Build the app around an AsyncEngine; the app starts its engine thread and drains it on shutdown.
+    ``allow_lora_updates``: mount /v1/load_lora_adapter and /v1/unload_lora_adapter (also with
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; server/lora.py)."""
     names = served_model_names or [engine.engine.model_name]
     keys = {**({api_key: None} if api_key else {}), **(api_keys or {})}
     config = getattr(engine.engine, "config", None)
@@ -84,6 +88,8 @@ def create_app(
     app.include_router(_api_router(state))
     app.include_router(_tokenizer_router(state))
     app.include_router(_ops_router(state))
+    if runtime_updates_allowed(allow_lora_updates):  # LoRA load / unload (server/lora.py)
+        app.include_router(lora_router(state, [Depends(_key_check(state))]))
     _install_error_handlers(app, state)
     return app
 
@@ -171,6 +177,7 @@ def _api_router(state: ServerState) -> APIRouter:
                                  "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
                                  "organization": "*", "group": None, "is_blocking": False}]}
                 for name in state.served_model_names]
+        data += await state.engine.call(lambda e: model_cards(e, state.model_name, created))  # LoRA adapters
         return {"object": "list", "data": data}
 
     @router.post("/completions")
@@ -183,7 +190,7 @@ def _api_router(state: ServerState) -> APIRouter:
             stream=body.stream, include_usage=body.include_usage_in_stream, echo=body.echo,
             cache_salt=body.cache_salt, priority=body.priority, tenant=request.state.tenant,
             return_cache_details=body.return_cache_details, conversation_id=body.conversation_id,
-            pin_ttl_s=body.pin_ttl_s, grammar_param=body.grammar_param,
+            pin_ttl_s=body.pin_ttl_s, lora=state.adapter_of(body.model), grammar_param=body.grammar_param,
         )
         if len(gen.prompts) * params.n > MAX_CHOICES:
             raise bad_request(f"at most {MAX_CHOICES} choices (prompts times n) per request", param="n")
@@ -211,7 +218,7 @@ def _api_router(state: ServerState) -> APIRouter:
             stream=body.stream, include_usage=body.include_usage_in_stream,
             cache_salt=body.cache_salt, priority=body.priority, tenant=request.state.tenant,
             return_cache_details=body.return_cache_details, conversation_id=body.conversation_id,
-            pin_ttl_s=body.pin_ttl_s, grammar_param=body.grammar_param,
+            pin_ttl_s=body.pin_ttl_s, lora=state.adapter_of(body.model), grammar_param=body.grammar_param,
         )
         return await serve_generation(state, request, gen)
 

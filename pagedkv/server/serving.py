@@ -26,10 +26,12 @@ from starlette.types import Receive, Scope, Send
 
 from pagedkv.engine import EngineDeadError, RequestTooLongError, TokenizedPrompt
 from pagedkv.engine.grammar_compiler import CompiledGrammar, GrammarError, GrammarLimitError
+from pagedkv.lora.request import LoRAError
 from pagedkv.outputs import CompletionOutput, RequestOutput
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.server.async_engine import AsyncEngine, OutputStream
 from pagedkv.server.limits import RequestLimits
+from pagedkv.server.lora import adapter_of, lora_api_error
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import APIError, bad_request
 from pagedkv.server.responses import ResponseFormat, Usage
@@ -57,9 +59,14 @@ class ServerState:
         return self.served_model_names[0]
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
+        """404 unless ``model`` is a served name of the base model or a LoRA adapter's (server/lora.py)."""
+        if model is not None and model not in self.served_model_names and self.adapter_of(model) is None:
             raise APIError(404, f"The model `{model}` does not exist. Served: {self.served_model_names}",
                            type="not_found_error", param="model", code="model_not_found")
+
+    def adapter_of(self, model: str | None) -> str | None:
+        """The LoRA adapter ``model`` names (None: the base model)."""
+        return None if model in self.served_model_names else adapter_of(self.engine.engine, model)
 
     def admit(self, count: int) -> Callable[[], None]:
         """Count ``count`` engine requests in, or raise 503 (draining) / 429 (queue full)."""
@@ -139,6 +146,7 @@ class Generation:
     conversation_id: str | None = None  # pin the turn's prefix (memory/pins.py) for pin_ttl_s
     pin_ttl_s: float | None = None
     grammar_param: str = "structured_output"  # the request field that gave params.structured_output
+    lora: str | None = None  # the LoRA adapter ``model`` named (server/lora.py), None: the base model
 
 
 async def serve_generation(state: ServerState, request: Request, gen: Generation) -> Response:
@@ -152,12 +160,15 @@ async def serve_generation(state: ServerState, request: Request, gen: Generation
         stream = await state.engine.add_requests(
             [(f"{base_id}-{i}", p) for i, p in enumerate(prompts)], gen.params,
             cache_salt=gen.cache_salt, priority=gen.priority, tenant=gen.tenant,
-            conversation_id=gen.conversation_id, pin_ttl_s=gen.pin_ttl_s,
+            conversation_id=gen.conversation_id, pin_ttl_s=gen.pin_ttl_s, lora_request=gen.lora,
         )
         del grammar
     except EngineDeadError as exc:
         release()
         raise APIError(503, str(exc), type="service_unavailable", code="engine_dead") from exc
+    except LoRAError as exc:  # its adapter was unloaded meanwhile (404), or cannot be read now
+        release()
+        raise lora_api_error(exc, "model") from exc
     except ValueError as exc:  # RequestRejectedError, RequestTooLongError, bad token ids
         release()
         code = "context_length_exceeded" if isinstance(exc, RequestTooLongError) else "invalid_prompt"
