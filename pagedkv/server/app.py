@@ -42,8 +42,11 @@ from pagedkv.server.protocol import (
     bad_request,
     parse_body,
 )
-from pagedkv.server.responses import ChatFormat, CompletionFormat
+from pagedkv.server.responses import CompletionFormat
 from pagedkv.server.serving import Generation, ServerState, serve_generation
+from pagedkv.server.tools.request import ToolOptions
+from pagedkv.server.tools.responses_api import responses_router
+from pagedkv.server.tools.serving import chat_output
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,7 @@ def create_app(
     max_queue: int | None = None,
     limits: RequestLimits | None = None,
     allow_lora_updates: bool = False,
+    tool_options: ToolOptions | None = None,  # tool-call and reasoning parsers (server/tools/)
 ) -> FastAPI:
     """Build the app around an AsyncEngine; the app starts its engine thread and drains it on shutdown.
     ``allow_lora_updates``: mount /v1/load_lora_adapter and /v1/unload_lora_adapter (also with
@@ -85,7 +89,9 @@ def create_app(
 
     app = FastAPI(title="pagedkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
+    app.state.tool_options = tool_options or ToolOptions()
     app.include_router(_api_router(state))
+    app.include_router(responses_router(Depends(_key_check(state))))  # /v1/responses, over chat
     app.include_router(_tokenizer_router(state))
     app.include_router(_ops_router(state))
     if runtime_updates_allowed(allow_lora_updates):  # LoRA load / unload (server/lora.py)
@@ -202,19 +208,20 @@ def _api_router(state: ServerState) -> APIRouter:
         state.check_model(body.model)
         params = body.to_sampling_params(state.engine.engine.generation_defaults)  # generation_config's
         tokenizer = state.engine.engine.tokenizer
+        params, fmt = chat_output(body, request.app.state.tool_options, tokenizer, params)  # tools, reasoning
 
         def render() -> list[int]:  # LLM.chat's path: the template's text, no special tokens added
             try:
                 return tokenizer.encode_chat(body.chat_messages(), body.add_generation_prompt,
                                              continue_final_message=body.continue_final_message,
-                                             chat_template_kwargs=body.chat_template_kwargs)
+                                             chat_template_kwargs=body.template_kwargs())
             except APIError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
                 raise bad_request(f"cannot apply the chat template: {exc}", param="messages") from exc
 
         gen = Generation(
-            prompts=[await asyncio.to_thread(render)], params=params, fmt=ChatFormat(body.top_logprobs or 0),
+            prompts=[await asyncio.to_thread(render)], params=params, fmt=fmt,
             stream=body.stream, include_usage=body.include_usage_in_stream,
             cache_salt=body.cache_salt, priority=body.priority, tenant=request.state.tenant,
             return_cache_details=body.return_cache_details, conversation_id=body.conversation_id,

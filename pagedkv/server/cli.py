@@ -18,6 +18,8 @@ import sys
 
 from pagedkv.engine.flags import add_engine_arguments, engine_options
 from pagedkv.server.limits import LIMIT_HELP, RequestLimits
+from pagedkv.server.tools.parsers import TOOL_PARSERS
+from pagedkv.server.tools.reasoning import REASONING_PARSERS
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -51,6 +53,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "flag, as vLLM's, or the flag repeated; default: the engine's model name)")
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a jinja2 chat template (a file, or the template itself) instead of the model's")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model choose when to call tools (tool_choice \"auto\", the default when tools are "
+                        "given); needs --tool-call-parser (docs/tools.md)")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how the model writes tool calls: hermes (Qwen, Hermes; examples/tool_chat_template_hermes.jinja), "
+                        "llama3_json, mistral, pythonic, deepseek_v3")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split <think>...</think> into the reasoning_content field (deepseek_r1, qwen3)")
     p.add_argument("--max-queue", type=int, default=None,
                    help="requests allowed to wait beyond --max-num-seqs; more get 429 (default: no limit)")
     p.add_argument("--drain-timeout", type=float, default=60.0,
@@ -85,6 +95,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedkv.engine import LLMEngine
     from pagedkv.server.app import create_app
     from pagedkv.server.async_engine import AsyncEngine
+    from pagedkv.server.tools.request import ToolOptions
     from pagedkv.server.http_server import DrainingServer
 
     if args.max_queue is not None and args.max_queue < 0:
@@ -114,6 +125,11 @@ def run_serve(args: argparse.Namespace) -> int:
             print(f"pagedkv serve: --chat-template: {args.chat_template!r} is neither a file nor a jinja2 "
                   "template", file=sys.stderr)
             return 2
+    try:
+        tool_options = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
+    except ValueError as exc:
+        print(f"pagedkv serve: {exc}", file=sys.stderr)
+        return 2
     try:
         limits = RequestLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RequestLimits)})
     except ValueError as exc:
@@ -151,7 +167,7 @@ def run_serve(args: argparse.Namespace) -> int:
     async_engine = AsyncEngine(engine)
     if publisher is not None:
         async_engine.kv_event_sink = publisher.publish
-    app = create_app(async_engine, served_model_names=args.served_model_name, api_keys=api_keys,
+    app = create_app(async_engine, tool_options=tool_options, served_model_names=args.served_model_name, api_keys=api_keys,
                      max_queue=args.max_queue, limits=limits,
                      allow_lora_updates=args.allow_runtime_lora_updating)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

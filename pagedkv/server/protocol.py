@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from pagedkv.engine.grammar_worker import excerpt
 from pagedkv.sampling_params import SamplingParams, StructuredOutput
@@ -65,9 +65,10 @@ class _Body(BaseModel):
 # OpenAI and vLLM fields that would change the output if ignored: a 400 naming them unless absent,
 # null or at the neutral value listed (other unknown fields are ignored, as clients send extras).
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "tool_choice": (("none", "auto"), "tool calling is not supported"),
-    "functions": (([],), "function calling is not supported"),
-    "function_call": (("none", "auto"), "function calling is not supported"),
+    # (chat serves these: ChatCompletionRequest.SERVED_FIELDS; completions have no tools)
+    "tool_choice": (("none", "auto"), "tools are served by /v1/chat/completions, not completions"),
+    "functions": (([],), "functions are served by /v1/chat/completions, not completions"),
+    "function_call": (("none", "auto"), "functions are served by /v1/chat/completions, not completions"),
     "guided_grammar": ((), "grammars (guided_grammar) are not supported: use guided_json, guided_regex, "
                            "guided_choice or response_format"),
     "prompt_logprobs": ((), "prompt_logprobs is not supported over HTTP: use echo with logprobs (completions)"),
@@ -84,9 +85,11 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
-def reject_unsupported_fields(body: dict[str, Any]) -> None:
-    """400 naming the first field of ``UNSUPPORTED_FIELDS`` given with a value that matters."""
+def reject_unsupported_fields(body: dict[str, Any], served: frozenset[str] = frozenset()) -> None:
+    """400 naming the first field of ``UNSUPPORTED_FIELDS`` (but ``served``) given with a value that matters."""
     for name, (neutral, message) in UNSUPPORTED_FIELDS.items():
+        if name in served:
+            continue
         value = body.get(name)
         if value is not None and not any(value == v and type(value) is type(v) for v in neutral):
             raise bad_request(message, param=name)
@@ -146,8 +149,8 @@ class _SamplingFields(_Body):
     def _reject_unsupported(self) -> None:
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of is not supported (use n)", param="best_of")
-        if self.tools:
-            raise bad_request("tools are not supported", param="tools")
+        if self.tools and not isinstance(self, ChatCompletionRequest):
+            raise bad_request("tools are served by /v1/chat/completions, not completions", param="tools")
 
     def _structured_source(self) -> tuple[str, dict[str, Any]] | None:
         """(the field, StructuredOutput's arguments) of the request's structured output, if any; a
@@ -267,9 +270,15 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    role: Literal["system", "user", "assistant", "tool", "developer", "function"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # Tool calling and reasoning in the history (server/tools/request.py's template_messages)
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    function_call: dict[str, Any] | None = None  # legacy
+    reasoning_content: str | None = None  # vLLM's older name
+    reasoning: str | None = None  # vLLM's current name
 
     def text(self) -> str:
         """The message text; content parts must all be ``{"type": "text", "text": ...}``."""
@@ -294,12 +303,45 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's extras
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tools (server/tools/request.py checks them; the legacy functions fields map onto them)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    _tools: Any = PrivateAttr(default=None)
+    SERVED_FIELDS: ClassVar[frozenset[str]] = frozenset({"tool_choice", "functions", "function_call"})
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template expects them (tool calls, tool results, reasoning)."""
+        from pagedkv.server.tools.request import template_messages
+        return template_messages(self.messages)
+
+    @property
+    def tool_request(self) -> Any:
+        """The request's tools, checked (server/tools/request.py's ToolRequest); a 400 naming the field."""
+        if self._tools is None:
+            from pagedkv.server.tools.request import parse_tool_request
+            self._tools = parse_tool_request(self.tools, self.tool_choice, self.functions, self.function_call,
+                                             self.parallel_tool_calls)
+        return self._tools
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """``chat_template_kwargs`` with the tools the template shows the model (when there are any)."""
+        tools = self.tool_request.tools
+        return {**(self.chat_template_kwargs or {}), "tools": tools} if tools else self.chat_template_kwargs
+
+    def _structured_output(self) -> StructuredOutput | None:
+        given = super()._structured_output()
+        forced = self.tool_request.forced_output()  # a required or named call: its schema
+        if forced is not None and given is not None:
+            raise bad_request("a required or named tool_choice constrains the output already: drop "
+                              "response_format (or the guided_* field)", param="tool_choice")
+        return forced or given
 
     def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """``defaults``: see ``_params`` (its max_tokens replaces "the rest of the context")."""
+        self.tool_request  # noqa: B018 - tool errors first, as a 400 naming their field
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -355,7 +397,7 @@ def parse_body(raw: bytes, model: type[Body]) -> Body:
     if _SURROGATE_ESCAPE.search(raw):  # only an escape can put a surrogate into a str
         _reject_lone_surrogates(obj)
     if issubclass(model, _SamplingFields):
-        reject_unsupported_fields(obj)
+        reject_unsupported_fields(obj, getattr(model, "SERVED_FIELDS", frozenset()))
     try:
         return model.model_validate(obj)
     except RecursionError as exc:
