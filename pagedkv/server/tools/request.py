@@ -316,10 +316,11 @@ def template_variables(template: str) -> frozenset[str]:
         return frozenset()
 
 
-def check_template_knows_tools(template: str | None, req: ToolRequest, messages: list[dict[str, Any]]) -> None:
-    """A 400 when tools (or tool calls in the history) would be dropped by a template that never
-    reads them, rather than a prompt that silently lacks them."""
-    uses_tools = bool(req.tools) or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+def check_template_knows_tools(template: str | None, req: ToolRequest, messages: list[Any]) -> None:
+    """A 400 when tools (or tool calls in the history, ``messages`` as the request gave them) would
+    be dropped by a template that never reads them, rather than a prompt that silently lacks them."""
+    uses_tools = bool(req.tools) or any(m.tool_calls or m.function_call or m.role in ("tool", "function")
+                                        for m in messages)
     if not uses_tools or template is None:
         return
     if "tools" in template_variables(template) or "tool_calls" in template:

@@ -22,7 +22,7 @@ def chat_output(body: Any, options: ToolOptions | None, tokenizer: Any,
     options = options or ToolOptions()
     req = body.tool_request
     check_served(req, options)
-    check_template_knows_tools(getattr(tokenizer, "chat_template", None), req, body.chat_messages())
+    check_template_knows_tools(getattr(tokenizer, "chat_template", None), req, body.messages)
     reasoning = options.new_reasoning_parser()
     if params.structured_output is not None:
         # The grammar starts at the first token, so a constrained answer has no thinking to split off.
