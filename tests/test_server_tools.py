@@ -366,3 +366,52 @@ def test_responses_streamed_events(server: Any, options: Any) -> None:
 def test_responses_unsupported_is_a_400(server: Any, options: Any, body: dict[str, Any], param: str) -> None:
     r = httpx.post(f"{server.base_url}/responses", json={"model": "m", "input": "hi", **body}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# ------------------------------------------------------------------------------------------------
+# The shipped templates (examples/*.jinja)
+
+HISTORY = ASK + [
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}]
+
+
+@pytest.mark.parametrize("template,call_text,result_text", [
+    ("tool_chat_template_hermes.jinja", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+                                        '"unit": "c"}}\n</tool_call>', "<tool_response>\n21 degrees\n</tool_response>"),
+    ("tool_chat_template_pythonic.jinja", '[get_weather(city="Paris", unit="c")]', "<|im_start|>tool\n21 degrees"),
+    ("tool_chat_template_llama3.2_pythonic.jinja", '[get_weather(city="Paris", unit="c")]',
+     "<|start_header_id|>ipython<|end_header_id|>\n\n21 degrees<|eot_id|>"),
+])
+def test_shipped_templates_render_tools_calls_and_results(server: Any, template: str, call_text: str,
+                                                          result_text: str) -> None:
+    from pagedkv.server.protocol import ChatCompletionRequest
+
+    body = ChatCompletionRequest.model_validate({"messages": HISTORY, "tools": TOOLS})
+    tok = server.engine.tokenizer
+    before = tok.chat_template
+    tok.set_chat_template(open(f"examples/{template}", encoding="utf-8").read())
+    try:
+        text = tok.render_chat(body.chat_messages(), True, chat_template_kwargs=body.template_kwargs())
+    finally:
+        tok.set_chat_template(before)
+    assert '"name": "get_time"' in text and '"description": "Current weather in a city"' in text  # the tools
+    assert call_text in text and result_text in text
+    assert text.count("What is the weather in Paris?") == 1
+
+
+def test_pythonic_template_and_parser(server: Any, options: Any) -> None:
+    options(enable_auto_tool_choice=True, tool_call_parser="pythonic")
+    tok = server.engine.tokenizer
+    tok.set_chat_template(open("examples/tool_chat_template_pythonic.jinja", encoding="utf-8").read())
+    try:
+        text = '[get_weather(city="Paris", unit="c"), get_time(tz="CET")]'
+        server.writer.scripts.extend([text, text])
+        msg = post(server, {"messages": ASK, "tools": TOOLS}).json()["choices"][0]["message"]
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == [
+            ("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"tz": "CET"})]
+        streamed, finish, _ = stream(server, {"messages": ASK, "tools": TOOLS})
+        assert without_ids(streamed) == without_ids(msg) and finish == "tool_calls"
+    finally:
+        tok.set_chat_template(HERMES)

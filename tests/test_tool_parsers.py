@@ -56,6 +56,7 @@ CASES = [
      [("get_weather", W), ("get_time", '{"tz": "CET"}')]),
     ("pythonic", '<|python_start|>[search(q="a, b", n=3, exact=True, tags=["x"])]<|python_end|>', None,
      [("search", '{"q": "a, b", "n": 3, "exact": true, "tags": ["x"]}')]),
+    ("pythonic", '[f(flag=true, none=null, xs=[1, false])]', None, [("f", '{"flag": true, "none": null, "xs": [1, false]}')]),
     ("pythonic", "[1] is a citation, not a call.", "[1] is a citation, not a call.", []),
     ("pythonic", "[os.system('rm -rf /')]", "[os.system('rm -rf /')]", []),
     ("deepseek_v3", 'Let me see.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n'

@@ -399,9 +399,24 @@ def _python_calls(source: str) -> list[tuple[str, str]]:
         name = ast.unparse(node.func)
         if not re.fullmatch(r"[A-Za-z_][\w.\-]*", name):
             raise ValueError(f"bad function name {name!r}")
-        args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+        args = {kw.arg: _literal(kw.value) for kw in node.keywords if kw.arg is not None}
         out.append((name, json.dumps(args, ensure_ascii=False)))
     return out
+
+
+_JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+def _literal(node: ast.expr) -> object:
+    """A Python literal, where JSON's ``true``, ``false`` and ``null`` are also read (models
+    trained on JSON write them inside calls)."""
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    if isinstance(node, ast.List):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values) if k is not None}
+    return ast.literal_eval(node)
 
 
 class DeepSeekV3Parser(_MarkerParser):
