@@ -9,6 +9,8 @@ import argparse
 import json
 import sys
 
+from pagedkv.progress import interactive, phase
+
 
 def add_bench_parser(subparsers) -> None:
     from pagedkv.engine.flags import add_engine_arguments
@@ -26,20 +28,27 @@ def add_bench_parser(subparsers) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     from pagedkv.benchmark import build_workload, run_pagedkv
-    from pagedkv.engine import LLMEngine
+    from pagedkv.engine import EngineConfig, LLMEngine
     from pagedkv.engine.flags import engine_options
+    from pagedkv.models.loader import resolve_model_path
 
     # One thread by default: on shared 2-core machines two-thread runs are erratic.
     options = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "threads": 1,
                **engine_options(args)}
     try:
-        engine = LLMEngine.from_options(args.model, **options)
+        EngineConfig.from_options(args.model, **options)  # bad options and paths: one line, no phase
+        resolve_model_path(args.model)
+        with phase(f"bench: loading {args.model or 'the default model'}", done="loaded"):
+            engine = LLMEngine.from_options(args.model, **options)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pagedkv bench: {exc}", file=sys.stderr)
         return 2
     try:
         workload = build_workload(args.case, engine.runner.config.vocab_size, args.workload_seed)
-        r = run_pagedkv(engine, workload, progress=sys.stderr.isatty())
+        # A progress bar of output tokens on a terminal; the start and end lines everywhere.
+        with phase(f"bench: running {workload.name}: {len(workload.prompts)} requests, "
+                   f"{workload.output_tokens} output tokens", done="finished", ticker=False):
+            r = run_pagedkv(engine, workload, progress=interactive())
     finally:
         engine.close()
     print(f"{workload.name}: {len(workload.prompts)} requests, {r.output_tokens} output tokens in "

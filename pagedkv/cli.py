@@ -1,4 +1,4 @@
-"""The ``pagedkv`` command: serve | generate | bench | simulate | size | kv-cache."""
+"""The ``pagedkv`` command: serve | generate | chat | bench | simulate | size | kv-cache."""
 
 from __future__ import annotations
 
@@ -131,12 +131,18 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedkv.server.cli import add_serve_parser
     from pagedkv.sim.cli import add_simulate_parser, add_size_parser
 
+    from pagedkv import __version__
+
     parser = argparse.ArgumentParser(prog="pagedkv", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"pagedkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = add_serve_parser(sub)
+    serve.add_argument("--version", action="version", version=f"pagedkv {__version__}")  # as `vllm serve --version`
     from pagedkv.server.cli import run_serve
     serve.set_defaults(func=run_serve)
     add_generate_parser(sub)
+    from pagedkv.chat_cli import add_chat_parser
+    add_chat_parser(sub)
     try:
         from pagedkv.bench_cli import add_bench_parser
     except ImportError:

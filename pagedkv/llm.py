@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pagedkv.engine import EngineStats, LLMEngine
 from pagedkv.lora.request import LoRARequest
 from pagedkv.outputs import RequestOutput
+from pagedkv.progress import interactive
 from pagedkv.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -62,12 +63,14 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = False, cache_salt: str | None = None,
+                 use_tqdm: bool | None = None, cache_salt: str | None = None,
                  priority: Sequence[int] | None = None,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (strings or token-id lists); outputs keep the prompts' order.
 
         A prompt the engine rejects raises before any request runs (all are validated first).
+        ``use_tqdm`` (vLLM's): a "Processed prompts" progress bar on stderr; None (default) shows it
+        when stderr is a terminal.
         """
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params or self.get_default_sampling_params(), len(prompts), "sampling_params")
@@ -80,7 +83,7 @@ class LLM:
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             use_tqdm: bool = False, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             use_tqdm: bool | None = None, add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict | None = None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or to
@@ -111,20 +114,17 @@ class LLM:
         """KV figures of the memory core plus scheduler counters."""
         return self.engine.stats()
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
         wanted = set(ids)
         done: dict[str, RequestOutput] = {}
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-            bar = tqdm(total=len(ids), desc="generate", unit="req", dynamic_ncols=True)
+        bar = _ProgressBar(len(ids)) if (interactive() if use_tqdm is None else use_tqdm) else None
         try:
             while len(done) < len(ids):
                 for out in self.engine.step(only_finished=True):
                     if out.finished and out.request_id in wanted:
                         done[out.request_id] = out
                         if bar is not None:
-                            bar.update(1)
+                            bar.finished(out)
                 if not self.engine.has_unfinished_requests() and len(done) < len(ids):
                     raise RuntimeError("the engine lost requests: " + str(sorted(wanted - set(done))))
         except BaseException:
@@ -135,6 +135,27 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [done[i] for i in ids]
+
+
+class _ProgressBar:
+    """vLLM's "Processed prompts" bar: finished prompts, with the input and output token rates."""
+
+    def __init__(self, total: int) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc="Processed prompts", unit="prompt", dynamic_ncols=True)
+        self.tokens_in = self.tokens_out = 0
+
+    def finished(self, out: RequestOutput) -> None:
+        self.tokens_in += len(out.prompt_token_ids)
+        self.tokens_out += sum(len(c.token_ids) for c in out.outputs)
+        elapsed = self.bar.format_dict["elapsed"] or 1e-9
+        self.bar.set_postfix_str(f"est. speed input: {self.tokens_in / elapsed:.2f} toks/s, "
+                                 f"output: {self.tokens_out / elapsed:.2f} toks/s", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

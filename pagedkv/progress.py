@@ -38,33 +38,41 @@ def notice(message: str) -> None:
         print(PREFIX + message, file=sys.stderr, flush=True)
 
 
+_open: list[object] = []  # the phases under way, innermost last: only the innermost ticks
+
+
 @contextmanager
-def phase(message: str, done: str = "done") -> Iterator[None]:
+def phase(message: str, done: str = "done", ticker: bool = True) -> Iterator[None]:
     """Print ``message`` now and ``message: done in N s`` at the end (``failed after N s`` if the
-    block raises), with an elapsed-time ticker between them on a terminal."""
+    block raises); on a terminal, an elapsed-time ticker line between them (unless ``ticker`` is
+    False: the block shows a progress bar of its own; a phase inside another silences the outer's)."""
     if quiet():
         yield
         return
     start = time.monotonic()
     stop = threading.Event()
-    ticker = None
-    if interactive():
+    token = object()
+    if _open and interactive():
+        print("\r\x1b[K", end="", file=sys.stderr, flush=True)  # the outer phase's ticker line
+    notice(message + " ...")
+    _open.append(token)
+    thread = None
+    if ticker and interactive():
         def tick() -> None:
             while not stop.wait(_TICK_S):
-                print(f"\r{PREFIX}{message} ... {time.monotonic() - start:.0f} s", end="", file=sys.stderr,
-                      flush=True)
-        print(f"{PREFIX}{message} ...", end="", file=sys.stderr, flush=True)
-        ticker = threading.Thread(target=tick, name="pagedkv-progress", daemon=True)
-        ticker.start()
-    else:
-        notice(message + " ...")
+                if _open and _open[-1] is token:
+                    print(f"\r\x1b[K  ... {time.monotonic() - start:.0f} s", end="", file=sys.stderr, flush=True)
+
+        thread = threading.Thread(target=tick, name="pagedkv-progress", daemon=True)
+        thread.start()
     outcome = "failed after"
     try:
         yield
         outcome = done + " in"
     finally:
         stop.set()
-        if ticker is not None:
-            ticker.join()
+        _open.remove(token)
+        if thread is not None:
+            thread.join()
             print("\r\x1b[K", end="", file=sys.stderr)  # the ticker's line, cleared
         notice(f"{message}: {outcome} {time.monotonic() - start:.1f} s")

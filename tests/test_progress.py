@@ -5,6 +5,7 @@ the prompts."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -84,3 +85,69 @@ def test_phase_lines_on_a_pipe(capsys: pytest.CaptureFixture[str], monkeypatch: 
     with phase("silent"):
         pass
     assert capsys.readouterr().err == ""
+
+
+def _in_a_terminal(argv: list[str], timeout: float = 240.0) -> tuple[int, str]:
+    """Run ``argv`` on a pseudo-terminal (stdout and stderr a tty); its exit code and output."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    pid, fd = pty.fork()
+    if pid == 0:  # a terminal of 120 columns (a new pseudo-terminal has 0: tqdm would draw nothing)
+        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+        os.execvpe(argv[0], argv, {**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
+    out = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if select.select([fd], [], [], 1.0)[0]:
+                try:
+                    chunk = os.read(fd, 65536)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                out += chunk
+        else:
+            raise AssertionError(f"{argv} still running after {timeout} s:\n{out.decode(errors='replace')[-3000:]}")
+    finally:
+        _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), out.decode(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("progress") / "model")
+
+
+def test_bench_shows_its_phases_and_a_bar_in_a_terminal(tiny: Path) -> None:
+    code, out = _in_a_terminal([sys.executable, "-m", "pagedkv.cli", "bench", "--model", str(tiny),
+                                "--case", "case_a"])
+    assert code == 0, out[-3000:]
+    assert f"pagedkv: bench: loading {tiny} ..." in out and f"pagedkv: bench: loading {tiny}: loaded in " in out
+    assert "pagedkv: bench: running case_a: 1 requests, 128 output tokens ..." in out
+    assert re.search(r"case_a: +\d+%\|.*\| *\d+/128 \[", out), out[-3000:]  # the tqdm bar, in tokens
+    assert "pagedkv: bench: running case_a: 1 requests, 128 output tokens: finished in " in out
+    assert '"case": "case_a"' in out
+
+
+def test_generate_progress_bar(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's "Processed prompts" bar with use_tqdm=True; by default (None) only on a terminal,
+    and pytest's stderr is none."""
+    from pagedkv import LLM, SamplingParams
+
+    with LLM(str(tiny), num_kv_blocks=64) as llm:
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        capsys.readouterr()
+        llm.generate(["a b c", "hello", "the quick brown fox"], params, use_tqdm=True)
+        err = capsys.readouterr().err
+        assert "Processed prompts: 100%" in err and "3/3" in err
+        assert re.search(r"est\. speed input: [\d.]+ toks/s, output: [\d.]+ toks/s", err)
+        llm.generate(["a b c"], params)
+        llm.chat([{"role": "user", "content": "hi"}], params)
+        assert "Processed prompts" not in capsys.readouterr().err

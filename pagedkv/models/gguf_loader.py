@@ -387,7 +387,7 @@ def converted_folder(path: Path, quantization: str = "none") -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=folder.parent))
     try:
         with phase(f"converting {path.name} once into {folder} (later starts load the converted copy)",
-                   done="converted"):
+                   done="converted", ticker=False):  # a bar of its own
             convert_gguf(path, tmp, quantization)
         (tmp / _DONE).write_text(str(path))
         try:

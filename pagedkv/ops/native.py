@@ -54,6 +54,9 @@ def _build_key() -> str:
     h.update(" ".join(_FLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_flags().encode())
+    # The sources' folder too: PyTorch's build file names the sources by absolute path, so two
+    # checkouts sharing one cache would each find the other's build file and rebuild, in turn.
+    h.update(str(_SOURCES[0].parent.resolve()).encode())
     return h.hexdigest()[:16]
 
 
@@ -70,13 +73,22 @@ def _build(verbose: bool = False) -> None:
         if held:
             (folder / "lock").unlink(missing_ok=True)
         name = f"pagedkv_native_{key}"
-        if (folder / f"{name}.so").exists():  # built before (this machine, this torch): a load
+        if not _needs_build(folder / f"{name}.so"):  # built before (this machine, this torch): a load
             _load(cpp_extension, name, folder, verbose)
             return
         # A first build compiles for one to three minutes: say so, or a first start looks hung.
         with phase(f"building the native CPU kernels once for this machine into {folder} "
                    "(one to three minutes; later starts reuse them)", done="built"):
             _load(cpp_extension, name, folder, verbose)
+
+
+def _needs_build(library: Path) -> bool:
+    """Whether loading will compile: no library yet, or a source newer than it (ninja's rule)."""
+    try:
+        built = library.stat().st_mtime_ns
+    except OSError:
+        return True
+    return any(src.stat().st_mtime_ns > built for src in _SOURCES)
 
 
 def _load(cpp_extension, name: str, folder: Path, verbose: bool) -> None:
