@@ -415,3 +415,24 @@ def test_pythonic_template_and_parser(server: Any, options: Any) -> None:
         assert without_ids(streamed) == without_ids(msg) and finish == "tool_calls"
     finally:
         tok.set_chat_template(HERMES)
+
+
+ARGS = '{"city": "Paris", "unit": "c"}'
+
+
+@pytest.mark.parametrize("parser,text", [
+    ("llama3_json", '{"name": "get_weather", "parameters": ' + ARGS + '}'),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": ' + ARGS + '}]'),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n" + ARGS
+     + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+])
+def test_each_parser_through_the_server(server: Any, options: Any, parser: str, text: str) -> None:
+    """The families' texts, written by the model and detokenized by the engine (mistral's and
+    deepseek's with special tokens kept, the EOS text dropped), full and streamed alike."""
+    options(enable_auto_tool_choice=True, tool_call_parser=parser)
+    server.writer.scripts.extend([text, text])
+    msg = post(server, {"messages": ASK, "tools": TOOLS}).json()["choices"][0]["message"]
+    assert msg["content"] is None, msg
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == [("get_weather", ARGS)]
+    streamed, finish, _ = stream(server, {"messages": ASK, "tools": TOOLS})
+    assert without_ids(streamed) == without_ids(msg) and finish == "tool_calls"

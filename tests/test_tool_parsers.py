@@ -145,3 +145,21 @@ def test_reasoning_whole_and_streamed(name: str, text: str, reasoning: str | Non
     assert "".join(r for r, _ in pieces) == (reasoning or "")
     assert "".join(c for _, c in pieces) == content
     assert all("think>" not in r and "</" not in c[-2:] for r, c in pieces if reasoning is not None)
+
+
+def test_mistral_pipeline_drops_eos_text_even_when_split() -> None:
+    """Mistral's [TOOL_CALLS] is a special token: the text is decoded with special tokens kept,
+    so the EOS text ("</s>") arrives too, possibly split by a stop-string holdback."""
+    from pagedkv.server.tools.chat_format import ToolChatFormat
+    from pagedkv.server.tools.parsers import ToolCallStream
+
+    fmt = ToolChatFormat(new_calls=lambda: ToolCallStream(tool_parser("mistral")), strip=("</s>",))
+    text = f'[TOOL_CALLS]get_weather[ARGS]{W}</s>'
+    full = fmt.choice(0, text, None, "stop")
+    assert full["finish_reason"] == "tool_calls" and full["message"]["content"] is None
+    assert full["message"]["tool_calls"][0]["function"]["arguments"] == W
+    plain = fmt.choice(1, "Hello.</s>", None, "stop")["message"]["content"]
+    assert plain == "Hello."
+    pieces = ["Hel", "lo.</", "s>"]
+    deltas = [fmt.delta(2, p, None, "stop" if i == len(pieces) - 1 else None) for i, p in enumerate(pieces)]
+    assert "".join(d["delta"].get("content", "") for d in deltas if d) == "Hello."

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedkv.server.responses import ChatFormat, Json
+from pagedkv.server.tools.json_scan import partial_suffix
 from pagedkv.server.tools.parsers import CallDelta, NamedCallStream, StreamDelta, ToolCallStream
 from pagedkv.server.tools.reasoning import ReasoningParser, ReasoningStream
 
@@ -24,10 +25,19 @@ class _Pipeline:
     calls: ToolCallStream | NamedCallStream | None
     strip: tuple[str, ...] = ()  # special-token texts that are markers' neighbours, not content (EOS)
     had_reasoning: bool = False
+    held: str = ""  # the end of the text that may be the start of a ``strip`` text
+
+    def _unstripped(self, piece: str, final: bool) -> str:
+        text = self.held + piece
+        keep = 0 if final else max(partial_suffix(text, s) for s in self.strip)
+        text, self.held = text[:len(text) - keep], text[len(text) - keep:]
+        for s in self.strip:
+            text = text.replace(s, "")
+        return text
 
     def feed(self, piece: str, final: bool) -> StreamDelta:
-        for s in self.strip:
-            piece = piece.replace(s, "")
+        if self.strip:
+            piece = self._unstripped(piece, final)
         out = StreamDelta()
         rest = piece
         if self.reasoning is not None:
