@@ -223,8 +223,7 @@ def test_rendered_manifests_agree_with_the_values(name: str) -> None:
     volumes = {v["name"]: v for v in pod.get("volumes", [])}
     assert "kv-disk-tier" not in volumes and not any(k.startswith("PersistentVolumeClaim/") for k in objs)
     assert workload["kind"] == "StatefulSet" and workload["spec"]["replicas"] == values["replicaCount"]
-    (claim,) = workload["spec"]["volumeClaimTemplates"]
-    assert claim["metadata"]["name"] == "kv-disk-tier"
+    (claim,) = [c for c in workload["spec"]["volumeClaimTemplates"] if c["metadata"]["name"] == "kv-disk-tier"]
     assert claim["spec"]["resources"]["requests"]["storage"] == disk["persistence"]["size"]
     assert claim["spec"]["accessModes"] == disk["persistence"]["accessModes"]
     assert workload["spec"]["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Retain",
@@ -310,8 +309,9 @@ def test_chart_refuses_two_replicas_sharing_one_disk_tier_claim() -> None:
     (volume,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "kv-disk-tier"]
     assert volume["persistentVolumeClaim"] == {"claimName": "kv"}
     assert "StatefulSet/pagedkv" not in objs and "Service/pagedkv-headless" not in objs
-    # No disk tier and no router: a Deployment of any size, nothing on disk.
-    objs = render_chart({"replicaCount": 3, "kvDiskTier": {"enabled": False}}, name="p", namespace="n")
+    # No disk tier, no model cache and no router: a Deployment of any size, nothing on disk.
+    objs = render_chart({"replicaCount": 3, "kvDiskTier": {"enabled": False}, "modelCache": {"enabled": False}},
+                        name="p", namespace="n")
     deployment = objs["Deployment/p-pagedkv"]
     assert deployment["spec"]["replicas"] == 3 and "--kv-offload-dir" not in str(deployment)
     assert not any(k.startswith(("StatefulSet/", "PersistentVolumeClaim/")) for k in objs)
@@ -321,11 +321,13 @@ def test_chart_gives_each_replica_its_own_disk_tier_claim() -> None:
     objs = render_chart({"replicaCount": 3})
     statefulset = objs["StatefulSet/pagedkv"]
     assert statefulset["spec"]["replicas"] == 3 and "Deployment/pagedkv" not in objs
-    assert [c["metadata"]["name"] for c in statefulset["spec"]["volumeClaimTemplates"]] == ["kv-disk-tier"]
-    # The router needs the pods' DNS names: a StatefulSet even without the disk tier, with no claim.
+    assert [c["metadata"]["name"] for c in statefulset["spec"]["volumeClaimTemplates"]] == ["kv-disk-tier",
+                                                                                            "model-cache"]
+    # The router needs the pods' DNS names: a StatefulSet even without the disk tier, with no disk-tier claim.
     objs = render_chart({"replicaCount": 2, "kvDiskTier": {"enabled": False}, "router": {"enabled": True}})
     statefulset = objs["StatefulSet/pagedkv"]
-    assert "volumeClaimTemplates" not in statefulset["spec"] and "--kv-offload-dir" not in str(statefulset)
+    assert [c["metadata"]["name"] for c in statefulset["spec"]["volumeClaimTemplates"]] == ["model-cache"]
+    assert "--kv-offload-dir" not in str(statefulset)
     args = objs["Deployment/pagedkv-router"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert len(options(args, "--worker-urls")) == 2
 
@@ -339,7 +341,7 @@ def test_full_render_runs_two_replicas_each_with_its_own_disk_tier_claim() -> No
     assert "Deployment/pagedkv" not in objs
     assert statefulset["spec"]["replicas"] == 2
     assert statefulset["spec"]["podManagementPolicy"] == "Parallel"
-    (claim,) = statefulset["spec"]["volumeClaimTemplates"]
+    (claim,) = [c for c in statefulset["spec"]["volumeClaimTemplates"] if c["metadata"]["name"] == "kv-disk-tier"]
     (container,) = statefulset["spec"]["template"]["spec"]["containers"]
     (mount,) = [m for m in container["volumeMounts"] if m["name"] == claim["metadata"]["name"]]
     assert mount["mountPath"] == options(container["args"], "--kv-offload-dir")[0] == values["kvDiskTier"]["dir"]

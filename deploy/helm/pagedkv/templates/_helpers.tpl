@@ -44,6 +44,15 @@ DNS names; otherwise (disk tier off, or one existing claim) as a Deployment ("")
 {{- if and $disk.enabled (not $disk.persistence.existingClaim) }}true{{ end }}
 {{- end }}
 
+{{/* Each replica's own model-cache claim comes from the StatefulSet's volumeClaimTemplate ("true"). */}}
+{{- define "pagedkv.modelCacheClaimTemplate" -}}
+{{- $cache := .Values.modelCache }}
+{{- if and $cache.enabled (not $cache.persistence.existingClaim) (include "pagedkv.statefulSet" .) }}true{{ end }}
+{{- end }}
+{{/* The one model-cache claim of a Deployment: the existing one, or the chart's. */}}
+{{- define "pagedkv.modelCacheClaimName" -}}
+{{- default (printf "%s-model-cache" (include "pagedkv.fullname" . | trunc 50 | trimSuffix "-")) .Values.modelCache.persistence.existingClaim }}
+{{- end }}
 {{/* The headless Service that gives the StatefulSet's pods their DNS names. */}}
 {{- define "pagedkv.headlessName" -}}
 {{- printf "%s-headless" (include "pagedkv.fullname" . | trunc 54 | trimSuffix "-") }}
@@ -82,6 +91,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $disk := .Values.kvDiskTier }}
 {{- if and $disk.enabled $disk.persistence.existingClaim (gt (int .Values.replicaCount) 1) }}
 {{- fail "kvDiskTier.persistence.existingClaim is one volume, which allows one replica: the disk tier's directory is locked by one server; set replicaCount: 1, or leave existingClaim empty to give each replica its own claim" }}
+{{- end }}
+{{- $cache := .Values.modelCache }}
+{{- if and $cache.enabled (not $cache.persistence.existingClaim) (not (include "pagedkv.statefulSet" .)) (gt (int .Values.replicaCount) 1) (not (has "ReadWriteMany" $cache.persistence.accessModes)) }}
+{{- fail "modelCache: the chart's one claim of a Deployment is mounted by every replica, which needs modelCache.persistence.accessModes [ReadWriteMany] (or an existingClaim that allows it); or set replicaCount: 1, or modelCache.enabled: false" }}
 {{- end }}
 {{- if and $disk.enabled (le (float64 $disk.hostTierSize) 0.0) }}
 {{- fail "kvDiskTier.hostTierSize must be above 0: the disk tier sits below the host tier (--kv-offloading-size)" }}

@@ -5,6 +5,7 @@ comes from the StatefulSet's volumeClaimTemplate.
 */}}
 {{- define "pagedkv.podTemplate" }}
 {{- $disk := .Values.kvDiskTier }}
+{{- $cache := .Values.modelCache }}
   template:
     metadata:
       labels:
@@ -32,6 +33,20 @@ comes from the StatefulSet's volumeClaimTemplate.
       terminationGracePeriodSeconds: {{ add (int .Values.server.drainTimeout) 15 }}
       securityContext:
         {{- toYaml .Values.podSecurityContext | nindent 8 }}
+      {{- if $cache.enabled }}
+      initContainers:
+        # The image's cache (native kernels, the default model's converted copy) into the model
+        # cache, keeping what is there (a model converted by an earlier start stays).
+        - name: seed-model-cache
+          image: "{{ .Values.image.repository }}:{{ .Values.image.tag }}"
+          imagePullPolicy: {{ .Values.image.pullPolicy }}
+          securityContext:
+            {{- toYaml .Values.securityContext | nindent 12 }}
+          command: [sh, -c, 'cp -Rn "$0"/. "$1"/', {{ .Values.image.cacheDir | quote }}, {{ $cache.dir | quote }}]
+          volumeMounts:
+            - name: model-cache
+              mountPath: {{ $cache.dir }}
+      {{- end }}
       containers:
         - name: pagedkv
           image: "{{ .Values.image.repository }}:{{ .Values.image.tag }}"
@@ -82,6 +97,12 @@ comes from the StatefulSet's volumeClaimTemplate.
               value: {{ .Values.server.port | quote }}
             - name: MODEL
               value: {{ .Values.model.path | quote }}
+            {{- if $cache.enabled }}
+            - name: PAGEDKV_CACHE_DIR
+              value: {{ $cache.dir | quote }}
+            - name: HF_HUB_CACHE
+              value: {{ printf "%s/hub" $cache.dir | quote }}
+            {{- end }}
             {{- if or .Values.apiKey.value .Values.apiKey.existingSecret }}
             - name: PAGEDKV_API_KEY
               valueFrom:
@@ -115,11 +136,15 @@ comes from the StatefulSet's volumeClaimTemplate.
             {{- toYaml .Values.probes.liveness | nindent 12 }}
           resources:
             {{- toYaml .Values.resources | nindent 12 }}
-          {{- if or $disk.enabled .Values.model.existingClaim }}
+          {{- if or $disk.enabled .Values.model.existingClaim $cache.enabled }}
           volumeMounts:
             {{- if $disk.enabled }}
             - name: kv-disk-tier
               mountPath: {{ $disk.dir }}
+            {{- end }}
+            {{- if $cache.enabled }}
+            - name: model-cache
+              mountPath: {{ $cache.dir }}
             {{- end }}
             {{- if .Values.model.existingClaim }}
             - name: models
@@ -128,7 +153,8 @@ comes from the StatefulSet's volumeClaimTemplate.
             {{- end }}
           {{- end }}
       {{- $diskVolume := and $disk.enabled (not (include "pagedkv.kvClaimTemplate" .)) }}
-      {{- if or $diskVolume .Values.model.existingClaim }}
+      {{- $cacheVolume := and $cache.enabled (not (include "pagedkv.modelCacheClaimTemplate" .)) }}
+      {{- if or $diskVolume .Values.model.existingClaim $cacheVolume }}
       volumes:
         {{- if $diskVolume }}
         # One existing claim (one replica); otherwise the StatefulSet's volumeClaimTemplate gives
@@ -142,6 +168,12 @@ comes from the StatefulSet's volumeClaimTemplate.
           persistentVolumeClaim:
             claimName: {{ .Values.model.existingClaim }}
             readOnly: true
+        {{- end }}
+        {{- if $cacheVolume }}
+        # One model-cache claim for the pods (otherwise the StatefulSet's template gives each its own).
+        - name: model-cache
+          persistentVolumeClaim:
+            claimName: {{ include "pagedkv.modelCacheClaimName" . }}
         {{- end }}
       {{- end }}
       {{- with .Values.nodeSelector }}
