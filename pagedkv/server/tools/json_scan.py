@@ -37,15 +37,19 @@ def skip_ws(text: str, i: int) -> int:
     return i
 
 
-def scan_value(text: str, i: int) -> int | None:
-    """End (exclusive) of the JSON value starting at ``text[i]``; None if the text ends first."""
+def scan_value(text: str, i: int, resume: dict | None = None) -> int | None:
+    """End (exclusive) of the JSON value starting at ``text[i]``; None if the text ends first.
+
+    ``resume``: where earlier scans of the same, shorter text stopped (a dict the caller keeps
+    while the text grows by appending): a long value is then scanned once in all, not once per
+    new token."""
     if i >= len(text):
         return None
     c = text[i]
     if c == '"':
-        return _scan_string(text, i)
+        return _scan_string(text, i, resume)
     if c in "{[":
-        return _scan_nested(text, i)
+        return _scan_nested(text, i, resume)
     m = _SCALAR.match(text, i)
     if m is None:
         if _could_start_scalar(text[i:]):
@@ -60,41 +64,49 @@ def _could_start_scalar(rest: str) -> bool:
     return any(word.startswith(rest) for word in ("true", "false", "null")) or re.fullmatch(r"-?\d*\.?\d*", rest) is not None
 
 
-def _scan_string(text: str, i: int) -> int | None:
-    j = i + 1
-    while j < len(text):
-        c = text[j]
-        if c == "\\":
-            j += 2
+_STRING_STOP = re.compile(r'["\\]')
+_NESTED_STOP = re.compile(r'["{}\[\]]')
+
+
+def _scan_string(text: str, i: int, resume: dict | None = None) -> int | None:
+    j = resume.get(("s", i), i + 1) if resume is not None else i + 1
+    while True:
+        m = _STRING_STOP.search(text, j)
+        if m is None or (m.group() == "\\" and m.end() >= len(text)):
+            if resume is not None:
+                resume[("s", i)] = m.start() if m is not None else len(text)
+            return None
+        if m.group() == "\\":
+            j = m.end() + 1
             continue
-        if c == '"':
-            return j + 1
-        j += 1
-    return None
+        return m.end()
 
 
-def _scan_nested(text: str, i: int) -> int | None:
-    depth = 0
-    j = i
-    while j < len(text):
-        c = text[j]
+def _scan_nested(text: str, i: int, resume: dict | None = None) -> int | None:
+    j, depth = resume.get(("n", i), (i, 0)) if resume is not None else (i, 0)
+    while True:
+        m = _NESTED_STOP.search(text, j)
+        if m is None:
+            j = len(text)
+            break
+        c = m.group()
         if c == '"':
-            end = _scan_string(text, j)
+            end = _scan_string(text, m.start(), resume)
             if end is None:
-                return None
+                j = m.start()
+                break
             j = end
             continue
-        if c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return j + 1
-        j += 1
+        depth += 1 if c in "{[" else -1
+        j = m.end()
+        if depth == 0:
+            return j
+    if resume is not None:
+        resume[("n", i)] = (j, depth)
     return None
 
 
-def scan_object(text: str, i: int) -> tuple[list[Member], int | None]:
+def scan_object(text: str, i: int, resume: dict | None = None) -> tuple[list[Member], int | None]:
     """The members of the object starting at ``text[i]`` (``{``) as far as the text goes, and its
     end (None: not closed yet). A member whose value has not started has ``start == len(text)``."""
     if i >= len(text) or text[i] != "{":
@@ -108,7 +120,7 @@ def scan_object(text: str, i: int) -> tuple[list[Member], int | None]:
             return members, None
         if text[j] != '"':
             raise NotJSON(f"expected a key at {j}")
-        key_end = _scan_string(text, j)
+        key_end = _scan_string(text, j, resume)
         if key_end is None:
             return members, None
         key = json.loads(text[j:key_end])
@@ -118,7 +130,7 @@ def scan_object(text: str, i: int) -> tuple[list[Member], int | None]:
         if text[j] != ":":
             raise NotJSON(f"expected ':' at {j}")
         j = skip_ws(text, j + 1)
-        end = scan_value(text, j)
+        end = scan_value(text, j, resume)
         members.append(Member(key, j, end))
         if end is None:
             return members, None

@@ -74,6 +74,9 @@ class ToolParser:
     name = ""
     id_length = 24  # OpenAI's ids are call_ + 24 characters; Mistral's templates want 9 alphanumerics
     skip_special_tokens = True  # False: the markers are special tokens that decoding must keep
+    # Where scans of the growing region stopped (json_scan's ``resume``): set by each ToolCallStream,
+    # so a long call is scanned once in all rather than once per token.
+    resume: dict | None = None
 
     def locate(self, text: str) -> tuple[int | None, int]:
         """(offset where the calls begin, None if not yet; how much of ``text`` is surely content)."""
@@ -175,14 +178,22 @@ def _check_arguments(arguments: object) -> None:
         raise NotJSON("arguments must be an object")
 
 
-def _parse_object_call(region: str, j: int, calls: list[PartialCall]) -> int | None:
-    """Parse the call object at ``region[j]`` into ``calls``; its end, or None while it is open."""
-    members, end = scan_object(region, j)
-    calls.append(_call_from_object(region, j, members, end))
+def _parse_object_call(region: str, j: int, calls: list[PartialCall], resume: dict | None) -> int | None:
+    """Parse the call object at ``region[j]`` into ``calls``; its end, or None while it is open.
+    A finished call is kept in ``resume``: the growing text never changes it."""
+    done = resume.get(("call", j)) if resume is not None else None
+    if done is not None:
+        calls.append(done[0])
+        return done[1]
+    members, end = scan_object(region, j, resume)
+    call = _call_from_object(region, j, members, end)
+    calls.append(call)
+    if end is not None and resume is not None:
+        resume[("call", j)] = (call, end)
     return end
 
 
-def _parse_array(region: str, j: int, calls: list[PartialCall]) -> int | None:
+def _parse_array(region: str, j: int, calls: list[PartialCall], resume: dict | None) -> int | None:
     """``[{call}, {call}, ...]`` at ``region[j]``; the array's end, or None while it is open."""
     if region[j] != "[":
         raise NotJSON(f"expected '[' at {j}")
@@ -197,7 +208,7 @@ def _parse_array(region: str, j: int, calls: list[PartialCall]) -> int | None:
             k = skip_ws(region, k + 1)
             if k >= len(region):
                 return None
-        end = _parse_object_call(region, k, calls)
+        end = _parse_object_call(region, k, calls, resume)
         if end is None:
             return None
         first = False
@@ -225,7 +236,7 @@ class HermesParser(_MarkerParser):
                 calls.append(PartialCall(start, None, "", False))
                 break
             try:
-                end = _parse_object_call(region, j, calls)
+                end = _parse_object_call(region, j, calls, self.resume)
             except NotJSON:
                 return RegionParse(calls, start, "".join(extra))
             calls[-1].start = start
@@ -257,7 +268,7 @@ class Llama3JsonParser(_LeadingParser):
             if region[j] != "{":
                 return RegionParse(calls, j if calls else 0)
             try:
-                end = _parse_object_call(region, j, calls)
+                end = _parse_object_call(region, j, calls, self.resume)
             except NotJSON:
                 return RegionParse(calls, j if calls else 0)
             if end is None:
@@ -283,7 +294,7 @@ class MistralParser(_MarkerParser):
                 break
             try:
                 if region[j] == "[":  # [TOOL_CALLS][{...}, {...}]
-                    end = _parse_array(region, j, calls)
+                    end = _parse_array(region, j, calls, self.resume)
                 else:  # [TOOL_CALLS]name[ARGS]{...} (the tokenizer v11+ format)
                     end = self._parse_named(region, j, calls)
                     calls[-1].start = start
@@ -309,7 +320,7 @@ class MistralParser(_MarkerParser):
             return None
         if region[a] != "{":
             raise NotJSON("arguments must be an object")
-        end = scan_value(region, a)
+        end = scan_value(region, a, self.resume)
         arguments = region[a:end] if end is not None else region[a:]
         if end is not None:
             _check_arguments(arguments)
@@ -332,7 +343,7 @@ class RequiredCallsParser(ToolParser):
         if j >= len(region):
             return RegionParse(calls)
         try:
-            end = _parse_array(region, j, calls)
+            end = _parse_array(region, j, calls, self.resume)
         except NotJSON:
             return RegionParse(calls, j if not calls else calls[-1].start)
         return RegionParse(calls, None, region[end:] if end is not None else "")
@@ -350,7 +361,7 @@ class PythonicParser(_LeadingParser):
         j = skip_ws(body, 0)
         if j >= len(body):
             return RegionParse([], 0 if final else None)
-        end = _scan_python_list(body, j)
+        end = _scan_python_list(body, j, self.resume)
         if end is None:  # a call list arrives whole; held back until it closes
             return RegionParse([], 0 if final else None)
         try:
@@ -363,27 +374,41 @@ class PythonicParser(_LeadingParser):
         return RegionParse(calls, None, rest)
 
 
-def _scan_python_list(text: str, i: int) -> int | None:
-    """End of the Python list literal at ``text[i]`` (``[``), strings skipped; None while open."""
+_PY_STOP = re.compile(r"""['"()\[\]{}]""")
+_PY_IN_STRING = {q: re.compile(r"[\\" + q + "]") for q in "'\""}
+
+
+def _scan_python_list(text: str, i: int, resume: dict | None = None) -> int | None:
+    """End of the Python list literal at ``text[i]`` (``[``), strings skipped; None while open
+    (``resume``: as json_scan's, where the last scan of the shorter text stopped)."""
     if text[i] != "[":
         return None
-    depth = 0
-    j = i
-    while j < len(text):
-        c = text[j]
+    j, depth, quote = resume.get(("py", i), (i, 0, None)) if resume is not None else (i, 0, None)
+    while True:
+        if quote is not None:  # inside a string: find its end
+            m = _PY_IN_STRING[quote].search(text, j)
+            if m is None or (m.group() == "\\" and m.end() >= len(text)):
+                j = m.start() if m is not None else len(text)
+                break
+            j = m.end() + (1 if m.group() == "\\" else 0)
+            if m.group() == quote:
+                quote = None
+            continue
+        m = _PY_STOP.search(text, j)
+        if m is None:
+            j = len(text)
+            break
+        c, j = m.group(), m.end()
         if c in "'\"":
-            j += 1
-            while j < len(text) and text[j] != c:
-                j += 2 if text[j] == "\\" else 1
-            if j >= len(text):
-                return None
+            quote = c
         elif c in "([{":
             depth += 1
-        elif c in ")]}":
+        else:
             depth -= 1
             if depth == 0:
-                return j + 1
-        j += 1
+                return j
+    if resume is not None:
+        resume[("py", i)] = (j, depth, quote)
     return None
 
 
@@ -481,7 +506,7 @@ class DeepSeekV3Parser(_MarkerParser):
             return None
         if region[a] != "{":
             raise NotJSON("arguments must be an object")
-        end = scan_value(region, a)
+        end = scan_value(region, a, self.resume)
         if end is None:
             calls.append(PartialCall(j, name, region[a:], False))
             return None
@@ -578,6 +603,7 @@ class ToolCallStream:
 
     def __init__(self, parser: ToolParser) -> None:
         self.parser = parser
+        parser.resume = {}  # the region only grows: scans resume where they stopped
         self.text = ""
         self.region: int | None = None  # where the calls begin
         self.sent_to = 0  # text[:sent_to] is handled (content sent, or the calls' region)
