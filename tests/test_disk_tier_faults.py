@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 
 import pytest
 from conftest_models import make_hf_checkpoint
@@ -198,3 +199,82 @@ def test_a_wrong_size_block_file_is_discarded_and_its_batch_succeeds(model, tmp_
         s = llm.stats().kv
         assert s.disk_corrupt_discarded >= 1 and s.disk_hit_tokens == 0
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == reference  # and again
+
+
+# ------------------------------------------------------------------ tier reads converge
+LONG = 1300  # tokens: 82 blocks of 16, more than the host tier below holds
+
+
+def _long_prompt(seed: int) -> list[int]:
+    return [(seed * 31 + 7 * i + i * i // 5) % 250 + 3 for i in range(LONG)]
+
+
+def _swap_and_corrupt(files: list, rng) -> None:
+    """What the issue found on disk: block files swapped in pairs, and others flipped as the
+    ``disk_corrupt`` fault flips them (their last byte)."""
+    rng.shuffle(files)
+    for a, b in zip(files[0:20:2], files[1:20:2]):
+        data_a, data_b = a.read_bytes(), b.read_bytes()
+        a.write_bytes(data_b)
+        b.write_bytes(data_a)
+    for path in files[20:30]:
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x5A
+        path.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory):
+    return str(make_hf_checkpoint(tmp_path_factory.mktemp("longtier"), "llama", seed=5, max_position_embeddings=2048))
+
+
+def test_a_prompt_longer_than_the_host_tier_is_read_once_and_admitted(long_model, tmp_path):
+    """As found, scaled to a tiny model: a 128-block pool, a host tier smaller than the prompt, a
+    1,300-token prompt pushed to disk by four others, then sent again with the others, whose block
+    files are swapped and corrupted, reads slowed by fault injection (``disk_slow``: they land
+    over many steps, as 0.7 MB blocks of the real model do). The prompt's chain ran longer than
+    the host tier: as its last blocks landed they evicted its first ones, which were read again,
+    for ever (26,931 steps and 21.7 GB read in 60 s, nothing running)."""
+    import random
+
+    from pagedkv.engine import LLMEngine
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    victim, others = _long_prompt(1), [_long_prompt(10 + i) for i in range(4)]
+    kv_dir = tmp_path / "kv"
+    opts = dict(block_size=16, num_kv_blocks=128, kv_offloading_size=0.00025, kv_offload_dir=str(kv_dir))
+    with LLM(long_model, **opts) as llm:  # the victim, then four others that push it down to disk
+        expected = llm.generate([victim], params)[0].outputs[0].token_ids
+        for prompt in others:
+            llm.generate([prompt], params)
+    files = sorted((kv_dir / "blocks").glob("*/*.kvb"))
+    assert len(files) >= 5 * 81
+    mine = set()  # the victim's files stay good: its whole chain must be on disk for the loop
+    from pagedkv.memory.prefix_hash import chain_hashes, root_hash
+    for h in chain_hashes(root_hash(None, None), victim, 16, 0, (LONG - 1) // 16):
+        mine.add(h.hex())
+    _swap_and_corrupt([f for f in files if f.stem not in mine], random.Random(0))
+
+    engine = LLMEngine.from_options(long_model, fault_injection="seed=2,rate=1.0,kinds=disk_slow", **opts)
+    try:
+        assert engine.runner.num_host_blocks < (LONG - 1) // 16 < engine.runner.num_blocks
+        for i, prompt in enumerate(others[:2]):  # the damaged files: read, discarded, recomputed
+            engine.add_request(f"o{i}", prompt, params)
+        engine.add_request("victim", victim, params)
+        start, outputs = time.monotonic(), {}
+        while engine.has_unfinished_requests() and time.monotonic() - start < 30:
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = out
+        assert not engine.has_unfinished_requests(), "the victim was never admitted"
+        assert outputs["victim"].outputs[0].token_ids == expected and outputs["victim"].error is None
+        s = engine.stats()
+        block_bytes = files[0].stat().st_size
+        assert s.kv.disk_bytes_read <= len(files) * block_bytes  # each block read at most once
+        steps = s.num_steps
+        for _ in range(5):  # nothing runs or waits: no step
+            assert engine.step() == []
+        time.sleep(0.1)
+        assert engine.stats().num_steps == steps
+    finally:
+        engine.close()

@@ -242,7 +242,12 @@ class LLMEngine:
         ``error`` set and its blocks freed, and the rest of the step goes on. A failure of the
         shared work (block swaps and copies, the forward pass) fails the requests of this plan
         only; waiting requests are untouched and the engine keeps serving.
+
+        A call with nothing to run is not a step (``num_steps`` stays): with no request at all it
+        returns at once; with requests that only wait (for disk reads) it waits for a read.
         """
+        if not self.scheduler.has_unfinished():
+            return []
         out = self.scheduler.schedule()
         step = StepResult()
         slots = (self.lora.assign_slots(s.group.lora for s in out.scheduled if s.group.lora is not None)
@@ -277,6 +282,9 @@ class LLMEngine:
         self.last_step_tokens = sum(c.num_tokens for c in chunks)
         if not out.scheduled and self.kv.disk is not None:
             self.kv.disk.wait_for_reads(0.05)  # nothing to compute but requests waiting for the disk
+        if not (out.scheduled or out.preempted or out.resumed or out.swap_out or out.swap_in or out.to_disk
+                or out.from_disk):  # nothing ran: not a step
+            return [self._output(g) for g in step.progressed.values() if not only_finished or g.is_finished]
         self._steps += 1
         if self.kv_guard is not None:
             self.kv_guard.after_step(self._steps)

@@ -11,6 +11,13 @@ Owned by ``KVCacheManager`` (as ``disk_lookup``) when it has a disk tier:
 - ``report_to(events)``: KV events for the disk tier (medium "DISK"): blocks written, evicted or
   discarded, as the disk's index changes on the worker thread; ``take_events`` moves them into
   the log on the engine thread, once per step.
+
+Reads always converge: in one admission attempt (from a sequence's arrival in the waiting queue to
+its ``allocate_prompt``, or its retirement) each block is read for it at most once, and no more
+blocks than the host tier has room for; a read that failed, was discarded, found no room or was
+evicted again before the prompt was admitted is a miss for good, and its tokens are recomputed.
+(Without that, a chain longer than the host tier, read over several steps, evicted its own first
+blocks as its last ones landed, and was read again, for ever.)
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ class DiskLookup:
         self.hit_tokens = 0  # tokens read from disk into the host tier
         self.to_disk: list[tuple[int, bytes]] = []  # (device block, key) evicted this step
         self._looked_up: set[Hashable] = set()  # waiting sequences whose lookup was counted
+        self._asked: dict[Hashable, set[bytes]] = {}  # per waiting sequence: blocks read for it, this attempt
         self._load_failed: set[bytes] = set()  # reads of this step the host tier had no room for
         self._tokens_of: dict[bytes, int] = {}  # prompt tokens a requested key stands for, when not B
         self.events: KVEventLog | None = None
@@ -81,9 +89,11 @@ class DiskLookup:
         self.take_reads()
         cached = self.device.cached
         first = next((i for i, h in enumerate(hashes) if h not in cached), len(hashes))
-        first += len(self.host_tier.match(hashes[first:]))
+        on_host = len(self.host_tier.match(hashes[first:]))
+        first += on_host
+        room = self.host_tier.pool.num_free - on_host  # (the host hits are cached-free there too)
         keys = []
-        for key in hashes[first:]:
+        for key in hashes[first:first + max(room, 0)]:  # more would evict the chain's own first blocks
             if key not in self.disk.disk:
                 break
             keys.append(key)
@@ -114,8 +124,14 @@ class DiskLookup:
                 self.costs.record("disk", reload=cheaper)
         if not cheaper or not self._load_failed.isdisjoint(keys):
             return False  # nothing to read, recomputing is cheaper, or no room in the host tier
-        self._tokens_of.update(tokens_of or {})
-        return self.disk.request_reads(keys) > 0
+        asked = self._asked.setdefault(seq_id, set())
+        fresh = [k for k in keys if k not in asked]
+        asked.update(fresh)
+        if tokens_of:
+            self._tokens_of.update((k, tokens_of[k]) for k in fresh if k in tokens_of)
+        # read once per attempt: keys read before and not in the host tier now are misses for good
+        self.disk.request_reads(fresh)
+        return self.disk.reading(keys) > 0
 
     def persistable_blocks(self) -> list[tuple[str, int, bytes]]:
         """``(tier, block id, key)`` of every cached block, host then device, not yet on disk."""
@@ -123,7 +139,9 @@ class DiskLookup:
                 for key, block in pool.cached.items() if not self.disk.has(key)]
 
     def forget(self, seq_id: Hashable) -> None:
+        """The sequence left the queue (admitted or retired): its admission attempt is over."""
         self._looked_up.discard(seq_id)
+        self._asked.pop(seq_id, None)
 
     def step_failed(self) -> None:
         self.to_disk.clear()

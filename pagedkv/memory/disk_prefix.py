@@ -12,7 +12,7 @@ Reads: a waiting request whose prefix chain continues on disk gets its blocks re
 background (:meth:`request_reads`) before it is admitted, while running requests keep decoding.
 Finished reads are collected on the engine thread (:meth:`poll`) and promoted into the host tier,
 from where the ordinary host reload copies them up. A read that fails (I/O error, checksum, the
-file gone) is a miss: those tokens are recomputed.
+file gone) is a miss for good (the block is dropped): those tokens are recomputed.
 
 Threads: the engine thread calls everything here; the worker only runs ``_work``. One condition
 variable guards the queues and counters.
@@ -128,6 +128,14 @@ class DiskPrefixTier:
                     waiting += 1
         return waiting
 
+    def reading(self, keys: list[bytes]) -> int:
+        """How many of ``keys`` are being read (asked for less than ``READ_TIMEOUT_S`` ago) or read
+        and not yet polled; asks for nothing."""
+        now = time.monotonic()
+        with self._cv:
+            return sum(1 for k in keys if k in self._done or (
+                (asked := self._pending.get(k)) is not None and now - asked < READ_TIMEOUT_S))
+
     def wait_for_reads(self, timeout: float) -> bool:
         """Block until a read finishes (or none is pending), at most ``timeout`` seconds: an engine
         with nothing to run but requests waiting for the disk sleeps here instead of spinning
@@ -207,10 +215,12 @@ class DiskPrefixTier:
         try:
             payload = self.disk.get(key)
         except Exception as e:  # noqa: BLE001 - a failed read is a miss: the tokens are recomputed
-            logger.warning("KV disk tier: reading a block failed (%s); its tokens are recomputed", e)
+            logger.warning("KV disk tier: reading a block failed (%s); it is dropped and its tokens are "
+                           "recomputed", e)
             payload = None
             with self._cv:
                 self.read_errors += 1
+            self.disk.discard(key)  # a miss for good: no later prompt waits on it again
         took = time.perf_counter() - start
         with self._cv:
             self._pending.pop(key, None)
