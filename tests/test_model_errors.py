@@ -4,9 +4,6 @@ size), a file missing a metadata key (the key), a file that is no GGUF (its firs
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -103,8 +100,10 @@ def test_bad_magic_names_the_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", ["truncated", "missing-key", "bad-magic"])
-def test_generate_prints_one_line(tmp_path: Path, damage: str) -> None:
+def test_generate_prints_one_line(tmp_path: Path, damage: str, capsys: pytest.CaptureFixture[str]) -> None:
     """``pagedkv generate`` on each damaged file: exit status 2, one line on stderr naming the file."""
+    from pagedkv.cli import main
+
     path = tmp_path / "m.gguf"
     if damage == "bad-magic":
         path.write_bytes(b"PK\x03\x04 a zip, not a GGUF")
@@ -113,11 +112,10 @@ def test_generate_prints_one_line(tmp_path: Path, damage: str) -> None:
     if damage == "truncated":
         with open(path, "r+b") as f:
             f.truncate(path.stat().st_size // 2)
-    proc = subprocess.run([sys.executable, "-m", "pagedkv.cli", "generate", "--model", str(path), "--prompt", "hi"],
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PAGEDKV_CACHE_DIR": str(tmp_path / "cache")})
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert main(["generate", "--model", str(path), "--prompt", "hi"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and captured.out == "", captured.err
     assert lines[0].startswith(f"pagedkv generate: {path}")
     assert {"truncated": "is truncated", "missing-key": "lacks 'llama.block_count'",
             "bad-magic": "is not a GGUF file"}[damage] in lines[0]

@@ -280,10 +280,10 @@ def has_exact_quantized_matrices(path: Path) -> bool:
     return answer
 
 
-def convert_gguf(path: Path, out_dir: Path, quantization: str = "none") -> None:
-    """Write the HF-style folder for GGUF ``path`` into ``out_dir`` (created); ``quantization`` is
-    "none", "auto" or "q8_0" (the module docstring)."""
-    reader = open_gguf(path)
+def convert_gguf(path: Path, out_dir: Path, quantization: str = "none", reader: Any = None) -> None:
+    """Write the HF-style folder for GGUF ``path`` (or its opened ``reader``) into ``out_dir``
+    (created); ``quantization`` is "none", "auto" or "q8_0" (the module docstring)."""
+    reader = reader if reader is not None else open_gguf(path)
     arch = check_model_metadata(reader, path)
     names = {t.name for t in reader.tensors}
     config, extra = gguf_config(reader)
@@ -383,12 +383,14 @@ def converted_folder(path: Path, quantization: str = "none") -> Path:
     folder = cache_root() / "gguf" / f"{path.stem}-{quantization}-{key}"
     if (folder / _DONE).exists():
         return folder
+    reader = open_gguf(path)  # a damaged file is refused before the conversion is announced
+    check_model_metadata(reader, path)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=folder.parent))
     try:
         with phase(f"converting {path.name} once into {folder} (later starts load the converted copy)",
                    done="converted", ticker=False):  # a bar of its own
-            convert_gguf(path, tmp, quantization)
+            convert_gguf(path, tmp, quantization, reader)
         (tmp / _DONE).write_text(str(path))
         try:
             os.replace(tmp, folder)
