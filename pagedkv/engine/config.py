@@ -60,6 +60,9 @@ class EngineConfig:
     over its quota a tenant's own cached blocks go first and its new requests wait.
     ``max_pin_ttl_s`` bounds (and is the default of) a request's ``pin_ttl_s``: how long a
     conversation's prefix stays pinned after a turn (``memory/pins.py``).
+    ``max_tenant_pin_fraction`` (None: no limit but the pool) caps the share of the device pool one
+    tenant's conversation pins hold: a pin past it is refused, and the response's cache details
+    say so.
     ``speculative_config`` (vLLM's shape, a dict or its JSON text) turns on speculative decoding:
     ``{"method": "ngram", "num_speculative_tokens": 4}`` or ``{"method": "draft_model", "model":
     PATH, "num_speculative_tokens": 4}`` (``pagedkv/spec``; docs/speculative_decoding.md).
@@ -112,6 +115,7 @@ class EngineConfig:
     tenant_kv_quota: tuple[str, ...] | list[str] | None = None
     default_tenant_kv_quota: float | None = None
     max_pin_ttl_s: float = 600.0
+    max_tenant_pin_fraction: float | None = None
     speculative_config: str | dict | SpeculativeConfig | None = None
     kv_events: bool = False
     device: str = "cpu"
@@ -150,6 +154,8 @@ class EngineConfig:
             check_fraction(self.default_tenant_kv_quota, "default_tenant_kv_quota")
         if not isinstance(self.max_pin_ttl_s, (int, float)) or not 0 < self.max_pin_ttl_s <= 86400:
             raise ValueError(f"max_pin_ttl_s must be in (0, 86400] seconds, got {self.max_pin_ttl_s!r}")
+        if self.max_tenant_pin_fraction is not None:
+            check_fraction(self.max_tenant_pin_fraction, "max_tenant_pin_fraction")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if not isinstance(self.device, str) or not (self.device in DEVICES or self.device.startswith("cuda:")):
             raise ValueError(f"device must be one of {DEVICES} (or cuda:N), got {self.device!r}")

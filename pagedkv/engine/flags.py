@@ -73,6 +73,9 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
                                 "hold (default: no limit)", {"type": float, "metavar": "FRACTION"}),
     "max_pin_ttl_s": ("the longest a request's conversation_id may keep its prefix pinned in the KV cache "
                       "(pin_ttl_s), and its default, in seconds", {"type": float, "metavar": "SECONDS"}),
+    "max_tenant_pin_fraction": ("the largest share of the device KV pool one tenant's conversation pins may hold; "
+                                "a pin past it is refused, with a warning in the response's cache details "
+                                "(default: no limit but the pool)", {"type": float, "metavar": "FRACTION"}),
     "speculative_config": ("speculative decoding, as a JSON object (vLLM's): {\"method\": \"ngram\", "
                            "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5} or "
                            "{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": 4} "

@@ -86,7 +86,8 @@ class LLMEngine:
                                  kv_group_windows=kv_group_windows(runner),
                                  tenant_quotas=config.tenant_quotas,
                                  default_tenant_quota=config.default_tenant_kv_quota,
-                                 kv_events=config.kv_events)
+                                 kv_events=config.kv_events,
+                                 max_tenant_pin_fraction=config.max_tenant_pin_fraction)
         self.tiers = TierMover(runner, self.kv)
         self._closed = False
         spec = config.faults

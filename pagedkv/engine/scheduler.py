@@ -212,8 +212,10 @@ class Scheduler:
             if seq.seq_id in kv:
                 if group.conversation_id is not None and seq is group.seqs[0] and result.computed \
                         and seq.finish_reason in ("stop", "length"):  # the turn's prefix, for the next turn
-                    kv.pin_prefix(seq.seq_id, (group.tenant or DEFAULT_TENANT, group.conversation_id),
-                                  time.monotonic() + group.pin_ttl_s)
+                    pinned = kv.pin_prefix(seq.seq_id, (group.tenant or DEFAULT_TENANT, group.conversation_id),
+                                           time.monotonic() + group.pin_ttl_s)
+                    if pinned.refused and group.cache_details is not None:  # the caller learns why
+                        group.cache_details.warnings.append(pinned.refused)
                 kv.free(seq.seq_id)
         for group in {id(g): g for g, _ in result.finished}.values():
             if group.num_live == 0:

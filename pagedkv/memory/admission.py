@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from pagedkv.memory.kv_cache_manager import KVCacheManager
 
 
-def allocate_single(kv: KVCacheManager, seq: SeqState, num_new_tokens: int | None) -> int:
+def allocate_single(kv: KVCacheManager, seq: SeqState, num_new_tokens: int | None, owner: str) -> int:
     B, token_ids = kv.block_size, seq.token_ids
     hits: list[Block] = []
     host_hits: list[Block] = []
@@ -47,7 +47,7 @@ def allocate_single(kv: KVCacheManager, seq: SeqState, num_new_tokens: int | Non
     remaining = len(token_ids) - num_cached
     num_new = remaining if num_new_tokens is None else max(1, min(num_new_tokens, remaining))
     need = cdiv(num_cached + num_new, B) - len(hits)
-    fresh = take_blocks(kv, seq, need, hits, host_hits)
+    fresh = take_blocks(kv, seq, need, hits, host_hits, owner)
     seq.block_table = [b.block_id for b in hits] + [b.block_id for b in fresh]
     if host_hits:
         kv.host_tier.reload(host_hits, fresh, B)  # type: ignore[union-attr]
@@ -62,7 +62,7 @@ def allocate_single(kv: KVCacheManager, seq: SeqState, num_new_tokens: int | Non
     return num_cached
 
 
-def allocate_groups(kv: KVCacheManager, seq: SeqState, num_new_tokens: int | None) -> int:
+def allocate_groups(kv: KVCacheManager, seq: SeqState, num_new_tokens: int | None, owner: str) -> int:
     """``allocate_prompt`` for a hybrid model: a table per KV group, the hit served by every
     group from the device or the host tier (``memory/kv_groups.py``)."""
     B, G, token_ids, pool = kv.block_size, kv.num_groups, seq.token_ids, kv.pool
@@ -87,7 +87,7 @@ def allocate_groups(kv: KVCacheManager, seq: SeqState, num_new_tokens: int | Non
     on_device = [b for b, h in pairs if not h]
     on_host = [b for b, h in pairs if h]
     need = per_group * G + len(on_host)
-    fresh = iter(take_blocks(kv, seq, need, on_device, on_host))
+    fresh = iter(take_blocks(kv, seq, need, on_device, on_host, owner))
     for g, (blocks, flags) in enumerate(zip(hit.blocks, hit.on_host)):
         released = k - len(blocks)  # before the window of the first uncached token
         table = [RELEASED] * released
@@ -119,13 +119,15 @@ def allocate_groups(kv: KVCacheManager, seq: SeqState, num_new_tokens: int | Non
 
 
 def take_blocks(kv: KVCacheManager, seq: SeqState, need: int, device_hits: list[Block],
-                host_hits: list[Block]) -> list[Block]:
+                host_hits: list[Block], owner: str) -> list[Block]:
     """Touch the device hits, hold the host hits and allocate ``need`` fresh blocks; or raise,
     changing nothing: TenantQuotaError first (a tenant at its quota waits, not the line), then
-    OutOfBlocksError. Pins give way first; the watermark stays free."""
+    OutOfBlocksError. Pins give way first (other tenants' before ``owner``'s; never those
+    holding the prompt's own hits), when that admits it; the watermark stays free."""
     pool = kv.pool
     revived = sum(1 for b in device_hits if b.ref_count == 0)
-    kv.unstarve(need + revived + kv.watermark_blocks, admission=True)
+    kv.unstarve(need + revived + kv.watermark_blocks, admission=True, tenant=owner,
+                keep=frozenset(b.block_id for b in device_hits))
     kv.check_quota(seq.tenant, need, device_hits)
     available = pool.num_free - revived - kv.watermark_blocks
     if need > available:

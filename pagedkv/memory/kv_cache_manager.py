@@ -41,7 +41,7 @@ from pagedkv.memory.inspection import check_integrity, kv_stats, pretty_print
 from pagedkv.memory.kv_events import KVEventLog
 from pagedkv.memory.kv_groups import RELEASED, disk_reads, release_out_of_window
 from pagedkv.memory.miss_reasons import CacheDetails, CacheHistory
-from pagedkv.memory.pins import ConversationPins
+from pagedkv.memory.pins import ConversationPins, PinOutcome
 from pagedkv.memory.prefix_caching import cache_full_blocks
 from pagedkv.memory.prefix_hash import chain_hashes, root_hash
 from pagedkv.memory.prefix_index import make_prefix_index
@@ -78,6 +78,8 @@ class KVCacheManager:
             tenancy on (``memory/tenancy.py``): a sequence's tenant is ``allocate_prompt``'s.
         kv_events: record KV cache events (``memory/kv_events.py``) in ``events``: prefix blocks
             entering and leaving the device and host tiers' caches, for KV-aware routers.
+        max_tenant_pin_fraction: the largest share of the device pool one tenant's conversation
+            pins may hold (``pin_prefix`` refuses a pin past it); None: no limit but the pool.
         kv_group_windows: one entry per KV group of a hybrid model (``model_shape.kv_groups``):
             its attention window, or None for a group that keeps every block. Group 0 must be
             None (the prefix cache's anchor; the radix index holds group 0's blocks). The host
@@ -91,7 +93,7 @@ class KVCacheManager:
                  disk: DiskPrefixTier | None = None, costs: TierCosts | None = None,
                  kv_group_windows: tuple[int | None, ...] = (None,),
                  tenant_quotas: dict[str, float] | None = None, default_tenant_quota: float | None = None,
-                 kv_events: bool = False) -> None:
+                 kv_events: bool = False, max_tenant_pin_fraction: float | None = None) -> None:
         check_block_size(block_size)
         if not kv_group_windows or kv_group_windows[0] is not None:
             raise ValueError(f"kv_group_windows must start with None (group 0 keeps every block), "
@@ -102,6 +104,8 @@ class KVCacheManager:
             raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        if max_tenant_pin_fraction is not None and not 0.0 < max_tenant_pin_fraction <= 1.0:
+            raise ValueError(f"max_tenant_pin_fraction must be in (0, 1] or None, got {max_tenant_pin_fraction!r}")
         kwargs = {"alpha": lrc_alpha, "beta": lrc_beta} if eviction_policy == "lrc" else {}
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -122,6 +126,8 @@ class KVCacheManager:
         self.history = CacheHistory(block_size, capacity=max(4096, 2 * (num_blocks + num_host_blocks)))
         self.first_misses: dict[tuple[str, str | None], int] = {}  # (reason, tenant) -> requests
         self.pins = ConversationPins(self.pool)  # conversations' prefixes held until a TTL (memory/pins.py)
+        # the most device blocks one tenant's pins may hold (None: no limit but the pool)
+        self.pin_limit = None if max_tenant_pin_fraction is None else max(1, int(max_tenant_pin_fraction * num_blocks))
         history, index_evict = self.history, self.pool.on_evict
 
         def on_device_evict(block: Block) -> None:
@@ -258,10 +264,11 @@ class KVCacheManager:
         seq.adapter = adapter_id
         if self.enable_prefix_caching:
             self.history.on_root(seq.root, salt, adapter_id)  # (miss reasons: different_adapter)
+        owner = tenant or DEFAULT_TENANT  # (whose pins give way last: memory/pins.py)
         if self.num_groups > 1:
-            num_cached = allocate_groups(self, seq, num_new_tokens)
+            num_cached = allocate_groups(self, seq, num_new_tokens, owner)
         else:
-            num_cached = allocate_single(self, seq, num_new_tokens)
+            num_cached = allocate_single(self, seq, num_new_tokens, owner)
         self.forget(seq_id)
         if self.enable_prefix_caching:
             self.prefix_query_tokens += len(token_ids)
@@ -297,32 +304,44 @@ class KVCacheManager:
         return limit is not None and ledger.held[tenant or DEFAULT_TENANT] < limit
 
     # ------------------------------------------------------------------ conversation pins
-    def pin_prefix(self, seq_id: Hashable, key: Hashable, expires_at: float) -> int:
+    def pin_prefix(self, seq_id: Hashable, key: Hashable, expires_at: float) -> PinOutcome:
         """Hold the sequence's cached prefix (its full computed blocks, every KV group) on the
         device until ``expires_at`` (``memory/pins.py``), replacing ``key``'s earlier pin; call
-        before freeing the sequence. Returns the blocks pinned (0: nothing cached to hold)."""
+        before freeing the sequence. ``key`` is ``(tenant, conversation)``. Returns the blocks
+        pinned (0: nothing cached to hold), or why the pin was refused: the tenant's pins would
+        hold more than ``max_tenant_pin_fraction`` of the pool (its earlier pin then stays)."""
         seq = self.seqs[seq_id]
         if not self.enable_prefix_caching or not seq.on_device:
-            return 0
+            return PinOutcome(0)
         blocks = self.pool.blocks
         ids = [table[i] for table in seq.tables() for i in range(min(seq.num_cached_blocks, len(table)))
                if table[i] != RELEASED and blocks[table[i]].block_hash is not None]
-        if ids:
-            self.pins.pin(key, ids, expires_at)
-        return len(ids)
+        if not ids:
+            return PinOutcome(0)
+        if self.pin_limit is not None and (held := self.pins.blocks_after(key, ids)) > self.pin_limit:
+            self.pins.refused += 1
+            return PinOutcome(0, f"conversation not pinned: its tenant's pins would hold {held} KV blocks, "
+                                 f"more than the {self.pin_limit} (max_tenant_pin_fraction of the pool) one "
+                                 f"tenant may pin; end or shorten other conversations' pins (pin_ttl_s)")
+        self.pins.pin(key, ids, expires_at)
+        return PinOutcome(len(ids))
 
     def expire_pins(self, now: float) -> int:
         """Release the pins whose TTL has passed (``now`` on the clock the pins were given)."""
         return self.pins.expire(now) if self.pins else 0
 
-    def unstarve(self, need: int, admission: bool = False) -> None:
-        """Pins never starve work: let go of the oldest until ``need`` blocks are free. A new prompt
-        may only take them when no sequence holds device blocks (it would wait for ever otherwise)."""
+    def unstarve(self, need: int, admission: bool = False, tenant: str | None = None,
+                 keep: frozenset[int] = frozenset()) -> None:
+        """Pins never starve work: let go of the oldest (other tenants' before ``tenant``'s own)
+        until ``need`` blocks are free, whether or not anything runs. For a new prompt
+        (``admission``) only when that admits it: while even every pin would not free enough, they
+        stay (running work frees blocks as it finishes, and the prompt is tried again). Pins
+        holding a block of ``keep`` (the prompt's own prefix hits) stay."""
         if not self.pins or self.pool.num_free >= need:
             return
-        if admission and any(seq.on_device for seq in self.seqs.values()):
+        if admission and self.pool.num_free + self.pins.releasable(keep) < need:
             return
-        self.pins.release_for(need)
+        self.pins.release_for(need, tenant, keep)
 
     def cache_details(self, seq_id: Hashable, tenant: str | None = None) -> CacheDetails | None:
         """The prefix-cache outcome of the sequence's last ``allocate_prompt``: hit tokens per tier

@@ -51,6 +51,7 @@ class CacheDetails:
     evicted_by: str | None = None  # "evicted": the policy (lru, fifo, lrc), "quota" or "cleared"
     shared_tokens: int = 0  # "partial_block": tokens of the block shared with a cached one
     extra: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # for the caller, e.g. a conversation pin refused
 
     def for_caller(self) -> dict[str, Any]:
         """What the request's own caller may see: another tenant's cache is "never_seen"."""
@@ -64,6 +65,8 @@ class CacheDetails:
             if reason == "partial_block":
                 miss["shared_tokens"] = self.shared_tokens
             out["first_miss"] = miss
+        if self.warnings:
+            out["warnings"] = list(self.warnings)
         return out
 
 
