@@ -436,3 +436,61 @@ def test_each_parser_through_the_server(server: Any, options: Any, parser: str, 
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == [("get_weather", ARGS)]
     streamed, finish, _ = stream(server, {"messages": ASK, "tools": TOOLS})
     assert without_ids(streamed) == without_ids(msg) and finish == "tool_calls"
+
+
+def test_chat_template_kwargs_reach_the_template_beside_the_tools(server: Any, options: Any) -> None:
+    """enable_thinking (Qwen3's switch) and the tools both reach the template."""
+    tok = server.engine.tokenizer
+    tok.set_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}|thinking={{ enable_thinking }}"
+                          "|tools={{ tools | length if tools else 0 }}")
+    try:
+        r = httpx.post(f"{server.base_url}/chat/completions", timeout=30, json={
+            "messages": ASK, "tools": TOOLS, "tool_choice": "none", "max_tokens": 1,
+            "chat_template_kwargs": {"enable_thinking": False}})
+        assert r.status_code == 200, r.text
+        from pagedkv.server.protocol import ChatCompletionRequest
+        body = ChatCompletionRequest.model_validate({"messages": ASK, "tools": TOOLS, "tool_choice": "none",
+                                                     "chat_template_kwargs": {"enable_thinking": False}})
+        text = tok.render_chat(body.chat_messages(), True, chat_template_kwargs=body.template_kwargs())
+        assert text.endswith("|thinking=False|tools=2")
+        assert r.json()["usage"]["prompt_tokens"] == len(tok.encode(text, add_special_tokens=False))
+    finally:
+        tok.set_chat_template(HERMES)
+
+
+def test_server_flags_are_checked() -> None:
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        ToolOptions(enable_auto_tool_choice=True)
+    with pytest.raises(ValueError, match="hermes"):
+        ToolOptions(tool_call_parser="nope")
+    with pytest.raises(ValueError, match="qwen3"):
+        ToolOptions(reasoning_parser="nope")
+
+
+def test_responses_json_schema_and_required_tool_choice(server: Any, options: Any) -> None:
+    client = openai.OpenAI(base_url=server.base_url, api_key="x")
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    r = client.responses.create(model="m", input="a number", max_output_tokens=60, temperature=1.0,
+                                text={"format": {"type": "json_schema", "name": "num", "schema": schema,
+                                                 "strict": True}})
+    jsonschema.validate(json.loads(r.output_text), schema)
+    r = client.responses.create(model="m", input="weather?", tools=[FN_TOOL], tool_choice="required",
+                                temperature=1.0, max_output_tokens=300)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert calls and all(c.name == "get_weather" for c in calls)
+    for c in calls:
+        jsonschema.validate(json.loads(c.arguments), SCHEMAS["get_weather"])
+
+
+def test_responses_reasoning_items(server: Any, options: Any) -> None:
+    options(reasoning_parser="qwen3")
+    client = openai.OpenAI(base_url=server.base_url, api_key="x")
+    server.writer.scripts.extend([THINK + "Sunny.", THINK + "Sunny."])
+    r = client.responses.create(model="m", input="weather?")
+    assert [o.type for o in r.output] == ["reasoning", "message"] and r.output_text == "Sunny."
+    assert r.output[0].content[0].text == "\nThe user wants weather. I should call the tool.\n"
+    events = list(client.responses.create(model="m", input="weather?", stream=True))
+    text = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert text == r.output[0].content[0].text
+    assert [o.type for o in events[-1].response.output] == ["reasoning", "message"]
