@@ -112,17 +112,21 @@ def run_kv_cache_clear(args: argparse.Namespace) -> int:
 def run_kv_cache_info(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pagedkv.memory.disk_files import BLOCK_SUFFIX, BLOCKS_DIR, FINGERPRINT_FILE
+    from pagedkv.memory.disk_files import BLOCK_SUFFIX, BLOCKS_DIR, FINGERPRINT_FILE, real_directory
     from pagedkv.units import format_bytes
 
     root = Path(args.directory)
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a directory")
-    files = list((root / BLOCKS_DIR).glob(f"*/*{BLOCK_SUFFIX}"))
-    size = sum(f.stat().st_size for f in files)
-    print(f"{root}: {len(files)} KV block file(s), {format_bytes(size)}")
+    sizes = []  # block files, no link followed (as the tier and the wipe)
+    if real_directory(root / BLOCKS_DIR):
+        for fan in os.scandir(root / BLOCKS_DIR):
+            if fan.is_dir(follow_symlinks=False):
+                sizes += [e.stat(follow_symlinks=False).st_size for e in os.scandir(fan.path)
+                          if e.name.endswith(BLOCK_SUFFIX) and e.is_file(follow_symlinks=False)]
+    print(f"{root}: {len(sizes)} KV block file(s), {format_bytes(sum(sizes))}")
     fingerprint = root / FINGERPRINT_FILE
-    if fingerprint.is_file():
+    if fingerprint.is_file() and not fingerprint.is_symlink():
         print(fingerprint.read_text().strip())
     return 0
 

@@ -89,6 +89,8 @@ def test_symlinked_blocks_folder_is_never_followed(tmp_path, capsys):
         clear_directory(kv_dir)
     assert cli_main(["kv-cache", "clear", str(kv_dir)]) == 2
     assert "never follows links" in capsys.readouterr().err
+    assert cli_main(["kv-cache", "info", str(kv_dir)]) == 0
+    assert "0 KV block file(s)" in capsys.readouterr().out  # (the linked folder's are not counted)
     with pytest.raises(DiskTierError, match="link"):  # nor does the tier at start (a changed fingerprint too)
         DiskTier(kv_dir, 1 << 20, {**FP, "model": "other"})
     assert snapshot(foreign) == before
