@@ -36,6 +36,10 @@ class EngineConfig:
     evicted from the device; ``swap_space`` is its deprecated alias (give one of the two).
     ``kv_offload_dir`` adds the disk tier below it (a directory of checksummed block files that
     survives restarts; see docs/kv_tiers.md) of ``kv_offload_disk_size`` (default 20GiB).
+    ``max_step_time_s`` (default 2.0; 0: off) budgets each step in seconds besides the
+    ``max_num_batched_tokens`` tokens: the scheduler sizes prefill chunks by the step-time estimate
+    (``engine/step_cost.py``, fitted to measured steps), so streams beside a long prompt keep their
+    inter-token gaps near it.
     ``preemption_mode`` "auto" (default) swaps or recomputes a preempted request, whichever the
     engine's measured costs say is cheaper.
     ``max_model_len`` defaults to the model's context length. ``fault_injection`` (or the
@@ -99,6 +103,7 @@ class EngineConfig:
     kv_offload_disk_size: str | int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    max_step_time_s: float = 2.0
     max_model_len: int | None = None
     preemption_mode: str = "auto"
     eviction_policy: str = "lru"
@@ -134,6 +139,10 @@ class EngineConfig:
         check_block_size(self.block_size)
         _int_in("max_num_seqs", self.max_num_seqs, 1, 1 << 20)
         _int_in("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 24)
+        if isinstance(self.max_step_time_s, bool) or not isinstance(self.max_step_time_s, (int, float)) \
+                or not 0 <= self.max_step_time_s <= 3600:
+            raise ValueError(f"max_step_time_s must be a number of seconds in [0, 3600] (0: no time budget), "
+                             f"got {self.max_step_time_s!r}")
         if self.kv_cache_memory is not None:
             size = (self.kv_cache_memory if isinstance(self.kv_cache_memory, int)
                     and not isinstance(self.kv_cache_memory, bool)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
+from pagedkv.engine.step_cost import StepCostModel
 from pagedkv.memory import CopyPair, KVCacheManager, OutOfBlocksError
 
 ENGINE_FAULT_KINDS = ("recompute", "swap", "evict", "alloc")
@@ -140,9 +141,10 @@ class FailingAllocations:
 class FaultInjectingScheduler(Scheduler):
     """A Scheduler that draws one fault per step (see the module docstring) before planning it."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, faults: FaultInjector) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, faults: FaultInjector,
+                 costs: StepCostModel | None = None) -> None:
         self.allocations = FailingAllocations(kv)
-        super().__init__(config, self.allocations)  # type: ignore[arg-type]
+        super().__init__(config, self.allocations, costs)  # type: ignore[arg-type]
         self.faults = faults
 
     def _begin_step(self, swap_out: list[CopyPair], preempted: list[str]) -> None:

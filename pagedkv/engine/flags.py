@@ -46,6 +46,10 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
                              {"type": _size}),
     "max_num_seqs": ("most sequences in one batch", {"type": int}),
     "max_num_batched_tokens": ("most tokens in one step (chunked prefill)", {"type": int}),
+    "max_step_time_s": ("seconds one step should take at most: prefill chunks are sized by the engine's step-time "
+                        "estimate (fitted to its measured steps) so that streams beside a long prompt keep their "
+                        "inter-token gaps near it; decodes always run; 0: off, the token budget alone",
+                        {"type": float, "metavar": "SECONDS"}),
     "max_model_len": ("longest prompt plus output, in tokens (default: the model's)", {"type": int}),
     "preemption_mode": ("how to preempt under memory pressure: auto picks swap or recompute by the "
                         "engine's measured costs", {"choices": PREEMPTION_MODES}),

@@ -31,6 +31,7 @@ from pagedkv.engine.sampler import (
     Sampler,
     SampleRow,
     SamplingError,
+    logit_bias_vector,
     make_generator,
     token_logprobs,
     top_logprobs,
@@ -38,6 +39,7 @@ from pagedkv.engine.sampler import (
 from pagedkv.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput, StepResult
 from pagedkv.engine.sequence import GroupStatus, Sequence, SequenceGroup
 from pagedkv.engine.stats import EngineStats
+from pagedkv.engine.step_cost import StepCostModel
 from pagedkv.engine.grammar_compiler import CompiledGrammar, GrammarLimits
 from pagedkv.engine.structured_output import GrammarError, GrammarLimitError, StructuredOutputs
 from pagedkv.lora.manager import LoRAManager
@@ -97,8 +99,10 @@ class LLMEngine:
         self.lora = build_lora_manager(config, runner)
         sched = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode,
                                 max_loras=config.max_loras if self.lora is not None else 0)
-        self.scheduler = (FaultInjectingScheduler(sched, self.kv, self.faults) if self.faults
-                          else Scheduler(sched, self.kv))
+        # the step-time estimate the scheduler budgets by, fitted to every step's measured time
+        self.step_costs = StepCostModel.for_model(getattr(runner, "config", None), config.max_step_time_s)
+        self.scheduler = (FaultInjectingScheduler(sched, self.kv, self.faults, self.step_costs) if self.faults
+                          else Scheduler(sched, self.kv, self.step_costs))
         self.sampler = Sampler(config.seed)
         # 8-bit KV blocks: watch the error of what is stored (engine/kv_quality.py)
         self.kv_guard = KVQuantGuard(runner) if getattr(runner, "write_error", None) is not None else None
@@ -249,6 +253,7 @@ class LLMEngine:
         """
         if not self.scheduler.has_unfinished():
             return []
+        started = time.perf_counter()
         out = self.scheduler.schedule()
         step = StepResult()
         slots = (self.lora.assign_slots(s.group.lora for s in out.scheduled if s.group.lora is not None)
@@ -286,6 +291,8 @@ class LLMEngine:
         if not (out.scheduled or out.preempted or out.resumed or out.swap_out or out.swap_in or out.to_disk
                 or out.from_disk):  # nothing ran: not a step
             return [self._output(g) for g in step.progressed.values() if not only_finished or g.is_finished]
+        if out.scheduled:
+            self.step_costs.observe(out.work, time.perf_counter() - started)
         self._steps += 1
         if self.kv_guard is not None:
             self.kv_guard.after_step(self._steps)
@@ -388,9 +395,10 @@ class LLMEngine:
                 # row j is the distribution after the proposal's first j tokens: their context
                 # counts for the penalties
                 penalized = group.params.uses_penalties
+                bias = _logit_bias(group, logits.shape[-1])
                 spec_rows = [SampleRow(first_row[i] + j, group.params, seq.rng,
                                        seq.token_ids + list(s.proposal[:j]) if penalized else seq.token_ids,
-                                       seq.prompt_len) for j in range(len(s.proposal) + 1)]
+                                       seq.prompt_len, bias=bias) for j in range(len(s.proposal) + 1)]
                 speculating.append((s, spec_rows))
                 continue
             if group.beam_width:
@@ -416,6 +424,8 @@ class LLMEngine:
                     break
                 rows.append(SampleRow(first_row[i], group.params, q.rng, q.token_ids, q.prompt_len, bitmask))
                 targets.append((group, q))
+        for row, (group, _) in zip(rows, targets):  # the request's bias vector, built once
+            row.bias = _logit_bias(group, logits.shape[-1])
         if rows or speculating:
             try:
                 batch = self.sampler.prepare(logits, rows + [r for _, spec_rows in speculating for r in spec_rows])
@@ -637,6 +647,16 @@ def kv_group_windows(runner) -> tuple[int | None, ...]:
     group, its window or None."""
     groups = getattr(getattr(runner, "cache", None), "groups", None)
     return tuple(g.window for g in groups) if groups else (None,)
+
+
+def _logit_bias(group: SequenceGroup, vocab: int):
+    """The request's logit_bias as a dense vector, built at its first sampling (None: none)."""
+    if not group.params.logit_bias:
+        return None
+    vec = group.logit_bias_vector
+    if vec is None or vec.shape[0] != vocab:
+        vec = group.logit_bias_vector = logit_bias_vector(group.params.logit_bias, vocab)
+    return vec
 
 
 def _prompt_logprob_window(s: ScheduledSeq) -> tuple[int, int] | None:

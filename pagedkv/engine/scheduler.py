@@ -20,6 +20,20 @@ Every step the scheduler builds a plan (``SchedulerOutput``) under a token budge
    With a disk tier, a waiting request whose cached prefix continues on disk waits until those
    blocks are read (``KVCacheManager.prefetch``) while running requests keep decoding.
 
+Each step also has a budget of seconds (``EngineConfig.max_step_time_s``), spent by the step-time
+estimate of ``engine/step_cost.py`` (fitted to measured steps): attention grows with the context a
+chunk attends to, so a long prompt is prefilled in chunks that shrink as it grows and the streams
+beside it keep their inter-token gaps near the budget. Decode rows always run and are charged; a
+prefill chunk takes what is left, the step's first at least a floor (a long prompt progresses
+beside any number of decodes), and running prefills leave a share to the first waiting request
+(unless it sorts after them) so a newcomer's prefill starts within a step or two. A request's
+rows count: its n forks sampled at once, and the penalties or logit_bias they process.
+
+Fan-out: a step computes at most ``max_num_seqs`` rows. A request with more live sequences than
+its share of them takes turns among them (the least advanced first), and it holds at most half
+of ``max_num_seqs``'s seats for admission, so an ``n: 128`` request never shuts newcomers out
+for its whole life.
+
 Speculative decoding: a decoding sequence with a live proposal (``Sequence.live_proposal``)
 computes its last token and the proposal in one chunk when free blocks allow (it never preempts
 for them); the update keeps the accepted part and rolls back the rest (``KVCacheManager.rollback``).
@@ -34,6 +48,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedkv.engine.sequence import GroupStatus, Sequence, SequenceGroup
+from pagedkv.engine.step_cost import StepBudget, StepCostModel, StepWork, prior_coefficients
 from pagedkv.memory import DEFAULT_TENANT, CopyPair, KVCacheManager, OutOfBlocksError, TenantQuotaError
 
 PREFETCH_LOOKAHEAD = 4  # waiting requests whose disk reads are issued ahead of their admission
@@ -88,6 +103,7 @@ class SchedulerOutput:
     resumed: tuple[str, ...] = ()  # request ids whose blocks come back by swap_in
     to_disk: tuple[tuple[int, bytes], ...] = ()  # (device block, key): serialize first, for the disk tier
     from_disk: tuple[tuple[int, bytes], ...] = ()  # (host block, payload) read from disk: before swap_in
+    work: StepWork = field(default_factory=StepWork)  # what it computes, for the step-time fit
 
     @property
     def request_ids(self) -> set[str]:
@@ -115,9 +131,12 @@ class StepResult:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, costs: StepCostModel | None = None) -> None:
+        """``costs``: the step-time estimate and its budget (default: a prior with no time limit,
+        the token budget alone)."""
         self.config = config
         self.kv = kv
+        self.costs = costs if costs is not None else StepCostModel(prior_coefficients(None))
         self.waiting: list[SequenceGroup] = []   # each list sorted by SequenceGroup.sort_key
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
@@ -150,6 +169,15 @@ class Scheduler:
     def num_running_seqs(self) -> int:
         return sum(g.num_live for g in self.running)
 
+    def _seats(self, width: int) -> int:
+        """Seats of ``max_num_seqs`` a request of ``width`` live sequences holds for admission: all
+        of them, but at most half the batch (a wider request takes turns among its sequences)."""
+        return min(width, max(1, self.config.max_num_seqs // 2))
+
+    @property
+    def num_running_seats(self) -> int:
+        return sum(self._seats(g.num_live) for g in self.running)
+
     # ------------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -164,11 +192,24 @@ class Scheduler:
         self._begin_step(swap_out, preempted)
         made_room_for = self._make_room_for_waiting(budget, swap_out, preempted)
         num_made_room = len(preempted)
+        seconds = self.costs.budget()
+        caps = self._row_caps()
+        # running prefills leave a share of the step to the first waiting request, when it may join
+        newcomer = self.waiting[0] if self.waiting and (
+            not self.running or self.num_running_seats + self._seats(self.waiting[0].width)
+            <= self.config.max_num_seqs) else None
+
+        # a prefill leaves the seconds of the decode rows planned after it (they always run)
+        decodes = self._decode_seconds(caps) if seconds.seconds is not None else {}
+        later = sum(decodes.values())
 
         i = 0
         while i < len(self.running) and budget > 0:
             group = self.running[i]
-            plan = self._schedule_running(group, budget, swap_out, preempted)
+            later -= decodes.get(id(group), 0.0)
+            share = seconds.reserve() if newcomer is not None and newcomer.priority <= group.priority else 0.0
+            plan = self._schedule_running(group, budget, swap_out, preempted, seconds, caps, later + share,
+                                          not share)
             if plan is None:  # preempted itself
                 continue
             entries, pairs = plan
@@ -178,16 +219,16 @@ class Scheduler:
             i += 1
 
         if made_room_for is not None and len(preempted) == num_made_room:
-            self._admit_waiting(budget, scheduled, first=made_room_for)
+            self._admit_waiting(budget, scheduled, seconds, first=made_room_for)
         elif not preempted:
-            budget = self._resume_swapped(budget, scheduled, copies, swap_in, resumed)
+            budget = self._resume_swapped(budget, scheduled, copies, swap_in, resumed, seconds)
             if not self.swapped:
-                self._admit_waiting(budget, scheduled)
+                self._admit_waiting(budget, scheduled, seconds)
         tiers = self.kv.take_tier_copies()  # the host and disk tiers of the prefix cache
         swap_out += tiers.offloads
         swap_in += tiers.reloads
         return SchedulerOutput(tuple(scheduled), tuple(copies), tuple(swap_out), tuple(swap_in),
-                               tuple(preempted), tuple(resumed), tiers.to_disk, tiers.from_disk)
+                               tuple(preempted), tuple(resumed), tiers.to_disk, tiers.from_disk, seconds.work)
 
     def update_from_output(self, output: SchedulerOutput, result: StepResult) -> None:
         """The one update after a step: record the plan's KV as computed (full blocks enter the
@@ -228,16 +269,30 @@ class Scheduler:
 
     # ------------------------------------------------------------------ helpers
     def _schedule_running(self, group: SequenceGroup, budget: int, swap_out: list[CopyPair],
-                          preempted: list[str]) -> tuple[list[ScheduledSeq], list[CopyPair]] | None:
+                          preempted: list[str], seconds: StepBudget, caps: dict[int, int] | None = None,
+                          reserve: float = 0.0, floor: bool = True) -> tuple[list[ScheduledSeq], list[CopyPair]] | None:
+        """Plan ``group``'s sequences within ``budget`` tokens and ``seconds`` (less ``reserve``
+        for prefill chunks and further forks' rows; ``floor``: a prefill chunk may take the step's
+        floor); None when it preempted itself."""
         entries: list[ScheduledSeq] = []
         pairs: list[CopyPair] = []
-        for seq in group.live_seqs:
+        seqs = group.live_seqs
+        if len(seqs) > 1 and not group.beam_width:  # forks take turns: the least advanced first
+            seqs = sorted(seqs, key=lambda s: s.num_tokens)[:caps.get(id(group), len(seqs)) if caps else None]
+        for k, seq in enumerate(seqs):
             if budget <= 0:
                 break
             computed = self.kv.num_computed(seq.seq_id)
             n = min(seq.num_tokens - computed, budget)
             if n <= 0:
                 continue
+            if n > 1:  # a prefill chunk (a prompt, or a recompute): sized by the step's seconds
+                n = seconds.chunk(computed, n, *_sampled_rows(group, seq, computed, n), reserve=reserve,
+                                  floor=floor)
+                if n <= 0:
+                    continue
+            elif k > 0 and not seconds.affords(computed, 1, *_sampled_rows(group, seq, computed, 1), reserve):
+                break  # the other forks' turn comes in the next steps
             proposal = seq.live_proposal[:budget - 1] if n == 1 and seq.seq_id in self.kv else ()
             if proposal:
                 # Speculation takes free blocks only: it never preempts or waits for them.
@@ -247,6 +302,8 @@ class Scheduler:
                     proposal = ()
                 else:
                     entries.append(ScheduledSeq(group, seq, computed, 1 + len(proposal), proposal))
+                    seconds.charge(computed, 1 + len(proposal), 1 + len(proposal),
+                                   (1 + len(proposal)) * _processes(group))
                     budget -= 1 + len(proposal)
                     continue
             if seq.seq_id not in self.kv:
@@ -278,11 +335,40 @@ class Scheduler:
                             return None
                         self._preempt(victim, self._preemption_mode(victim), swap_out, preempted)
             entries.append(ScheduledSeq(group, seq, computed, n))
+            seconds.charge(computed, n, *_sampled_rows(group, seq, computed, n))
             budget -= n
         return entries, pairs
 
+    def _decode_seconds(self, caps: dict[int, int] | None) -> dict[int, float]:
+        """The estimated seconds of each running request's decode rows this step (by ``id``)."""
+        kv, model, out = self.kv, self.costs, {}
+        for group in self.running:
+            total, rows = 0.0, caps.get(id(group), 1 << 30) if caps else 1 << 30
+            processed = _processes(group)
+            for seq in group.live_seqs[:rows]:
+                computed = kv.num_computed(seq.seq_id)
+                if seq.num_tokens - computed == 1:
+                    total += model.chunk_seconds(computed, 1, 1, processed)
+            if total:
+                out[id(group)] = total
+        return out
+
+    def _row_caps(self) -> dict[int, int] | None:
+        """Rows each running request may compute this step (by ``id``), when their live sequences
+        and one row for a waiting request exceed ``max_num_seqs``: a max-min fair share of it, each
+        request at least one row. None (the common case): every live sequence runs."""
+        limit, waiting = self.config.max_num_seqs, 1 if self.waiting else 0
+        if self.num_running_seqs + waiting <= limit:
+            return None
+        rows, groups = limit - waiting, sorted(self.running, key=lambda g: g.num_live)
+        caps: dict[int, int] = {}
+        for k, group in enumerate(groups):
+            caps[id(group)] = cap = max(1, min(group.num_live, rows // (len(groups) - k)))
+            rows -= cap
+        return caps
+
     def _resume_swapped(self, budget: int, scheduled: list[ScheduledSeq], copies: list[CopyPair],
-                        swap_in: list[CopyPair], resumed: list[str]) -> int:
+                        swap_in: list[CopyPair], resumed: list[str], seconds: StepBudget) -> int:
         while self.swapped and budget > 0:
             group = self.swapped[0]
             if self.num_running_seqs + group.num_live > self.config.max_num_seqs or self._lora_blocked(group):
@@ -304,6 +390,7 @@ class Scheduler:
                 except OutOfBlocksError:
                     continue  # runs next step; preemption will make room there
                 scheduled.append(ScheduledSeq(group, seq, computed, n))
+                seconds.charge(computed, n, *_sampled_rows(group, seq, computed, n))
                 budget -= n
         return budget
 
@@ -357,7 +444,7 @@ class Scheduler:
             need = kv.blocks_to_admit(seq.token_ids, budget, salt=group.salt, adapter_id=group.lora_key)
             if not kv.quota_admits(group.tenant, need):
                 break  # its own quota would refuse it: preempting others would not help
-            if self.num_running_seqs + width <= self.config.max_num_seqs and \
+            if self.num_running_seats + self._seats(width) <= self.config.max_num_seqs and \
                     need <= kv.num_free_blocks - kv.watermark_blocks:
                 break
             self._preempt(victim, self._preemption_mode(victim), swap_out, preempted)
@@ -376,19 +463,19 @@ class Scheduler:
             return "recompute"
         return "swap" if kv.costs.swap_cheaper(blocks, tokens) else "recompute"
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq],
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq], seconds: StepBudget,
                        first: SequenceGroup | None = None) -> None:
         """Admit waiting requests in order (``first`` before all) while they fit."""
         if first is not None:
             self.waiting.remove(first)
             self.waiting.insert(0, first)
         try:
-            self._admit_in_order(budget, scheduled)
+            self._admit_in_order(budget, scheduled, seconds)
         finally:
             if first is not None and first in self.waiting:
                 self.waiting.sort(key=lambda g: g.sort_key)
 
-    def _admit_in_order(self, budget: int, scheduled: list[ScheduledSeq]) -> None:
+    def _admit_in_order(self, budget: int, scheduled: list[ScheduledSeq], seconds: StepBudget) -> None:
         if self.kv.disk is not None:  # issue disk reads for the requests about to be admitted
             for group in self.waiting[1:PREFETCH_LOOKAHEAD]:
                 seq = group.live_seqs[0]
@@ -402,7 +489,7 @@ class Scheduler:
                 i += 1
                 continue
             width = group.num_live if group.forked else group.width
-            if self.num_running_seqs + width > self.config.max_num_seqs and self.running:
+            if self.num_running_seats + self._seats(width) > self.config.max_num_seqs and self.running:
                 break
             if self._lora_blocked(group):
                 break  # its adapter waits for a free one of max_loras; those behind it wait too (no starvation)
@@ -413,8 +500,13 @@ class Scheduler:
                 break  # its prefix is being read from disk; running requests go on meanwhile
             if self.kv.prefix_in_flight(seq.token_ids, salt=group.salt, adapter_id=group.lora_key):
                 break  # its prefix is being computed for another request: admitted next, it hits
+            # the chunk's seconds from position 0: a cached prefix only makes its tokens dearer
+            wanted = min(seq.num_tokens, budget)
+            wanted = seconds.chunk(0, wanted, *_sampled_rows(group, seq, 0, wanted))
+            if wanted <= 0:
+                break  # the step is full: admitted in a later one
             try:
-                cached = self.kv.allocate_prompt(seq.seq_id, seq.token_ids, budget, salt=group.salt,
+                cached = self.kv.allocate_prompt(seq.seq_id, seq.token_ids, wanted, salt=group.salt,
                                                  adapter_id=group.lora_key,
                                                  tenant=group.tenant)
             except TenantQuotaError:
@@ -428,8 +520,11 @@ class Scheduler:
                 group.num_cached_tokens = min(cached, len(group.prompt_token_ids))
                 group.cache_details = self.kv.cache_details(seq.seq_id, group.tenant)
             self._enqueue(self.running, group, GroupStatus.RUNNING)
-            n = min(seq.num_tokens - cached, budget)
+            rest = seq.num_tokens - cached
+            n = min(rest, wanted)
+            n = min(n, max(1, seconds.chunk(cached, n, *_sampled_rows(group, seq, cached, n))))
             scheduled.append(ScheduledSeq(group, seq, cached, n))
+            seconds.charge(cached, n, *_sampled_rows(group, seq, cached, n))
             budget -= n
 
     # ------------------------------------------------------------------ LoRA adapters
@@ -486,3 +581,18 @@ class Scheduler:
     def _begin_step(self, swap_out: list[CopyPair], preempted: list[str]) -> None:
         """Runs first in every ``schedule()``; nothing here. The seam that fault injection
         (``engine/faults.py``) wraps to preempt or evict before the step is planned."""
+
+
+def _processes(group: SequenceGroup) -> int:
+    """1 when the sampler processes the request's logits rows (penalties, logit_bias, a grammar)."""
+    p = group.params
+    return 1 if p.uses_penalties or p.structured_output is not None else 0
+
+
+def _sampled_rows(group: SequenceGroup, seq: Sequence, start: int, n: int) -> tuple[int, int]:
+    """(rows sampled, of them processed) when ``seq`` computes ``n`` tokens from ``start``: none
+    before its last token; then one, or the n forks of a prompt not yet forked (sampled at once)."""
+    if start + n < seq.num_tokens:
+        return 0, 0
+    rows = group.params.n if not group.forked and not group.beam_width else 1
+    return rows, rows * _processes(group)

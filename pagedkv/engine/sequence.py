@@ -97,6 +97,9 @@ class SequenceGroup:
     finished_seqs: list[Sequence] = field(default_factory=list)  # beams that ended (beam search)
     beam_candidates: dict[str, tuple[list[float], list[int]]] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
+    # params.logit_bias as one dense [vocab] vector (sampler.logit_bias_vector), built at its first
+    # sampling and reused every step by every fork, so no step loops over the bias's entries
+    logit_bias_vector: Any = None
     error: str | None = None  # why the engine failed this request (it then finishes at once)
     prompt_logprobs: list | None = None  # [None, {token: Logprob}, ...] as far as computed
     num_preemptions: int = 0
