@@ -61,7 +61,9 @@ def scan_value(text: str, i: int, resume: dict | None = None) -> int | None:
 
 
 def _could_start_scalar(rest: str) -> bool:
-    return any(word.startswith(rest) for word in ("true", "false", "null")) or re.fullmatch(r"-?\d*\.?\d*", rest) is not None
+    if any(word.startswith(rest) for word in ("true", "false", "null")):
+        return True
+    return re.fullmatch(r"-?\d*\.?\d*", rest) is not None
 
 
 _STRING_STOP = re.compile(r'["\\]')

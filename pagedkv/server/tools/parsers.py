@@ -87,8 +87,7 @@ class ToolParser:
         raise NotImplementedError
 
     def new_id(self) -> str:
-        tail = "".join(secrets.choice(_ID_ALPHABET) for _ in range(self.id_length))
-        return tail if self.id_length < 24 else f"call_{tail}"
+        return new_call_id(self.id_length)
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The whole answer at once: (content or None, calls)."""
@@ -102,6 +101,12 @@ class ToolParser:
                     calls.append(ToolCall(c.id, c.name or "", ""))
                 calls[c.index].arguments += c.arguments
         return content or None, calls
+
+
+def new_call_id(length: int = 24) -> str:
+    """OpenAI's ``call_`` + 24 letters and digits; a shorter length: that many alone (Mistral's 9)."""
+    tail = "".join(secrets.choice(_ID_ALPHABET) for _ in range(length))
+    return tail if length < 24 else f"call_{tail}"
 
 
 class _MarkerParser(ToolParser):
@@ -448,7 +453,8 @@ class DeepSeekV3Parser(_MarkerParser):
     name = "deepseek_v3"
     marker = "<｜tool▁calls▁begin｜>"
     skip_special_tokens = False
-    CALL_BEGIN, SEP, CALL_END, CALLS_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"
+    CALL_BEGIN, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"
+    CALL_END, CALLS_END = "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"
 
     def parse(self, region: str, final: bool) -> RegionParse:
         calls: list[PartialCall] = []
@@ -534,7 +540,8 @@ def tool_parser(name: str) -> ToolParser:
     try:
         return TOOL_PARSERS[name]()
     except KeyError:
-        raise ValueError(f"unknown tool call parser {name!r}; choose one of {', '.join(sorted(TOOL_PARSERS))}") from None
+        names = ", ".join(sorted(TOOL_PARSERS))
+        raise ValueError(f"unknown tool call parser {name!r}; choose one of {names}") from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -671,9 +678,9 @@ class NamedCallStream:
     """The output of ``tool_choice: {"function": {"name": ...}}``: the grammar makes the whole
     text the function's arguments, so it streams as one call's argument fragments."""
 
-    def __init__(self, name: str, parser: ToolParser | None = None) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
-        self.id = (parser or HermesParser()).new_id()
+        self.id = new_call_id()
         self.started = False
 
     @property

@@ -53,7 +53,8 @@ def reasoning_parser(name: str) -> ReasoningParser:
     try:
         return REASONING_PARSERS[name]()
     except KeyError:
-        raise ValueError(f"unknown reasoning parser {name!r}; choose one of {', '.join(sorted(REASONING_PARSERS))}") from None
+        names = ", ".join(sorted(REASONING_PARSERS))
+        raise ValueError(f"unknown reasoning parser {name!r}; choose one of {names}") from None
 
 
 class ReasoningStream:

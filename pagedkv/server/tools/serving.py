@@ -35,10 +35,9 @@ def chat_output(body: Any, options: ToolOptions | None, tokenizer: Any,
     elif req.choice == "required":
         new_calls = lambda: ToolCallStream(RequiredCallsParser())  # noqa: E731
     elif req.choice == "auto":
-        parser_name = options.tool_call_parser
         probe = options.new_tool_parser()
-        assert probe is not None and parser_name is not None  # check_served
-        new_calls = lambda: ToolCallStream(options.new_tool_parser())  # noqa: E731
+        assert probe is not None  # check_served: auto needs a parser
+        new_calls = lambda: ToolCallStream(options.new_tool_parser())  # noqa: E731 - one parser per choice
         if not probe.skip_special_tokens and "skip_special_tokens" not in body.model_fields_set:
             # The parser's markers are special tokens ([TOOL_CALLS]): decode them; EOS is not content.
             params = dataclasses.replace(params, skip_special_tokens=False)
