@@ -242,8 +242,10 @@ def test_faults_and_preemption_with_adapters_give_the_clean_outputs(tiny: dict) 
     assert [list(o.outputs[0].token_ids) for o in got] == want
     swap = _llm(tiny, num_kv_blocks=40, preemption_mode="swap")
     assert [list(o.outputs[0].token_ids) for o in swap.generate(prompts, GREEDY, lora_request=loras)] == want
+    assert swap.stats().preemptions_swap > 0
     faulty = _llm(tiny, fault_injection="seed=3,rate=0.1")
     outs = faulty.generate(prompts, GREEDY, lora_request=loras)
+    assert faulty.stats().faults_fired > 0
     assert [list(o.outputs[0].token_ids) for o in outs if o.error is None] == \
         [w for w, o in zip(want, outs) if o.error is None]
 
@@ -264,3 +266,26 @@ def test_kv_events_carry_the_adapter(tiny: dict) -> None:
     ids = {w[5] for w in wire if w[7] == key}
     assert len(ids) == 1 and isinstance(next(iter(ids)), int)
     assert all(w[5] is None for w in wire if w[7] is None)
+
+
+def test_even_runs_take_the_batched_path_and_agree_with_per_run_products(tiny: dict) -> None:
+    """Decode rows spread evenly over consecutive slots run as two batched matmuls per layer
+    (``LoRABatch.uniform``); the logits equal those of the per-run path (uneven runs)."""
+    from pagedkv.lora.layers import LoRABatch
+
+    batch = LoRABatch()
+    batch.set(((0, 2, 4), (1, 4, 6), (2, 6, 8)))
+    assert batch.uniform == (0, 3, 2, 2)
+    batch.set(((0, 2, 4), (2, 4, 6)))  # slots not consecutive
+    assert batch.uniform is None
+    llm = _llm(tiny)
+    engine = llm.engine
+    slots = engine.lora.assign_slots(engine.lora.resolve(tiny["reqs"][n]) for n in ("qv", "all", "mlp"))
+    order = [slots[engine.lora.resolve(tiny["reqs"][n]).key] for n in ("qv", "all", "mlp")]
+    assert sorted(order) == [0, 1, 2]
+    p = PROMPTS[1]
+    even = [SeqChunk(p, 0, list(range(i * 4, i * 4 + 4)), lora_slot=s) for i, s in enumerate([0, 0, 1, 1, 2, 2])]
+    uneven = even + [SeqChunk(p, 0, list(range(24, 28)), lora_slot=2)]
+    a = engine.runner.execute(even)
+    b = engine.runner.execute(uneven)
+    assert (a - b[:6]).abs().max() < 1e-5 and (b[6] - b[5]).abs().max() < 1e-5

