@@ -226,6 +226,7 @@ class GrammarCompiler:
         self.limits = limits or GrammarLimits()
         self._tokenizer_setup = tokenizer_setup
         self._setup: TokenizerSetup | None = None
+        self._setup_lock = threading.Lock()
         self._lock = threading.Condition()
         self._queue: deque[tuple[bytes, str, str]] = deque()
         self._waiters: dict[bytes, list[Future[CompiledGrammar]]] = {}
@@ -279,6 +280,21 @@ class GrammarCompiler:
                 self._thread.start()
             self._lock.notify()
         return future
+
+    def prepare(self) -> None:
+        """Build the tokenizer info now (llguidance holds the GIL for it: about 1 s at a 49152-token
+        vocabulary, so a server does this before it serves, not at its first grammar). A
+        tokenizer it cannot use is left for the first compile to report."""
+        try:
+            self._tokenizer_info()
+        except GrammarError:
+            pass
+
+    def _tokenizer_info(self) -> TokenizerSetup:
+        with self._setup_lock:
+            if self._setup is None:
+                self._setup = self._tokenizer_setup()
+            return self._setup
 
     def compile(self, so: StructuredOutput) -> CompiledGrammar:
         """:meth:`submit` and wait (the offline engine's path: it has no one else to stall)."""
@@ -384,8 +400,7 @@ class GrammarCompiler:
     def _compile(self, digest: bytes, kind: str, spec: str) -> CompiledGrammar:
         import llguidance
 
-        if self._setup is None:
-            self._setup = self._tokenizer_setup()
+        setup = self._tokenizer_info()
         reply = self._in_worker({"kind": kind, "spec": spec})
         if not reply["ok"]:
             limit = reply.get("limit")
@@ -394,7 +409,7 @@ class GrammarCompiler:
                                         f"limit{_flag_note(limit)})", limit)
             raise GrammarError(reply["error"])
         limits = llguidance.LLParserLimits(**self.limits.parser_limits())
-        matcher = llguidance.LLMatcher(self._setup.llg_tokenizer, reply["grammar"], log_level=0, limits=limits)
+        matcher = llguidance.LLMatcher(setup.llg_tokenizer, reply["grammar"], log_level=0, limits=limits)
         if not matcher.is_error():
             matcher.compute_bitmask()  # the first mask builds the lexer: here, not on the engine thread
         if matcher.is_error():  # the worker accepted it, so this is a difference between the two

@@ -127,6 +127,10 @@ class StructuredOutputs:
         return TokenizerSetup(llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self._eos),
                               text, self.vocab_size, self._eos)
 
+    def prepare(self) -> None:
+        """Build the tokenizer info now rather than at the first grammar (see GrammarCompiler.prepare)."""
+        self.compiler.prepare()
+
     def submit(self, so: StructuredOutput):
         """A future of ``so``'s compiled grammar (any thread; see GrammarCompiler.submit)."""
         return self.compiler.submit(so)

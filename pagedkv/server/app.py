@@ -82,6 +82,9 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        structured = getattr(engine.engine, "structured", None)  # (test doubles of the engine have none)
+        if structured is not None:  # the grammar tokenizer info holds the GIL ~1 s: before serving
+            structured.prepare()
         engine.start()
         yield
         state.draining = True
