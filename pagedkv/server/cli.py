@@ -66,8 +66,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="seconds to let in-flight requests finish after SIGTERM (default 60)")
     for f in dataclasses.fields(RequestLimits):
-        p.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default,
-                       help=f"{LIMIT_HELP[f.name]} (default {f.default})")
+        p.add_argument("--" + f.name.replace("_", "-"), default=f.default, **(f.metadata or {"type": int}),
+                       help=LIMIT_HELP[f.name] + ("" if f.default is None else f" (default {f.default})"))
     p.add_argument("--kv-events-endpoint", default=None, metavar="ENDPOINT",
                    help="publish KV cache events (vLLM's format) on this ZMQ PUB endpoint for KV-aware routers, "
                         "e.g. tcp://127.0.0.1:5557 (an address of this machine is bound, another one connected to)")

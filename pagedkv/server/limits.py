@@ -9,6 +9,11 @@
     generated work  ─ choices (prompts x n) x max_tokens, plus choices x prompt tokens when the
                       prompt's logprobs are echoed, <= max_tokens_per_request
     stop strings    ─ their total length <= max_stop_chars; stop token ids <= max_stop_token_ids
+    logit_bias      ─ at most max_logit_bias entries (default: no limit; the engine applies a
+                      bias as one vector per request, so its size costs a step nothing)
+    priority        ─ an integer in [min_priority, max_priority] (vLLM's rule: lower runs first,
+                      and may preempt); when API keys map to tenants, a priority below 0 (ahead of
+                      the default) only for the tenants named in priority_tenants
 
 Each default lives here once; ``pagedkv serve`` builds its flags from these fields.
 """
@@ -16,7 +21,7 @@ Each default lives here once; ``pagedkv serve`` builds its flags from these fiel
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MAX_CHOICES = 128  # the most completions one request may ask for (prompts times n)
 
@@ -29,12 +34,46 @@ class RequestLimits:
     max_tokens_per_request: int = 1 << 18
     max_stop_chars: int = 4096
     max_stop_token_ids: int = 1024
+    max_logit_bias: int | None = None  # None: no limit
+    min_priority: int = field(default=-100, metadata={"type": int, "metavar": "INT"})
+    max_priority: int = field(default=100, metadata={"type": int, "metavar": "INT"})
+    # tenants (of API keys) that may ask for a priority below 0; None: none of them
+    priority_tenants: tuple[str, ...] | None = field(
+        default=None, metadata={"action": "extend", "nargs": "+", "metavar": "TENANT"})
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.name in _NOT_COUNTS or (value is None and f.name == "max_logit_bias"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{f.name} must be a positive integer, got {value!r}")
+        for name in ("min_priority", "max_priority"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if not self.min_priority <= 0 <= self.max_priority:
+            raise ValueError(f"min_priority must be <= 0 <= max_priority (0 is a request's default priority), got "
+                             f"[{self.min_priority}, {self.max_priority}]")
+        if self.priority_tenants is not None:
+            names = (self.priority_tenants,) if isinstance(self.priority_tenants, str) else self.priority_tenants
+            if not all(isinstance(t, str) and t.strip() for t in names):
+                raise ValueError(f"priority_tenants must be tenant names, got {self.priority_tenants!r}")
+            object.__setattr__(self, "priority_tenants", tuple(t.strip() for t in names))
+
+    def priority_error(self, priority: int, tenant: str | None) -> tuple[int, str] | None:
+        """(HTTP status, message) when a request may not run at ``priority``; None when it may.
+        ``tenant``: its API key's (None: keys do not map to tenants, the range alone applies)."""
+        if not self.min_priority <= priority <= self.max_priority:
+            return 400, (f"priority must be an integer in [{self.min_priority}, {self.max_priority}] (the "
+                         f"server's --min-priority and --max-priority; lower runs first), got {priority}")
+        if priority < 0 and tenant is not None and tenant not in (self.priority_tenants or ()):
+            return 403, (f"priority {priority} would run ahead of other clients' requests, and this API key's "
+                         f"tenant may not ask for that (the server's --priority-tenants); use 0 or more")
+        return None
+
+
+_NOT_COUNTS = ("min_priority", "max_priority", "priority_tenants")
 
 
 LIMIT_HELP = {
@@ -44,4 +83,10 @@ LIMIT_HELP = {
                               "plus choices x prompt tokens with echo and logprobs",
     "max_stop_chars": "most characters of stop strings one request may give, all together",
     "max_stop_token_ids": "most stop token ids one request may give",
+    "max_logit_bias": "most entries one request's logit_bias may hold; more get 400 (default: no limit)",
+    "min_priority": "lowest priority a request may ask for (lower runs first and may preempt others); outside "
+                    "[--min-priority, --max-priority] a request gets 400",
+    "max_priority": "highest priority a request may ask for",
+    "priority_tenants": "tenants (of --api-keys-file, or key1, key2, ... of several --api-key) that may ask for a "
+                        "priority below 0; when keys map to tenants, the others get 403 for one (default: none)",
 }

@@ -151,6 +151,7 @@ class Generation:
 
 async def serve_generation(state: ServerState, request: Request, gen: Generation) -> Response:
     _check_stops(gen.params, state.limits)
+    _check_priority_and_bias(gen, state.limits)
     release = state.admit(len(gen.prompts))
     base_id = f"{gen.fmt.id_prefix}-{uuid.uuid4().hex}"
     tracker = _Tracker(arrival=time.monotonic())
@@ -207,6 +208,18 @@ async def _compile_grammar(state: ServerState, gen: Generation) -> CompiledGramm
     except GrammarError as exc:
         code = "grammar_limit_exceeded" if isinstance(exc, GrammarLimitError) else None
         raise bad_request(f"{gen.grammar_param}: {exc}", param=gen.grammar_param, code=code) from None
+
+
+def _check_priority_and_bias(gen: Generation, limits: RequestLimits) -> None:
+    refused = limits.priority_error(gen.priority, gen.tenant)
+    if refused is not None:
+        status, message = refused
+        raise APIError(status, message, type="invalid_request_error" if status == 400 else "permission_error",
+                       param="priority", code=None if status == 400 else "priority_not_permitted")
+    bias = gen.params.logit_bias
+    if limits.max_logit_bias is not None and bias and len(bias) > limits.max_logit_bias:
+        raise bad_request(f"logit_bias has {len(bias)} entries; this server allows {limits.max_logit_bias} "
+                          f"(--max-logit-bias)", param="logit_bias", code="request_too_large")
 
 
 def _check_stops(params: SamplingParams, limits: RequestLimits) -> None:
