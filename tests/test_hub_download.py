@@ -83,3 +83,26 @@ def test_download_failures_are_one_line(tmp_path: Path) -> None:
     assert "HF_HUB_OFFLINE is set, so it is not downloaded" in lines[3]
     assert "Traceback" not in proc.stderr
     assert lines[4] == "2 " + repr([f"pagedkv generate: {lines[2].removeprefix('ModelLoadError ')}"])
+
+
+def test_an_incomplete_cached_snapshot_is_not_loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A snapshot whose weights never arrived (an interrupted download: the link's blob is missing)
+    is completed online; offline it is an error saying so, not a load that fails later."""
+    from pagedkv.models import ModelLoadError
+    from pagedkv.models.hub import model_snapshot, snapshot_complete
+
+    snapshot = tmp_path / "models--tiny-org--tiny-llama" / "snapshots" / "0123"
+    folder = write_tiny_model(tmp_path / "model")
+    snapshot.mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json"):
+        (snapshot / name).write_bytes((folder / name).read_bytes())
+    (snapshot / "model.safetensors").symlink_to(tmp_path / "blobs" / "missing")
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0123")
+    assert not snapshot_complete(snapshot)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError, match=r"is incomplete: no config.json with safetensors weights"):
+        model_snapshot(REPO, download_dir=tmp_path)
+    (snapshot / "model.safetensors").unlink()
+    (snapshot / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    assert snapshot_complete(snapshot) and model_snapshot(REPO, download_dir=tmp_path) == snapshot

@@ -5,6 +5,7 @@ download from the Hub with ``huggingface_hub`` (vLLM's behaviour).
   (``$HF_HUB_CACHE``, ``$HF_HOME/hub``, ``~/.cache/huggingface/hub``);
 - ``revision`` is a branch, a tag or a commit (default "main"), in the cache and on the Hub;
 - ``HF_HUB_OFFLINE=1`` never touches the network: a model not in the cache is an error saying so;
+- a cached snapshot without config.json and safetensors (an interrupted download) is completed;
 - ``HF_ENDPOINT`` points at another Hub (a mirror; the tests' local stand-in);
 - what is fetched is what the loader reads (config and tokenizer JSON, safetensors, a chat
   template), never ``*.bin`` / ``*.pt`` / ``*.gguf`` copies of the same weights; the Hub's progress
@@ -52,6 +53,16 @@ def hf_cache_snapshot(repo_id: str, revision: str = "main", cache: Path | None =
     return snapshots[-1] if snapshots and not ref.is_file() and revision == "main" else None
 
 
+def snapshot_complete(folder: Path) -> bool:
+    """Whether a cached snapshot holds what loading reads: config.json and safetensors weights, or
+    one GGUF file (links into the cache's blobs count only when their blob is there)."""
+    files = [p for p in folder.iterdir() if p.is_file()] if folder.is_dir() else []
+    names = {p.name for p in files}
+    if "config.json" in names:
+        return any(name.endswith(".safetensors") for name in names)
+    return sum(name.endswith(".gguf") for name in names) == 1
+
+
 def hub_offline() -> bool:
     """Whether ``HF_HUB_OFFLINE`` forbids the network (read now, not at import)."""
     return os.environ.get("HF_HUB_OFFLINE", "").upper() in _TRUE
@@ -68,9 +79,13 @@ def model_snapshot(repo_id: str, revision: str | None = None, download_dir: str 
     revision = revision or "main"
     cache = Path(download_dir).expanduser() if download_dir else hf_hub_cache()
     cached = hf_cache_snapshot(repo_id, revision, cache)
-    if cached is not None:
+    if cached is not None and snapshot_complete(cached):
         return cached
     at = "" if revision == "main" else f" at revision {revision!r}"
+    if hub_offline() and cached is not None:  # online, the download below completes it
+        raise ModelLoadError(f"{repo_id!r}{at} in the Hugging Face cache ({cached}) is incomplete: no config.json "
+                             "with safetensors weights (an interrupted download?), and HF_HUB_OFFLINE is set, so "
+                             "it is not downloaded again: unset HF_HUB_OFFLINE, or give a complete folder")
     if hub_offline():
         raise ModelLoadError(f"{repo_id!r}{at} is neither a local path nor in the Hugging Face cache ({cache}), "
                              "and HF_HUB_OFFLINE is set, so it is not downloaded: unset HF_HUB_OFFLINE, or "
@@ -103,4 +118,4 @@ def model_snapshot(repo_id: str, revision: str | None = None, download_dir: str 
 
 
 __all__ = ["DOWNLOAD_PATTERNS", "hf_cache_snapshot", "hf_hub_cache", "hub_offline", "looks_like_repo_id",
-           "model_snapshot"]
+           "model_snapshot", "snapshot_complete"]
