@@ -151,3 +151,19 @@ def test_generate_progress_bar(tiny: Path, capsys: pytest.CaptureFixture[str]) -
         llm.generate(["a b c"], params)
         llm.chat([{"role": "user", "content": "hi"}], params)
         assert "Processed prompts" not in capsys.readouterr().err
+
+
+def test_large_weights_are_announced(tiny: Path, capsys: pytest.CaptureFixture[str],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights from LOUD_WEIGHT_BYTES on print a start and an end line (a log shows why a server
+    is not listening yet); small ones load silently."""
+    from pagedkv.models import hf_loader
+
+    monkeypatch.delenv("PAGEDKV_QUIET", raising=False)
+    hf_loader.load_hf_folder(tiny)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(hf_loader, "LOUD_WEIGHT_BYTES", 1)
+    hf_loader.load_hf_folder(tiny)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("pagedkv: loading 0.0 GiB of weights from ") and err[0].endswith(" ...")
+    assert ": loaded in " in err[1]

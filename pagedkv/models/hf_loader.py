@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +17,10 @@ from pagedkv.models.errors import ModelLoadError
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.tokenizer import Tokenizer
 from pagedkv.models.weights import build_model, quantized_modules
-from pagedkv.progress import interactive, quiet
+from pagedkv.progress import interactive, phase, quiet
 
 INDEX_FILE = "model.safetensors.index.json"
+LOUD_WEIGHT_BYTES = 1 << 30  # weights from this size on are announced while they load
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -138,6 +140,11 @@ def load_hf_folder(folder: Path, dtype: torch.dtype = torch.float32
     if interactive() and not quiet():  # a bar for people; nothing in log files
         from tqdm import tqdm
         tensors = tqdm(tensors, total=len(names), desc="pagedkv: loading weights", unit="tensor", leave=False)
-    model = build_model(config, tensors, dtype=dtype, quantized=quantized_modules(config, names))
+    size = sum(f.stat().st_size for f in files)
+    # Seconds per GiB read: a log says so for large weights (a server listens only afterwards).
+    loading = phase(f"loading {size / (1 << 30):.1f} GiB of weights from {folder}", done="loaded",
+                    ticker=False) if size >= LOUD_WEIGHT_BYTES else nullcontext()
+    with loading:
+        model = build_model(config, tensors, dtype=dtype, quantized=quantized_modules(config, names))
     tokenizer = load_hf_tokenizer(folder, config_json) if (folder / "tokenizer.json").exists() else None
     return model, config, tokenizer
