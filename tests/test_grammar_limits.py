@@ -259,3 +259,49 @@ def test_a_grammar_limit_mid_generation_ends_the_sequence_with_length(
     lines = [rec.getMessage() for rec in caplog.records if "grammar limit" in rec.getMessage()]
     assert lines and all(len(line) < 400 for line in lines), lines
     few_states.wait_idle()
+
+
+# ----------------------------------------------------------------- the engine alone (offline)
+def test_the_worker_memory_cap_refuses_and_the_next_grammar_compiles(model_dir: Path) -> None:
+    """The allOf probe under a 64 MiB cap: the worker dies on it, the engine names the limit and
+    starts another worker for the next grammar; the engine's process is untouched."""
+    from pagedkv import SamplingParams, StructuredOutput
+    from pagedkv.engine import RequestRejectedError
+    from pagedkv.engine.grammar_compiler import GrammarLimitError
+
+    engine = tiny_engine(model_dir, num_kv_blocks=64, grammar_memory_mib=64)
+    try:
+        with pytest.raises(GrammarLimitError) as info:
+            engine.compile_grammar(StructuredOutput(json=ALL_OF)).result(timeout=60)
+        assert info.value.limit == "grammar_memory_mib" and "--grammar-memory-mib" in str(info.value)
+        assert len(str(info.value)) < 300
+        engine.compile_grammar(StructuredOutput(regex="[a-c]+")).result(timeout=60)
+        stats = engine.structured.compiler.stats()
+        assert (stats.compiled, stats.refused, stats.worker_starts) == (1, 1, 2), stats
+        # the offline path (add_request compiles, waiting) refuses the same way, naming the field
+        with pytest.raises(RequestRejectedError, match="grammar_memory_mib") as rejected:
+            engine.add_request("r", "hi", SamplingParams(structured_output=StructuredOutput(json=ALL_OF)))
+        assert rejected.value.param == "structured_output"
+    finally:
+        engine.close()
+
+
+def test_size_limits_refuse_before_any_compile(model_dir: Path) -> None:
+    from pagedkv import StructuredOutput
+    from pagedkv.engine import EngineConfig
+    from pagedkv.engine.grammar_compiler import GrammarLimitError
+
+    with pytest.raises(ValueError, match="grammar_memory_mib"):
+        EngineConfig(grammar_memory_mib=0)
+    with pytest.raises(ValueError, match="grammar_compile_timeout_s"):
+        EngineConfig(grammar_compile_timeout_s=float("nan"))
+    engine = tiny_engine(model_dir, num_kv_blocks=64, max_guided_choices=3, grammar_max_spec_chars=100)
+    try:
+        for so, limit in [(StructuredOutput(choice=["a", "b", "c", "d"]), "max_guided_choices"),
+                          (StructuredOutput(regex="a" * 101), "grammar_max_spec_chars")]:
+            with pytest.raises(GrammarLimitError) as info:
+                engine.compile_grammar(so)  # raised here, not in a future: no compile was queued
+            assert info.value.limit == limit and limit in str(info.value)
+        assert engine.structured.compiler.stats().worker_starts == 0
+    finally:
+        engine.close()

@@ -52,6 +52,7 @@ _REFUSED_CACHE = 256  # refused grammars remembered (digest -> message)
 # system every _TRIM_EVERY_S while idle, for _TRIM_FOR_S (its requests drop their copies later,
 # on the engine thread, and glibc would keep the memory).
 _TRIM_EVERY_S, _TRIM_FOR_S = 2.0, 60.0
+_WORKER_IDLE_S = 120.0  # an idle worker exits after this (the next grammar starts one: about a second)
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +242,7 @@ class GrammarCompiler:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._trim_until = 0.0
+        self._idle_since = 0.0
 
     # ------------------------------------------------------------------ any thread
     def submit(self, so: StructuredOutput) -> Future[CompiledGrammar]:
@@ -327,6 +329,9 @@ class GrammarCompiler:
             self._queue.clear()
             self._lock.notify_all()
             thread = self._thread
+            worker = self._worker
+        if worker is not None and worker.proc.poll() is None:
+            worker.proc.kill()  # a compile in progress ends now (the compiler thread reaps it)
         for f in pending:
             _settle(f, exception=GrammarError("the engine is shut down"))
         if thread is not None and thread is not threading.current_thread():
@@ -339,11 +344,7 @@ class GrammarCompiler:
             while True:
                 with self._lock:
                     while not self._queue and not self._closed:
-                        if time.monotonic() < self._trim_until:
-                            if not self._lock.wait(_TRIM_EVERY_S):
-                                _trim_memory()
-                        else:
-                            self._lock.wait()
+                        self._wait_idle()
                     if self._closed:
                         return
                     digest, kind, spec = self._queue.popleft()
@@ -375,10 +376,28 @@ class GrammarCompiler:
                 del result, waiters
                 if error is not None:
                     _trim_memory()
+                self._idle_since = time.monotonic()
         finally:
             if self._worker is not None:
                 self._worker.kill()
                 self._worker = None
+
+    def _wait_idle(self) -> None:
+        """Wait for work (the lock held): meanwhile trim freed memory while a large grammar may
+        have been dropped, and stop an idle worker."""
+        now = time.monotonic()
+        waits: list[float] = []
+        if now < self._trim_until:
+            waits.append(_TRIM_EVERY_S)
+        if self._worker is not None:
+            idle_left = self._idle_since + _WORKER_IDLE_S - now
+            if idle_left <= 0:
+                self._kill_worker()
+                return
+            waits.append(idle_left)
+        woken = self._lock.wait(min(waits) if waits else None)
+        if not woken and now < self._trim_until:
+            _trim_memory()
 
     def _remember(self, grammar: CompiledGrammar) -> None:
         """Cache ``grammar`` within grammar_cache_mib (least recently used out first); one larger
