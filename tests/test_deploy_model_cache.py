@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ def _cache_wiring(pod: dict[str, Any], cache_dir: str) -> None:
     (init,) = pod["initContainers"]
     assert init["image"] == container["image"] and {"name": "model-cache", "mountPath": cache_dir} in init[
         "volumeMounts"]
-    assert init["command"][:2] == ["sh", "-c"] and "cp -Rn" in init["command"][2]
+    assert init["command"][:2] == ["python", "-c"] and "copytree" in init["command"][2]
     assert init["command"][3:] == [IMAGE_CACHE, cache_dir]
 
 
@@ -55,7 +56,7 @@ def test_seeding_copies_the_image_cache_and_keeps_what_is_there(tmp_path: Path) 
     (volume / "gguf").mkdir(parents=True)
     (volume / "gguf" / "converted").write_text("kept")
     command = render_chart({})["StatefulSet/pagedkv"]["spec"]["template"]["spec"]["initContainers"][0]["command"]
-    subprocess.run([*command[:3], str(image), str(volume)], check=True, timeout=30)
+    subprocess.run([sys.executable, *command[1:3], str(image), str(volume)], check=True, timeout=30)
     assert (volume / "native" / "k" / "lib.so").read_text() == "image"
     assert (volume / "gguf" / "converted").read_text() == "kept"
 

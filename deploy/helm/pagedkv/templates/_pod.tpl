@@ -42,7 +42,13 @@ comes from the StatefulSet's volumeClaimTemplate.
           imagePullPolicy: {{ .Values.image.pullPolicy }}
           securityContext:
             {{- toYaml .Values.securityContext | nindent 12 }}
-          command: [sh, -c, 'cp -Rn "$0"/. "$1"/', {{ .Values.image.cacheDir | quote }}, {{ $cache.dir | quote }}]
+          # (Python, not `cp -n`, whose exit status for a skipped file differs between coreutils versions.)
+          command:
+            - python
+            - -c
+            - "import os, shutil, sys; shutil.copytree(sys.argv[1], sys.argv[2], dirs_exist_ok=True, copy_function=lambda s, d: os.path.exists(d) or shutil.copy2(s, d))"
+            - {{ .Values.image.cacheDir | quote }}
+            - {{ $cache.dir | quote }}
           volumeMounts:
             - name: model-cache
               mountPath: {{ $cache.dir }}
