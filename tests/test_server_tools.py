@@ -494,3 +494,33 @@ def test_responses_reasoning_items(server: Any, options: Any) -> None:
     text = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert text == r.output[0].content[0].text
     assert [o.type for o in events[-1].response.output] == ["reasoning", "message"]
+
+
+@pytest.mark.parametrize("template", ["tool_chat_template_hermes.jinja", "tool_chat_template_pythonic.jinja",
+                                      "tool_chat_template_llama3.2_pythonic.jinja"])
+def test_templates_render_as_transformers_does(server: Any, template: str) -> None:
+    """pagedkv's rendering of a tool conversation equals transformers' apply_chat_template (its
+    tojson: no HTML escaping, keys in order), so prompts match what vLLM sends the model."""
+    from transformers import PreTrainedTokenizerFast
+
+    from pagedkv.server.protocol import ChatCompletionRequest
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "the city's weather <now> & é",
+                                               "parameters": {"type": "object", "required": ["unit", "city"],
+                                                              "properties": {"unit": {"enum": ["c", "f"]},
+                                                                             "city": {"type": "string"}}}}}]
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "system", "content": "Be brief."}] + HISTORY,
+                                                 "tools": tools})
+    messages, kwargs = body.chat_messages(), body.template_kwargs()
+    tok = server.engine.tokenizer
+    text = open(f"examples/{template}", encoding="utf-8").read()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok.backend, bos_token="<s>", eos_token="</s>")
+    ref = hf.apply_chat_template(messages, tools=kwargs["tools"], chat_template=text, tokenize=False,
+                                 add_generation_prompt=True)
+    before = tok.chat_template
+    tok.set_chat_template(text)
+    try:
+        assert tok.render_chat(messages, True, chat_template_kwargs=kwargs) == ref
+    finally:
+        tok.set_chat_template(before)
+    assert "the city's weather <now> & é" in ref and '"required": ["unit", "city"]' in ref

@@ -22,6 +22,14 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(message)
 
 
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    """transformers' ``tojson`` for chat templates: plain JSON, keys in their order, no HTML
+    escaping (jinja2's own turns ``'`` into ``\\u0027`` and sorts keys), so a tool's schema
+    reads as the model saw it in training (and as vLLM renders it)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
@@ -148,6 +156,7 @@ class Tokenizer:
             )
             env.globals["raise_exception"] = _raise_exception
             env.globals["strftime_now"] = _strftime_now
+            env.filters["tojson"] = _tojson
             self._template = env.from_string(self.chat_template)
         try:
             return self._template.render(
