@@ -14,7 +14,8 @@ ordered by slot, so an adapter's rows are one run) and every wrapper adds, per r
 
     y[s:e] += (x[s:e] @ A_slot^T) @ B_slot^T          (rows of the base model: nothing added)
 
-never merging weights: rows of many adapters and of the base model share the base matmul. When the
+never merging weights: rows of many adapters and of the base model share the base matmul (a fused
+layer's parts each onto their own output rows: the zeros of B^T elsewhere cost nothing). When the
 runs are of equal length, back to back, in consecutive slots (a decode batch spread evenly over
 the adapters: the common case), the products of all runs are two batched matmuls instead of two
 per run (``LoRABatch.uniform``): on one CPU thread a small matmul costs about as much in call
@@ -68,6 +69,8 @@ class LoRALinear(nn.Module):
         self.register_buffer("lora_bt", torch.zeros(max_loras, width, self.out_features, dtype=dtype, device=device),
                              persistent=False)
         self.width = [0] * max_loras  # columns in use per slot (the adapter's ranks summed)
+        # per slot: (first column, end column, first output row, end output row) of each part
+        self.parts: list[tuple[tuple[int, int, int, int], ...]] = [()] * max_loras
         self.batch = batch
 
     def set_slot(self, slot: int, parts: list[LoRAPart]) -> None:
@@ -75,12 +78,15 @@ class LoRALinear(nn.Module):
         self.lora_a[slot].zero_()
         self.lora_bt[slot].zero_()
         col = 0
+        spans = []
         for p in parts:
             r = p.a.shape[0]
             self.lora_a[slot, col:col + r] = p.a.to(self.lora_a.dtype)
             self.lora_bt[slot, col:col + r, p.row_start:p.row_end] = p.b.t().to(self.lora_bt.dtype)
+            spans.append((col, col + r, p.row_start, p.row_end))
             col += r
         self.width[slot] = col
+        self.parts[slot] = tuple(spans)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
         y = self.base(x)
@@ -94,8 +100,15 @@ class LoRALinear(nn.Module):
             return y
         for slot, s, e in self.batch.ranges:
             w = self.width[slot]
-            if w:
-                y[s:e].addmm_(F.linear(x[s:e], self.lora_a[slot, :w]), self.lora_bt[slot, :w])
+            if not w:
+                continue
+            h = F.linear(x[s:e], self.lora_a[slot, :w])  # [rows, w]
+            parts = self.parts[slot]
+            if len(parts) == 1 and parts[0][2:] == (0, self.out_features):
+                y[s:e].addmm_(h, self.lora_bt[slot, :w])
+            else:  # each part onto its own output rows: B^T's zeros elsewhere are not multiplied
+                for c0, c1, r0, r1 in parts:
+                    y[s:e, r0:r1].addmm_(h[:, c0:c1], self.lora_bt[slot, c0:c1, r0:r1])
         return y
 
     def extra_repr(self) -> str:
