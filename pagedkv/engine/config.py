@@ -7,7 +7,6 @@ import os
 from dataclasses import dataclass
 
 from pagedkv.engine.faults import FaultSpec
-from pagedkv.engine.grammar_compiler import GrammarLimits
 from pagedkv.memory import EVICTION_POLICIES
 from pagedkv.memory.prefix_index import PREFIX_INDEXES
 from pagedkv.memory.tenancy import check_fraction, parse_quotas
@@ -22,7 +21,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_KV_CACHE_MEMORY = "1GiB"
 DEFAULT_HOST_TIER_GIB = 0.5
 DEFAULT_DISK_TIER_SIZE = "20GiB"
-_GRAMMAR = GrammarLimits()  # the structured-output limits' defaults live there
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +83,10 @@ class EngineConfig:
     ``max_loras``) kept read in memory while idle.
     ``grammar_compile_timeout_s``, ``grammar_memory_mib``, ``grammar_max_lexer_states``,
     ``grammar_max_spec_chars``, ``max_guided_choices`` and ``grammar_cache_mib`` bound what one
-    structured-output grammar may cost (``engine/grammar_compiler.py``'s GrammarLimits): past
-    one the request is refused, naming it.
+    structured-output grammar may cost (``engine/grammar_compiler.py``): the compile's wall time
+    and memory (in its worker process), llguidance's lexer states (also at every step), the
+    schema's or regex's characters, the choices of a choice list, and the compiled grammars kept.
+    Past one the request is refused, naming it.
     """
 
     model: str | None = None
@@ -128,12 +128,12 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
-    grammar_compile_timeout_s: float = _GRAMMAR.grammar_compile_timeout_s
-    grammar_memory_mib: int = _GRAMMAR.grammar_memory_mib
-    grammar_max_lexer_states: int = _GRAMMAR.grammar_max_lexer_states
-    grammar_max_spec_chars: int = _GRAMMAR.grammar_max_spec_chars
-    max_guided_choices: int = _GRAMMAR.max_guided_choices
-    grammar_cache_mib: int = _GRAMMAR.grammar_cache_mib
+    grammar_compile_timeout_s: float = 10.0
+    grammar_memory_mib: int = 1024
+    grammar_max_lexer_states: int = 50_000  # llguidance's max_lexer_states (~1-2 kB each)
+    grammar_max_spec_chars: int = 1 << 20
+    max_guided_choices: int = 10_000
+    grammar_cache_mib: int = 256
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -178,7 +178,14 @@ class EngineConfig:
         _int_in("max_lora_rank", self.max_lora_rank, 1, 512)
         if self.max_cpu_loras is not None:
             _int_in("max_cpu_loras", self.max_cpu_loras, self.max_loras, 1 << 16)
-        GrammarLimits.of(self)  # ValueError naming the field
+        t = self.grammar_compile_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 3600:
+            raise ValueError(f"grammar_compile_timeout_s must be in (0, 3600] seconds, got {t!r}")
+        _int_in("grammar_memory_mib", self.grammar_memory_mib, 64, 1 << 20)
+        _int_in("grammar_max_lexer_states", self.grammar_max_lexer_states, 16, 1 << 24)
+        _int_in("grammar_max_spec_chars", self.grammar_max_spec_chars, 16, 1 << 30)
+        _int_in("max_guided_choices", self.max_guided_choices, 1, 1 << 24)
+        _int_in("grammar_cache_mib", self.grammar_cache_mib, 0, 1 << 20)
         for name in ("kv_offloading_size", "swap_space"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))

@@ -57,27 +57,16 @@ _WORKER_IDLE_S = 120.0  # an idle worker exits after this (the next grammar star
 
 @dataclass(frozen=True, slots=True)
 class GrammarLimits:
-    """What compiling one structured-output grammar may cost (EngineConfig's fields of the same
-    names, and ``pagedkv serve``'s flags with dashes). Past any of them the request is refused
-    with a :class:`GrammarLimitError` naming the field."""
+    """What compiling one structured-output grammar may cost: EngineConfig's fields of the same
+    names (their defaults and checks live there; ``pagedkv serve``'s flags have dashes). Past any
+    of them the request is refused with a :class:`GrammarLimitError` naming the field."""
 
-    grammar_compile_timeout_s: float = 10.0  # wall time of one compile in the worker
-    grammar_memory_mib: int = 1024  # memory the worker may map for one compile
-    grammar_max_lexer_states: int = 50_000  # llguidance's max_lexer_states (~1-2 kB each), also per step
-    grammar_max_spec_chars: int = 1 << 20  # characters of the schema, regex or choice list (as JSON)
-    max_guided_choices: int = 10_000  # strings in a choice list
-    grammar_cache_mib: int = 256  # compiled grammars kept in the server process, by estimated bytes
-
-    def __post_init__(self) -> None:
-        t = self.grammar_compile_timeout_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 3600:
-            raise ValueError(f"grammar_compile_timeout_s must be in (0, 3600] seconds, got {t!r}")
-        for name, low, high in (("grammar_memory_mib", 64, 1 << 20), ("grammar_max_lexer_states", 16, 1 << 24),
-                                ("grammar_max_spec_chars", 16, 1 << 30), ("max_guided_choices", 1, 1 << 24),
-                                ("grammar_cache_mib", 0, 1 << 20)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-                raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+    grammar_compile_timeout_s: float  # wall time of one compile in the worker
+    grammar_memory_mib: int  # memory the worker may map for one compile
+    grammar_max_lexer_states: int  # llguidance's max_lexer_states (~1-2 kB each), also per step
+    grammar_max_spec_chars: int  # characters of the schema, regex or choice list (as JSON)
+    max_guided_choices: int  # strings in a choice list
+    grammar_cache_mib: int  # compiled grammars kept in this process, by estimated bytes
 
     @classmethod
     def of(cls, config: Any) -> GrammarLimits:
@@ -223,8 +212,8 @@ class GrammarCompiler:
     before the first compile (GrammarError there refuses every grammar with its message).
     """
 
-    def __init__(self, tokenizer_setup: Callable[[], TokenizerSetup], limits: GrammarLimits | None = None) -> None:
-        self.limits = limits or GrammarLimits()
+    def __init__(self, tokenizer_setup: Callable[[], TokenizerSetup], limits: GrammarLimits) -> None:
+        self.limits = limits
         self._tokenizer_setup = tokenizer_setup
         self._setup: TokenizerSetup | None = None
         self._setup_lock = threading.Lock()

@@ -106,8 +106,7 @@ class GrammarState:
 class StructuredOutputs:
     """Per engine: the tokenizer info (built on first use) and the grammar compiler."""
 
-    def __init__(self, tokenizer, vocab_size: int | None, eos_token_ids, *,
-                 limits: GrammarLimits | None = None) -> None:
+    def __init__(self, tokenizer, vocab_size: int | None, eos_token_ids, *, limits: GrammarLimits) -> None:
         self._tokenizer = tokenizer
         self._eos = sorted(eos_token_ids)
         backend = getattr(tokenizer, "backend", None)
