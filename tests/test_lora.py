@@ -289,3 +289,11 @@ def test_even_runs_take_the_batched_path_and_agree_with_per_run_products(tiny: d
     a = engine.runner.execute(even)
     b = engine.runner.execute(uneven)
     assert (a - b[:6]).abs().max() < 1e-5 and (b[6] - b[5]).abs().max() < 1e-5
+    # chunks out of slot order: logits come back in the chunks' order, by chunk or for every token
+    mixed = [SeqChunk(p, 0, list(range(i * 4, i * 4 + 4)), lora_slot=s) for i, s in enumerate([2, -1, 0])]
+    by_chunk = engine.runner.execute(mixed)
+    every = engine.runner.execute(mixed, return_all_logits=True)
+    alone = [engine.runner.execute([c], return_all_logits=True) for c in mixed]
+    for i, one in enumerate(alone):
+        assert (every[i * len(p):(i + 1) * len(p)] - one).abs().max() < 1e-5
+        assert (by_chunk[i] - one[-1]).abs().max() < 1e-5

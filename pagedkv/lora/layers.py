@@ -96,7 +96,15 @@ class LoRALinear(nn.Module):
             if w:  # slots' columns past their width are zero: a common width w is exact
                 xs = x[start:start + n * k].reshape(n, k, self.in_features)  # [runs, rows, in]
                 h = torch.bmm(xs, self.lora_a[s0:s0 + n, :w].transpose(1, 2))  # [runs, rows, w]
-                y[start:start + n * k].view(n, k, self.out_features).baddbmm_(h, self.lora_bt[s0:s0 + n, :w])
+                ys = y[start:start + n * k].view(n, k, self.out_features)
+                parts = self.parts[s0]
+                if len(parts) > 1 and all(self.parts[s] == parts for s in range(s0 + 1, s0 + n)):
+                    # the same parts in every slot: each onto its rows (a quarter less time on the
+                    # default model's q/k/v and gate/up at decode: the zeros of B^T are not read)
+                    for c0, c1, r0, r1 in parts:
+                        ys[:, :, r0:r1].baddbmm_(h[:, :, c0:c1], self.lora_bt[s0:s0 + n, c0:c1, r0:r1])
+                else:
+                    ys.baddbmm_(h, self.lora_bt[s0:s0 + n, :w])
             return y
         for slot, s, e in self.batch.ranges:
             w = self.width[slot]

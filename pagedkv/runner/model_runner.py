@@ -318,12 +318,14 @@ class ModelRunner:
                 chunks = [chunks[i] for i in order]
         inputs = self.prepare(chunks)
         attention = _StepAttention(self.cache, inputs, self.config, self.write_error, self.rotation)
+        wanted = None if return_all_logits else inputs.logits_indices
+        if order is not None and wanted is not None:  # the rows picked in the chunks' own order
+            wanted = wanted.index_select(0, _unsort_rows(chunks, order, False).to(wanted.device))
         with self.lora.step(inputs.lora_ranges) if self.lora is not None else nullcontext():
-            logits = self.model(inputs.input_ids, inputs.positions, attention,
-                                logits_indices=None if return_all_logits else inputs.logits_indices,
+            logits = self.model(inputs.input_ids, inputs.positions, attention, logits_indices=wanted,
                                 max_position=inputs.max_position)
-        if order is not None:
-            logits = logits.index_select(0, _unsort_rows(chunks, order, return_all_logits).to(logits.device))
+        if order is not None and return_all_logits:
+            logits = logits.index_select(0, _unsort_rows(chunks, order, True).to(logits.device))
         return logits.float().cpu()  # the sampler works on the host (a no-op on CPU)
 
     @torch.inference_mode()
