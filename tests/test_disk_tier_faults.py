@@ -280,3 +280,46 @@ def test_a_prompt_longer_than_the_host_tier_is_read_once_and_admitted(long_model
         assert engine.stats().num_steps == steps
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+def test_as_found_on_the_default_model(tmp_path):
+    """The issue's reproduction on SmolLM2-135M: ``--num-kv-blocks 128 --kv-offloading-size 0.05
+    --kv-offload-dir D`` (a host tier of about 70 blocks), a 1,300-token prompt (random token ids,
+    82 blocks) pushed to disk by four others, then sent again: admitted and answered within 30 s,
+    each block read from disk at most once."""
+    import random
+
+    from pagedkv.engine import LLMEngine
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40_000) for _ in range(LONG)] for _ in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine = LLMEngine.from_options(None, num_kv_blocks=128, kv_offloading_size=0.05,
+                                    kv_offload_dir=str(tmp_path / "kv"))
+    try:
+        assert engine.runner.num_host_blocks < (LONG - 1) // 16
+        expected = None
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id == "r0":
+                        expected = out.outputs[0].token_ids
+        assert engine.kv.disk.flush(timeout=60)
+        disk = engine.stats().kv
+        assert disk.disk_blocks >= (LONG - 1) // 16
+        engine.add_request("again", prompts[0], params)
+        start = time.monotonic()
+        outputs = {}
+        while engine.has_unfinished_requests():
+            assert time.monotonic() - start < 30, "not admitted and answered within 30 s"
+            for out in engine.step():
+                outputs[out.request_id] = out
+        assert outputs["again"].finished and outputs["again"].outputs[0].token_ids == expected
+        read = engine.stats().kv.disk_bytes_read - disk.disk_bytes_read
+        assert read <= disk.disk_bytes_used  # each block at most once
+        steps = engine.stats().num_steps
+        assert engine.step() == [] and engine.stats().num_steps == steps
+    finally:
+        engine.close()

@@ -166,3 +166,50 @@ def test_a_refused_pin_is_a_warning_in_the_cache_details(folder) -> None:
     assert "warnings" not in outs["r0"].cache_details.for_caller()
     kv = engine.stats().kv
     assert kv.pins == 2 and kv.pinned_blocks == 10
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_pins_turns_and_prompts_keep_integrity(seed) -> None:
+    """Random turns pinned by three tenants, expiries, running prompts that grow and new prompts
+    that need more than is free: every structure agrees after each operation, no tenant's pins
+    pass the share, and a prompt is refused only when even every pin it may release would not
+    admit it."""
+    import random
+
+    rng = random.Random(seed)
+    kv = KVCacheManager(48, B, max_tenant_pin_fraction=0.25)
+    running: list[str] = []
+    clock = 0.0
+    for step in range(300):
+        clock += 1.0
+        op = rng.random()
+        tenant = rng.choice("abc")
+        if op < 0.35:  # a turn that pins its prefix
+            try:
+                _pin_turn(kv, tenant, f"c{rng.randrange(6)}", _tokens(rng.randrange(40), rng.randrange(5, 30)),
+                          ttl=clock + rng.randrange(1, 40))
+            except OutOfBlocksError:
+                pass
+        elif op < 0.6:  # a new prompt (no prefix hits), left running
+            seq_id = f"s{step}"
+            tokens = _tokens(1000 + step, rng.randrange(2, 60))
+            free, releasable = kv.num_free_blocks, kv.pins.releasable()
+            try:
+                kv.allocate_prompt(seq_id, tokens, salt=tenant, tenant=tenant)
+                running.append(seq_id)
+            except OutOfBlocksError:
+                need = -(-len(tokens) // B)
+                assert free + releasable < need or not kv.pins, (free, releasable, need)
+        elif op < 0.75 and running:  # a running sequence grows
+            seq_id = rng.choice(running)
+            try:
+                kv.allocate_slots(seq_id, rng.randrange(1, 9))
+            except OutOfBlocksError:
+                pass
+        elif op < 0.9 and running:
+            kv.free(running.pop(rng.randrange(len(running))))
+        else:
+            kv.expire_pins(clock)
+        kv.check_integrity()
+        assert all(kv.pins.blocks_of(t) <= kv.pin_limit for t in "abc")
+    assert kv.pins.refused and kv.pins.released_under_pressure and kv.pins.expired  # each path taken

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from pagedkv.memory.block_pool import BlockPool
+from pagedkv.memory.errors import IntegrityError
 
 
 @dataclass(slots=True)
@@ -138,7 +139,13 @@ class ConversationPins:
         return True
 
     def refs(self) -> Counter[int]:
-        """References the pins hold, per block id (for ``check_integrity``)."""
+        """References the pins hold, per block id (for ``check_integrity``); raises IntegrityError
+        when the per-tenant counts disagree with the pins."""
+        by_tenant: dict[Hashable | None, Counter[int]] = {}
+        for key, pin in self.pins.items():
+            by_tenant.setdefault(pin_tenant(key), Counter()).update(pin.block_ids)
+        if by_tenant != self._by_tenant:
+            raise IntegrityError("conversation pins: the per-tenant block counts disagree with the pins")
         return Counter(i for pin in self.pins.values() for i in pin.block_ids)
 
     def _free(self, pin: Pin, key: Hashable) -> None:
