@@ -24,26 +24,27 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedkv import __version__
 from pagedkv.server.async_engine import AsyncEngine
-from pagedkv.server.limits import MAX_CHOICES, RequestLimits
+from pagedkv.server.connections import UploadSlots, read_limited_body
+from pagedkv.server.heavy_work import HeavyWork, TrimAfterRequests, dumps
+from pagedkv.server.limits import MAX_CHOICES, ConnectionLimits, RequestLimits
 from pagedkv.server.lora import lora_router, model_cards, runtime_updates_allowed
 from pagedkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedkv.server.protocol import (
     APIError,
+    Body,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
     bad_request,
-    parse_body,
 )
 from pagedkv.server.responses import CompletionFormat
-from pagedkv.server.serving import Generation, ServerState, serve_generation
+from pagedkv.server.serving import Generation, ServerState, message_chars, serve_generation
 from pagedkv.server.tools.request import ToolOptions
 from pagedkv.server.tools.responses_api import responses_router
 from pagedkv.server.tools.serving import chat_output
@@ -59,10 +60,14 @@ def create_app(
     api_keys: dict[str, str | None] | None = None,
     max_queue: int | None = None,
     limits: RequestLimits | None = None,
+    connection_limits: ConnectionLimits | None = None,
+    metrics_api_key: str | None = None,
     allow_lora_updates: bool = False,
     tool_options: ToolOptions | None = None,  # tool-call and reasoning parsers (server/tools/)
 ) -> FastAPI:
     """Build the app around an AsyncEngine; the app starts its engine thread and drains it on shutdown.
+    ``connection_limits``: body timeout and upload cap here; the rest apply where uvicorn runs it
+    (``http_server.server_config``). ``metrics_api_key``: /metrics answers only with this key.
     ``allow_lora_updates``: mount /v1/load_lora_adapter and /v1/unload_lora_adapter (also with
     VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; server/lora.py)."""
     names = served_model_names or [engine.engine.model_name]
@@ -77,6 +82,10 @@ def create_app(
         max_queue=max_queue,
         max_num_seqs=engine.engine.config.max_num_seqs,
         limits=limits or RequestLimits(),
+        connection_limits=(connection_limits := connection_limits or ConnectionLimits()),
+        uploads=UploadSlots(connection_limits.max_uploads),
+        heavy=HeavyWork(),
+        metrics_api_key=metrics_api_key,
     )
     engine.step_observer = state.metrics.observe_iteration
 
@@ -89,6 +98,7 @@ def create_app(
         yield
         state.draining = True
         engine.shutdown()
+        state.heavy.shutdown()
 
     app = FastAPI(title="pagedkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
@@ -100,6 +110,7 @@ def create_app(
     if runtime_updates_allowed(allow_lora_updates):  # LoRA load / unload (server/lora.py)
         app.include_router(lora_router(state, [Depends(_key_check(state))]))
     _install_error_handlers(app, state)
+    app.add_middleware(TrimAfterRequests, heavy=state.heavy)
     return app
 
 
@@ -130,35 +141,40 @@ def _tokenizer_router(state: ServerState) -> APIRouter:
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        body = parse_body(await read_body(request, state.limits.max_request_bytes), TokenizeRequest)
+        body = await read_json(request, state, TokenizeRequest)
         state.check_model(body.model)
         body.check()
         tokenizer = state.engine.engine.tokenizer
 
-        def run() -> list[int]:
+        def run() -> bytes:  # in a worker thread: rendering, tokenizing and the response grow with the text
+            param = "messages" if body.messages is not None else "prompt"
             try:
                 if body.messages is not None:  # the chat path; add_special_tokens (vLLM's): specials too
-                    text = tokenizer.render_chat([{"role": m.role, "content": m.text()} for m in body.messages],
-                                                 body.add_generation_prompt,
+                    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+                    state.check_text_length(message_chars(messages), param)
+                    text = tokenizer.render_chat(messages, body.add_generation_prompt,
                                                  continue_final_message=body.continue_final_message,
                                                  chat_template_kwargs=body.chat_template_kwargs)
-                    return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
-                return tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens is not False)
+                    state.check_text_length(text, param)
+                    ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+                else:
+                    state.check_text_length(body.prompt or "", param)
+                    ids = tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens is not False)
             except APIError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the text or template is the request's fault
-                raise bad_request(f"cannot tokenize: {exc}", param="messages" if body.messages else "prompt") from exc
+                raise bad_request(f"cannot tokenize: {exc}", param=param) from exc
+            out: dict[str, Any] = {"count": len(ids), "max_model_len": state.engine.engine.config.max_model_len,
+                                   "tokens": ids, "token_strs": None}
+            if body.return_token_strs:
+                out["token_strs"] = [tokenizer.id_to_token(i) for i in ids]
+            return dumps(out)
 
-        ids = await asyncio.to_thread(run)
-        out: dict[str, Any] = {"count": len(ids), "max_model_len": state.engine.engine.config.max_model_len,
-                               "tokens": ids, "token_strs": None}
-        if body.return_token_strs:
-            out["token_strs"] = [tokenizer.id_to_token(i) for i in ids]
-        return out
+        return Response(await state.heavy.run(run), media_type="application/json")
 
     @router.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        body = parse_body(await read_body(request, state.limits.max_request_bytes), DetokenizeRequest)
+        body = await read_json(request, state, DetokenizeRequest)
         state.check_model(body.model)
         tokenizer = state.engine.engine.tokenizer
         vocab = tokenizer.vocab_size
@@ -191,7 +207,7 @@ def _api_router(state: ServerState) -> APIRouter:
 
     @router.post("/completions")
     async def completions(request: Request) -> Response:
-        body = parse_body(await read_body(request, state.limits.max_request_bytes), CompletionRequest)
+        body = await read_json(request, state, CompletionRequest)
         state.check_model(body.model)
         params = body.to_sampling_params(state.engine.engine.generation_defaults)  # generation_config's
         gen = Generation(
@@ -207,7 +223,7 @@ def _api_router(state: ServerState) -> APIRouter:
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = parse_body(await read_body(request, state.limits.max_request_bytes), ChatCompletionRequest)
+        body = await read_json(request, state, ChatCompletionRequest)
         state.check_model(body.model)
         params = body.to_sampling_params(state.engine.engine.generation_defaults)  # generation_config's
         tokenizer = state.engine.engine.tokenizer
@@ -215,9 +231,13 @@ def _api_router(state: ServerState) -> APIRouter:
 
         def render() -> list[int]:  # LLM.chat's path: the template's text, no special tokens added
             try:
-                return tokenizer.encode_chat(body.chat_messages(), body.add_generation_prompt,
+                messages = body.chat_messages()
+                state.check_text_length(message_chars(messages), "messages")
+                text = tokenizer.render_chat(messages, body.add_generation_prompt,
                                              continue_final_message=body.continue_final_message,
                                              chat_template_kwargs=body.template_kwargs())
+                state.check_text_length(text, "messages")  # before it is tokenized, as completions' prompts
+                return tokenizer.encode(text, add_special_tokens=False)  # (encode_chat's rule)
             except APIError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
@@ -237,23 +257,16 @@ def _api_router(state: ServerState) -> APIRouter:
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, or a 413 as soon as it is known to exceed ``limit`` bytes (from
-    Content-Length, else while it streams in), so an oversized body is never held in full."""
-    too_large = APIError(413, f"the request body exceeds {limit} bytes (the server's --max-request-bytes)",
-                         code="request_too_large")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
-    except ClientDisconnect as exc:  # nobody is left to answer; not a server error
-        raise APIError(499, "the client disconnected while sending the body",
-                       code="client_closed_request") from exc
-    return b"".join(chunks)
+    Content-Length, else while it streams in), so an oversized body is never held in full; 408
+    past the body timeout, 503 when too many large bodies are being read (server/connections.py)."""
+    state: ServerState = request.app.state.server
+    return await read_limited_body(request, limit, state.connection_limits.body_timeout, state.uploads)
+
+
+async def read_json(request: Request, state: ServerState, model: type[Body]) -> Body:
+    """The request body read (``read_body``) and validated (``parse_body``: a 400 naming the
+    field); a large body is decoded in the heavy-work pool, not on the event loop."""
+    return await state.heavy.parse(await read_body(request, state.limits.max_request_bytes), model)
 
 
 def _ops_router(state: ServerState) -> APIRouter:
@@ -273,7 +286,13 @@ def _ops_router(state: ServerState) -> APIRouter:
         return {"version": __version__}
 
     @router.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if state.metrics_api_key is not None:  # what /metrics reveals: README, Security
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            if not (hmac.compare_digest(token.strip().encode(), state.metrics_api_key.encode())
+                    and scheme.lower() == "bearer"):
+                raise APIError(401, "missing or invalid metrics key (send 'Authorization: Bearer <key>' with "
+                               "the server's --metrics-api-key)", type="authentication_error", code="invalid_api_key")
         # Idle: ask the engine (answered at once). Busy: the snapshot of its last step (at most
         # STATS_INTERVAL_S old), so a scrape never waits for a long step.
         stats = state.engine.latest_stats() if state.engine.num_in_flight else None

@@ -17,7 +17,7 @@ import os
 import sys
 
 from pagedkv.engine.flags import add_engine_arguments, engine_options
-from pagedkv.server.limits import LIMIT_HELP, RequestLimits
+from pagedkv.server.limits import CONNECTION_HELP, LIMIT_HELP, ConnectionLimits, RequestLimits
 from pagedkv.server.tools.parsers import TOOL_PARSERS
 from pagedkv.server.tools.reasoning import REASONING_PARSERS
 
@@ -68,6 +68,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(RequestLimits):
         p.add_argument("--" + f.name.replace("_", "-"), default=f.default, **(f.metadata or {"type": int}),
                        help=LIMIT_HELP[f.name] + ("" if f.default is None else f" (default {f.default})"))
+    for f in dataclasses.fields(ConnectionLimits):
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
+                       help=f"{CONNECTION_HELP[f.name]} (default {f.default})")
+    p.add_argument("--metrics-api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /metrics (also env PAGEDKV_METRICS_API_KEY); "
+                        "/metrics shows per-tenant figures and load: protect it or keep its port private "
+                        "(README, Security). Default: open, like /health")
     p.add_argument("--kv-events-endpoint", default=None, metavar="ENDPOINT",
                    help="publish KV cache events (vLLM's format) on this ZMQ PUB endpoint for KV-aware routers, "
                         "e.g. tcp://127.0.0.1:5557 (an address of this machine is bound, another one connected to)")
@@ -90,13 +97,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the engine, serve until SIGTERM/SIGINT, drain, and return the exit status."""
-    import uvicorn
-
     from pagedkv.engine import LLMEngine
     from pagedkv.server.app import create_app
     from pagedkv.server.async_engine import AsyncEngine
     from pagedkv.server.tools.request import ToolOptions
-    from pagedkv.server.http_server import DrainingServer
+    from pagedkv.server.http_server import DrainingServer, server_config
 
     if args.max_queue is not None and args.max_queue < 0:
         print("pagedkv serve: --max-queue must be >= 0", file=sys.stderr)
@@ -136,6 +141,13 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"pagedkv serve: --{str(exc).replace('_', '-')}", file=sys.stderr)
         return 2
     try:
+        connection_limits = ConnectionLimits(**{f.name: getattr(args, f.name)
+                                                for f in dataclasses.fields(ConnectionLimits)})
+    except ValueError as exc:
+        print(f"pagedkv serve: --{str(exc).replace('_', '-')}", file=sys.stderr)
+        return 2
+    metrics_api_key = args.metrics_api_key or os.environ.get("PAGEDKV_METRICS_API_KEY") or None
+    try:
         events_config = kv_events_config(args)
     except ValueError as exc:
         print(f"pagedkv serve: {exc}", file=sys.stderr)
@@ -168,10 +180,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if publisher is not None:
         async_engine.kv_event_sink = publisher.publish
     app = create_app(async_engine, tool_options=tool_options, served_model_names=args.served_model_name, api_keys=api_keys,
-                     max_queue=args.max_queue, limits=limits,
+                     max_queue=args.max_queue, limits=limits, connection_limits=connection_limits,
+                     metrics_api_key=metrics_api_key,
                      allow_lora_updates=args.allow_runtime_lora_updating)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.drain_timeout, access_log=False)
+    config = server_config(app, host=args.host, port=args.port, log_level=args.log_level,
+                           timeout_graceful_shutdown=args.drain_timeout, access_log=False)
     server = DrainingServer(config, app.state.server)
     try:
         server.run()

@@ -5,6 +5,9 @@ with ``Retry-After`` (a load balancer retries them elsewhere, where "connection 
 like a crash) while the requests in flight (streams included) finish, for up to the drain timeout.
 Only then does uvicorn stop listening, close the idle connections and run the app's lifespan
 shutdown, which stops the engine thread; the process exits 0. A second signal stops at once.
+
+Connections run on ``GuardedH11Protocol`` (server/connections.py): a connection cap, header and
+keep-alive timeouts, and out-of-descriptor errors logged once per interval.
 """
 
 from __future__ import annotations
@@ -15,9 +18,21 @@ import socket
 import sys
 from types import FrameType
 
-import uvicorn
+from typing import Any
 
+import uvicorn
+from fastapi import FastAPI
+
+from pagedkv.server.connections import GuardedH11Protocol, RateLimitedLog, install_fd_exhaustion_handler
 from pagedkv.server.serving import ServerState
+
+
+def server_config(app: FastAPI, **options: Any) -> uvicorn.Config:
+    """uvicorn's config for ``app`` with its connection limits (``create_app``'s
+    ``connection_limits``); ``options`` go to ``uvicorn.Config`` (host, port, log_level, ...)."""
+    limits = app.state.server.connection_limits
+    return uvicorn.Config(app, http=GuardedH11Protocol.bound_to(limits),
+                          timeout_keep_alive=limits.keep_alive_timeout, **options)
 
 
 class DrainingServer(uvicorn.Server):
@@ -50,6 +65,7 @@ class DrainingServer(uvicorn.Server):
         await super().shutdown(sockets)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        install_fd_exhaustion_handler(asyncio.get_running_loop(), RateLimitedLog())
         await super().startup(sockets)
         for server in self.servers:
             for sock in server.sockets:

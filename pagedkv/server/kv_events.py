@@ -21,6 +21,11 @@ here), "CPU" (the host tier).
 
 Replay (``replay_endpoint``, a ROUTER socket): a client sends a start sequence number (8 bytes,
 big-endian) and gets ``[seq, payload]`` for every buffered batch from there, then ``[-1, b""]``.
+What a peer is sent but has not read is kept for it, so that is bounded: one reply holds at most
+``REPLAY_HWM - 1`` batches and ``REPLAY_MAX_BYTES`` (a client asks again from the next sequence
+number, as it does after a gap), and at most ``REPLAY_HWM`` messages wait for one peer (ZMQ's
+send high-water mark, with ROUTER_MANDATORY: a reply to a peer that has not read its last one
+is cut, not queued). A reader that asks after reading the end mark always gets a whole reply.
 
 Endpoints: an address on this machine (``tcp://127.0.0.1:PORT``, the default host, or ``*``,
 ``0.0.0.0``, ``::``, ``localhost``, ``ipc://``, ``inproc://``) is bound; any other address is
@@ -49,6 +54,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+REPLAY_MAX_BYTES = 4 << 20  # batch bytes in one replay reply
+REPLAY_HWM = 128  # replay messages waiting for one peer (a reply: up to REPLAY_HWM - 1 batches and the end)
 _LOCAL_HOSTS = {"*", "0.0.0.0", "::", "[::]", "localhost", "127.0.0.1", "::1", "[::1]"}
 
 
@@ -132,6 +139,7 @@ class KVEventPublisher:
         self._seq = itertools.count()
         self.published = 0
         self.dropped = 0
+        self.replays_cut = 0  # replies stopped for a peer that does not read
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
@@ -140,6 +148,8 @@ class KVEventPublisher:
             self._open(self._pub, config.endpoint)
             if config.replay_endpoint:
                 self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.SNDHWM, REPLAY_HWM)
+                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full peer raises, not drops silently
                 self._open(self._replay, config.replay_endpoint)
         except zmq.ZMQError as exc:
             self._ctx.destroy(linger=0)
@@ -178,7 +188,9 @@ class KVEventPublisher:
             poller.register(self._replay, zmq.POLLIN)
         topic = self.config.topic.encode()
         while True:
-            if self._replay is not None and poller.poll(0):
+            for _ in range(100 if self._replay is not None else 0):  # the waiting requests, not one per 50 ms
+                if not poller.poll(0):
+                    break
                 self._serve_replay()
             try:
                 item = self._queue.get(timeout=0.05)
@@ -201,9 +213,23 @@ class KVEventPublisher:
         if len(frames) != 3:
             logger.warning("KV events replay: a request of %d frames ignored (want 3)", len(frames))
             return
+        import zmq
+
         client, _, start = frames
         first = int.from_bytes(start, "big")
-        for seq, payload in list(self._buffer):
-            if seq >= first:
-                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))  # type: ignore[union-attr]
-        self._replay.send_multipart((client, b"", END_SEQ, b""))  # type: ignore[union-attr]
+        size = count = 0
+        try:
+            for seq, payload in list(self._buffer):
+                if seq < first:
+                    continue
+                if count == REPLAY_HWM - 1 or (size and size + len(payload) > REPLAY_MAX_BYTES):
+                    break  # the rest in the next reply
+                size, count = size + len(payload), count + 1
+                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload),  # type: ignore[union-attr]
+                                            flags=zmq.NOBLOCK)
+            self._replay.send_multipart((client, b"", END_SEQ, b""), flags=zmq.NOBLOCK)  # type: ignore[union-attr]
+        except zmq.ZMQError as exc:  # Again: REPLAY_HWM messages already wait for it; or it is gone
+            self.replays_cut += 1
+            if self.replays_cut == 1 or self.replays_cut % 1000 == 0:
+                logger.warning("KV events replay: a reply cut short (%s; %d so far): the peer does not read",
+                               exc, self.replays_cut)

@@ -90,3 +90,43 @@ LIMIT_HELP = {
     "priority_tenants": "tenants (of --api-keys-file, or key1, key2, ... of several --api-key) that may ask for a "
                         "priority below 0; when keys map to tenants, the others get 403 for one (default: none)",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    """What one connection may hold of the server, and for how long (flag names: dashes for
+    underscores). uvicorn closes a keep-alive connection idle after a response, but not one that
+    never sends a request, sends half its headers, or trickles its body; every connection and
+    every body buffered is memory and a file descriptor, so each is bounded here
+    (server/connections.py enforces them)."""
+
+    max_connections: int = 1024
+    header_timeout: float = 10.0
+    keep_alive_timeout: float = 5.0
+    body_timeout: float = 60.0
+    max_uploads: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("max_connections", "max_uploads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("header_timeout", "keep_alive_timeout", "body_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
+# A body over this many bytes is an upload: it counts against max_uploads while it is read.
+LARGE_BODY_BYTES = 1 << 20
+
+CONNECTION_HELP = {
+    "max_connections": "most open HTTP connections; a new one beyond it closes the longest-idle connection, "
+                       "or gets 503 when none is idle (lowered to fit the process's open-file limit)",
+    "header_timeout": "seconds a connection may take to send a request's headers, from its opening or its "
+                      "previous response (an idle or half-sent request is closed after it)",
+    "keep_alive_timeout": "seconds an idle keep-alive connection stays open after a response",
+    "body_timeout": "seconds a request may take to send its whole body; slower bodies get 408",
+    "max_uploads": f"request bodies over {LARGE_BODY_BYTES >> 20} MiB read at once; more get 503 with "
+                   "Retry-After (each may hold up to --max-request-bytes)",
+}

@@ -38,6 +38,13 @@ class EngineStatsCollector(Collector):
         # Tenants whose names may be labels (API key tenants, quota names, the default); others
         # are cache_salt values, secret to their clients, and are summed as tenant="other".
         self._public_tenants = public_tenants | {DEFAULT_TENANT}
+        # (reason as its caller was told, tenant label) -> requests. Not the engine's own count, which
+        # has the true reason: "different_tenant" there says another tenant holds a guessed prompt.
+        self.first_misses: dict[tuple[str, str], int] = {}
+
+    def count_first_miss(self, caller_reason: str, tenant: str) -> None:
+        key = (caller_reason, self._label(tenant))
+        self.first_misses[key] = self.first_misses.get(key, 0) + 1
 
     def set_snapshot(self, stats: Any) -> None:
         self._stats = stats
@@ -150,17 +157,13 @@ class EngineStatsCollector(Collector):
             yield from lora_metrics(self._model, s.lora)
         if getattr(kv, "tenants", None):
             yield from self._tenant_metrics(kv)
-        if getattr(kv, "first_misses", None):
+        if self.first_misses:
             misses = CounterMetricFamily(
                 "pagedkv_prefix_cache_first_miss", "Requests by why the first block of their prompt that "
-                "was not a prefix-cache hit missed (none: every block that could hit did).",
+                "was not a prefix-cache hit missed (none: every block that could hit did), as the request's "
+                "caller may see it: a block only another tenant holds counts as never_seen (or partial_block).",
                 labels=["model_name", "reason", "tenant"])
-            rows: dict[tuple[str, str], int] = {}
-            for reason, per_tenant in sorted(kv.first_misses.items()):
-                for tenant, n in per_tenant.items():
-                    key = (reason, self._label(tenant))
-                    rows[key] = rows.get(key, 0) + n
-            for (reason, tenant), n in sorted(rows.items()):
+            for (reason, tenant), n in sorted(self.first_misses.items()):
                 misses.add_metric([self._model, reason, tenant], float(n))
             yield misses
 
@@ -388,6 +391,10 @@ class ServerMetrics:
 
     def count_finish(self, reason: str | None) -> None:
         self.requests_finished.labels(self._model, reason or "abort").inc()
+
+    def count_first_miss(self, caller_reason: str, tenant: str) -> None:
+        """A finished request's first prefix-cache miss, by the reason its caller may see."""
+        self.engine.count_first_miss(caller_reason, tenant)
 
     def count_error(self, status: int) -> None:
         self.request_errors.labels(self._model, str(status)).inc()

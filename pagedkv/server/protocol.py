@@ -10,12 +10,13 @@ client can cause becomes an :class:`APIError`, rendered as
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, model_validator
 
 from pagedkv.engine.grammar_worker import excerpt
 from pagedkv.sampling_params import SamplingParams, StructuredOutput
@@ -399,16 +400,55 @@ def parse_body(raw: bytes, model: type[Body]) -> Body:
     if issubclass(model, _SamplingFields):
         reject_unsupported_fields(obj, getattr(model, "SERVED_FIELDS", frozenset()))
     try:
-        return model.model_validate(obj)
+        return model.model_validate(_messages_in_slices(obj, model))
     except RecursionError as exc:
         raise bad_request("request body is nested too deeply", code="invalid_json") from exc
-    except ValidationError as exc:
-        first = exc.errors()[0]
+    except (ValidationError, _SliceError) as exc:
+        first = exc.first if isinstance(exc, _SliceError) else exc.errors()[0]
         loc = ".".join(str(x) for x in first["loc"] if not _is_union_tag(x))
         message = f"{loc}: {first['msg']}" if loc else first["msg"]
         if first["loc"] and first["loc"][0] == "prompt" and first["type"] != "missing":
             loc, message = "prompt", _PROMPT_TYPES
         raise bad_request(message, param=loc or None) from exc
+
+
+_SLICE = 2000  # chat messages validated per call
+
+
+class _SliceError(Exception):
+    """A message of a slice failed validation; ``first`` is its error, located in the body."""
+
+    def __init__(self, first: Any) -> None:
+        super().__init__(first["msg"])
+        self.first = first
+
+
+def _messages_in_slices(obj: dict[str, Any], model: type[BaseModel]) -> dict[str, Any]:
+    """``obj`` with a long ``messages`` list validated _SLICE messages per call: 100,000 messages
+    in one validation call hold the GIL for over a second, and with it the event loop (parsing a
+    large body runs in a worker thread, server/heavy_work.py). The model then takes the
+    validated message objects as they are."""
+    messages = obj.get("messages")
+    field = model.model_fields.get("messages")
+    if field is None or not isinstance(messages, list) or len(messages) <= _SLICE:
+        return obj
+    adapter = _adapter(field.annotation)
+    out: list[Any] = []
+    for start in range(0, len(messages), _SLICE):
+        try:
+            out.extend(adapter.validate_python(messages[start:start + _SLICE]))
+        except ValidationError as exc:
+            for error in exc.errors():
+                loc = [x for x in error["loc"] if not _is_union_tag(x)]  # (list[...] | None names its member)
+                if loc and isinstance(loc[0], int):
+                    raise _SliceError({**error, "loc": ("messages", start + loc[0], *loc[1:])}) from exc
+            raise
+    return {**obj, "messages": out}
+
+
+@functools.lru_cache(maxsize=8)
+def _adapter(annotation: Any) -> TypeAdapter:
+    return TypeAdapter(annotation)
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")

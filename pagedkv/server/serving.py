@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagedkv.engine import EngineDeadError, RequestTooLongError, TokenizedPrompt
@@ -29,8 +29,11 @@ from pagedkv.engine.grammar_compiler import CompiledGrammar, GrammarError, Gramm
 from pagedkv.lora.request import LoRAError
 from pagedkv.outputs import CompletionOutput, RequestOutput
 from pagedkv.sampling_params import SamplingParams
+from pagedkv.memory.tenancy import DEFAULT_TENANT
 from pagedkv.server.async_engine import AsyncEngine, OutputStream
-from pagedkv.server.limits import RequestLimits
+from pagedkv.server.connections import UploadSlots
+from pagedkv.server.heavy_work import HeavyWork, dumps_response
+from pagedkv.server.limits import ConnectionLimits, RequestLimits
 from pagedkv.server.lora import adapter_of, lora_api_error
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import APIError, bad_request
@@ -51,6 +54,10 @@ class ServerState:
     api_keys: dict[str, str | None] = field(default_factory=dict)  # key -> its tenant (None: none)
     max_queue: int | None = None  # engine requests beyond max_num_seqs allowed to wait; None = no limit
     limits: RequestLimits = field(default_factory=RequestLimits)
+    connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
+    heavy: HeavyWork = field(default_factory=HeavyWork)  # large bodies and responses, off the loop
+    uploads: UploadSlots = field(default_factory=lambda: UploadSlots(ConnectionLimits().max_uploads))
+    metrics_api_key: str | None = None  # /metrics needs it when set
     draining: bool = False
     active: int = 0  # engine requests admitted and not yet answered
 
@@ -67,6 +74,19 @@ class ServerState:
     def adapter_of(self, model: str | None) -> str | None:
         """The LoRA adapter ``model`` names (None: the base model)."""
         return None if model in self.served_model_names else adapter_of(self.engine.engine, model)
+
+    def check_text_length(self, text: str | int, param: str) -> None:
+        """400 (context_length_exceeded) when ``text`` (or a length in characters) must have
+        max_model_len tokens or more: the engine's rule for text prompts (one token stands for at
+        most ``max_chars_per_token`` characters), applied before text is tokenized, so a huge text
+        costs no tokenizer time or memory. Never refuses text that fits."""
+        engine = self.engine.engine
+        L, per_token = engine.config.max_model_len, getattr(engine.tokenizer, "max_chars_per_token", None)
+        size = text if isinstance(text, int) else len(text)
+        if per_token and size > L * per_token:
+            raise bad_request(f"the text has {size} characters, so more than {L} tokens (one token stands for "
+                              f"at most {per_token} characters), but max_model_len is {L}: shorten it",
+                              param=param, code="context_length_exceeded")
 
     def admit(self, count: int) -> Callable[[], None]:
         """Count ``count`` engine requests in, or raise 503 (draining) / 429 (queue full)."""
@@ -89,6 +109,12 @@ class ServerState:
                 self.active -= count
 
         return release
+
+
+def message_chars(messages: list[dict[str, Any]]) -> int:
+    """Characters of the chat messages' text: the rendered template holds at least these (for
+    ``ServerState.check_text_length`` before rendering a huge conversation)."""
+    return sum(len(c) for m in messages if isinstance(c := m.get("content"), str))
 
 
 @dataclass(slots=True)
@@ -115,10 +141,12 @@ class _Tracker:
         if out.finished:
             self.final[out.request_id] = out
 
-    def observe(self, metrics: ServerMetrics) -> None:
+    def observe(self, metrics: ServerMetrics, tenant: str) -> None:
         now = time.monotonic()
         metrics.observe_inter_token(self.gaps)
         for rid, out in self.final.items():
+            if out.cache_details is not None:  # what its caller may see: never another tenant's cache
+                metrics.count_first_miss(out.cache_details.caller_reason, tenant)
             first = self.first_token.get(rid)
             ntok = max((len(c.token_ids) for c in out.outputs), default=0)
             metrics.observe_request(ttft=None if first is None else first - self.arrival,
@@ -183,8 +211,8 @@ async def serve_generation(state: ServerState, request: Request, gen: Generation
     def cleanup() -> None:
         stream.abort()  # no-op once every request finished
         release()
-        if not stream.aborted:
-            tracker.observe(state.metrics)
+        if not stream.aborted:  # the tenant as the engine counts it: the key's, else the salt, else default
+            tracker.observe(state.metrics, gen.tenant if gen.tenant is not None else gen.cache_salt or DEFAULT_TENANT)
 
     if gen.stream:
         return _EventStreamResponse(rendering.events(), cleanup)
@@ -192,7 +220,8 @@ async def serve_generation(state: ServerState, request: Request, gen: Generation
         body = await rendering.full(request.is_disconnected)
     finally:
         cleanup()
-    return JSONResponse(body)
+    state.heavy.handled(len(body))
+    return Response(body, media_type="application/json")
 
 
 async def _compile_grammar(state: ServerState, gen: Generation) -> CompiledGrammar | None:
@@ -332,7 +361,9 @@ class _Rendering:
             usage.add_request(out)
         return usage
 
-    async def full(self, is_disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any]:
+    async def full(self, is_disconnected: Callable[[], Awaitable[bool]]) -> bytes:
+        """The whole response body, encoded; built in the heavy-work pool (with echo and logprobs
+        on many choices it is tens of megabytes)."""
         async def watch() -> None:
             while True:
                 await asyncio.sleep(_DISCONNECT_POLL_S)
@@ -350,6 +381,9 @@ class _Rendering:
             watcher.cancel()
         if self.stream.aborted:
             raise APIError(499, "client disconnected", code="client_closed_request")
+        return await self.state.heavy.run(self._full_body)
+
+    def _full_body(self) -> bytes:
         choices = []
         for out in sorted(self.tracker.final.values(), key=lambda o: int(o.request_id.rsplit("-", 1)[1])):
             prefix = self._prompt_text(out) if self.gen.echo else ""
@@ -358,7 +392,7 @@ class _Rendering:
                 choices.append(self.gen.fmt.choice(self._choice_index(out, comp), prefix + comp.text,
                                                    logprobs, comp.finish_reason))
         choices.sort(key=lambda c: c["index"])
-        return self.gen.fmt.full(self.base_id, self.state.model_name, choices, self._usage())
+        return dumps_response(self.gen.fmt.full(self.base_id, self.state.model_name, choices, self._usage()))
 
     async def events(self) -> AsyncIterator[str]:
         fmt, model = self.gen.fmt, self.state.model_name
@@ -369,9 +403,12 @@ class _Rendering:
         try:
             async for out in self.stream:
                 self.tracker.update(out)
-                deltas = [d for comp in out.outputs if (d := self._delta(out, comp)) is not None]
-                if deltas:
-                    yield _sse(fmt.chunk(self.base_id, model, deltas) | usage_field)
+                if self.gen.echo and self.wants_logprobs:  # the prompt's logprobs in each choice's first delta
+                    event = await self.state.heavy.run(self._event, out, usage_field)
+                else:
+                    event = self._event(out, usage_field)
+                if event:
+                    yield event
         except Exception as exc:  # the engine failed this request; headers are sent, so report in-band
             yield _sse(APIError(500, str(exc), type="internal_error", code="engine_error").body())
             yield "data: [DONE]\n\n"
@@ -379,6 +416,13 @@ class _Rendering:
         if self.gen.include_usage:
             yield _sse(fmt.chunk(self.base_id, model, [], self._usage()))
         yield "data: [DONE]\n\n"
+
+    def _event(self, out: RequestOutput, usage_field: dict[str, Any]) -> str | None:
+        deltas = [d for comp in out.outputs if (d := self._delta(out, comp)) is not None]
+        if not deltas:
+            return None
+        chunk = self.gen.fmt.chunk(self.base_id, self.state.model_name, deltas) | usage_field
+        return f"data: {dumps_response(chunk, allow_nan=True).decode()}\n\n"  # as _sse writes it
 
     def _delta(self, out: RequestOutput, comp: CompletionOutput) -> dict[str, Any] | None:
         index = self._choice_index(out, comp)
