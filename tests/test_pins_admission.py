@@ -165,7 +165,7 @@ def test_a_refused_pin_is_a_warning_in_the_cache_details(folder) -> None:
     assert warning.startswith("conversation not pinned") and "max_tenant_pin_fraction" in warning
     assert "warnings" not in outs["r0"].cache_details.for_caller()
     kv = engine.stats().kv
-    assert kv.pins == 2 and kv.pinned_blocks == 10
+    assert kv.pins == 2 and kv.pinned_blocks == 10 and kv.pins_refused == 1
 
 
 @pytest.mark.parametrize("seed", range(3))

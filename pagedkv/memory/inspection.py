@@ -61,7 +61,7 @@ def kv_stats(mgr: KVCacheManager) -> KVStats:
                                                 tenant_quota_waits=dict(pool.tenants.quota_waits))),
         first_misses=_first_misses(mgr), pins=len(mgr.pins), pinned_blocks=len(mgr.pins.refs()),
         pins_expired=mgr.pins.expired, pins_replaced=mgr.pins.replaced,
-        pins_released_under_pressure=mgr.pins.released_under_pressure,
+        pins_released_under_pressure=mgr.pins.released_under_pressure, pins_refused=mgr.pins.refused,
         **_disk_stats(mgr))
 
 

@@ -68,6 +68,7 @@ class KVStats:
     pins_expired: int = 0
     pins_replaced: int = 0
     pins_released_under_pressure: int = 0
+    pins_refused: int = 0  # turns not pinned: past max_tenant_pin_fraction
 
     @property
     def usage(self) -> float:
