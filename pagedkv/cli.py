@@ -164,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     the engine refuses) is one line on stderr and exit status 2, never a traceback."""
     from pagedkv.errors import PagedKVError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # with the usage of the command they were given to (serve's: its vLLM flags, docs/serving.md)
+        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(args.func(args) or 0)
     except (PagedKVError, ValueError, OSError) as exc:

@@ -42,6 +42,7 @@ def spawn_server(args: list[str], *, env: dict[str, str] | None = None,
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     deadline = time.monotonic() + timeout
     assert proc.stdout is not None
+    _widen_pipe(proc.stdout)
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
@@ -50,6 +51,16 @@ def spawn_server(args: list[str], *, env: dict[str, str] | None = None,
             return proc, line
     proc.kill()
     raise RuntimeError(f"server did not start: {proc.stdout.read()[-2000:]}")
+
+
+def _widen_pipe(stream: Any) -> None:
+    """Let the server's output pipe hold 1 MiB (Linux; 64 KiB by default): a test that reads only
+    the listening line must not block the server once its request log lines fill the pipe."""
+    try:
+        import fcntl
+        fcntl.fcntl(stream.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)
+    except (ImportError, OSError):
+        pass
 
 
 class ServerThread:

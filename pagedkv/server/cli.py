@@ -13,13 +13,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import sys
 
 from pagedkv.engine.flags import add_engine_arguments, engine_options
+from pagedkv.server.cors import add_cors_arguments
 from pagedkv.server.limits import CONNECTION_HELP, LIMIT_HELP, ConnectionLimits, RequestLimits
 from pagedkv.server.tools.parsers import TOOL_PARSERS
 from pagedkv.server.tools.reasoning import REASONING_PARSERS
+from pagedkv.server.logs import LOG_FORMATS
+from pagedkv.server.vllm_flags import add_vllm_flags
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -29,6 +33,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         description="Serve a model over an OpenAI-compatible HTTP API with Prometheus metrics.",
     )
     add_serve_arguments(p)
+    p.set_defaults(command_parser=p)  # unknown flags are reported with serve's usage (pagedkv/cli.py)
     return p
 
 
@@ -91,8 +96,34 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key; also env "
                         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    add_log_arguments(p)
+    add_cors_arguments(p)
+    p.add_argument("--max-tokens-default", type=int, default=None, metavar="N",
+                   help="the most tokens a response may have when its request gives no max_tokens (a chat "
+                        "otherwise runs to the end of the context); the same as --override-generation-config's "
+                        "max_new_tokens")
+    p.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="sampling defaults over the model's generation_config.json, as vLLM's: e.g. "
+                        "'{\"max_new_tokens\": 512, \"temperature\": 0.6}'")
     add_engine_arguments(p.add_argument_group("engine"))
+    add_vllm_flags(p)  # last: vLLM's flags pagedkv lacks, as no-ops with a warning or refused
+
+
+def add_log_arguments(p: argparse.ArgumentParser) -> None:
+    """--log-level and what is logged (server/logs.py)."""
+    p.add_argument("--log-level", "--uvicorn-log-level", default="info",
+                   choices=["debug", "info", "warning", "error", "critical"],
+                   help="the least severe log lines shown (default info: the start-up summary, a line per "
+                        "request, the stats line; debug adds probes' requests, client addresses and more)")
+    p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                   help="log lines as text or as one JSON object each (default text)")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="no line per request (on by default)")
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="a line per request (vLLM's newer spelling; on by default here)")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic stats line (throughput, queues, KV usage, prefix hits; every "
+                        "VLLM_LOG_STATS_INTERVAL seconds, default 10, when something happened)")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -102,6 +133,22 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedkv.server.async_engine import AsyncEngine
     from pagedkv.server.tools.request import ToolOptions
     from pagedkv.server.http_server import DrainingServer, server_config
+    from pagedkv.server.cors import cors_options, install_cors
+    from pagedkv.server.logs import configure_logging, install_server_logs, log_startup_summary
+    from pagedkv.server.vllm_flags import check_max_model_len, generation_overrides, model_context_length
+
+    configure_logging(args.log_level, args.log_format)
+    for warning in getattr(args, "vllm_warnings", None) or []:
+        logging.getLogger("pagedkv.server.flags").warning(warning)
+    try:
+        cors = cors_options(args)
+        overrides = generation_overrides(args.override_generation_config, args.max_tokens_default)
+    except ValueError as exc:
+        print(f"pagedkv serve: {exc}", file=sys.stderr)
+        return 2
+    if args.disable_log_requests and args.enable_log_requests:
+        print("pagedkv serve: give --disable-log-requests or --enable-log-requests, not both", file=sys.stderr)
+        return 2
 
     if args.max_queue is not None and args.max_queue < 0:
         print("pagedkv serve: --max-queue must be >= 0", file=sys.stderr)
@@ -161,6 +208,12 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"pagedkv serve: cannot start the engine: {exc}", file=sys.stderr)
         return 2
     try:
+        check_max_model_len(args.max_model_len, model_context_length(engine))
+    except ValueError as exc:
+        print(f"pagedkv serve: {exc}", file=sys.stderr)
+        return 2
+    engine.generation_defaults.update(overrides)  # before anything serves: read-only from here on
+    try:
         from pagedkv.server.lora import parse_lora_modules, register_lora_modules
         register_lora_modules(engine, parse_lora_modules(args.lora_modules or []))
     except ValueError as exc:  # a bad --lora-modules item, or an adapter that cannot be applied
@@ -183,7 +236,16 @@ def run_serve(args: argparse.Namespace) -> int:
                      max_queue=args.max_queue, limits=limits, connection_limits=connection_limits,
                      metrics_api_key=metrics_api_key,
                      allow_lora_updates=args.allow_runtime_lora_updating)
-    config = server_config(app, host=args.host, port=args.port, log_level=args.log_level,
+    if cors is not None:
+        install_cors(app, cors)
+    try:
+        install_server_logs(app, log_requests=not args.disable_log_requests, log_stats=not args.disable_log_stats)
+    except ValueError as exc:  # a bad VLLM_LOG_STATS_INTERVAL
+        print(f"pagedkv serve: {exc}", file=sys.stderr)
+        return 2
+    log_startup_summary(engine, host=args.host, port=args.port, api_keys=len(api_keys),
+                        metrics_key=metrics_api_key is not None)
+    config = server_config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
                            timeout_graceful_shutdown=args.drain_timeout, access_log=False)
     server = DrainingServer(config, app.state.server)
     try:

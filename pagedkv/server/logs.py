@@ -45,11 +45,13 @@ _SCOPE_KEY = "pagedkv.request_log"  # the scope entry holding a request's Reques
 
 
 class _TextFormatter(logging.Formatter):
-    """``LEVEL date time [logger] message``; the logger shown by its last part (``requests``)."""
+    """``LEVEL date time [logger] message``; the logger shown by its last part (``requests``), or
+    ``uvicorn`` for the HTTP server's own lines."""
 
     def format(self, record: logging.LogRecord) -> str:
         when = datetime.fromtimestamp(record.created).strftime("%Y-%m-%d %H:%M:%S")
-        line = f"{record.levelname} {when} [{record.name.rsplit('.', 1)[-1]}] {record.getMessage()}"
+        name = "uvicorn" if record.name.startswith("uvicorn") else record.name.rsplit(".", 1)[-1]
+        line = f"{record.levelname} {when} [{name}] {record.getMessage()}"
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line

@@ -34,6 +34,7 @@ from pagedkv.server.async_engine import AsyncEngine, OutputStream
 from pagedkv.server.connections import UploadSlots
 from pagedkv.server.heavy_work import HeavyWork, dumps_response
 from pagedkv.server.limits import ConnectionLimits, RequestLimits
+from pagedkv.server.logs import note_generation
 from pagedkv.server.lora import adapter_of, lora_api_error
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import APIError, bad_request
@@ -213,6 +214,11 @@ async def serve_generation(state: ServerState, request: Request, gen: Generation
         release()
         if not stream.aborted:  # the tenant as the engine counts it: the key's, else the salt, else default
             tracker.observe(state.metrics, gen.tenant if gen.tenant is not None else gen.cache_salt or DEFAULT_TENANT)
+        note_generation(request.scope, prompt_tokens=sum(len(p.token_ids) for p in prompts),  # its log line
+                        outputs=list(tracker.final.values()), first_token_at=min(tracker.first_token.values(),
+                                                                                 default=None),
+                        tokens_so_far=sum(n for _, n in tracker.last_token.values()), tenant=gen.tenant,
+                        aborted=stream.aborted)
 
     if gen.stream:
         return _EventStreamResponse(rendering.events(), cleanup)
