@@ -59,14 +59,18 @@ def test_model_selects_the_adapter_and_models_lists_it(model: dict) -> None:
             out = client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0.0,
                                             extra_body={"ignore_eos": True})
             assert out.choices[0].text == want, name
+            assert out.model == name  # the adapter's name when one ran it (vLLM's)
         chat = client.chat.completions.create(model="sql", messages=[{"role": "user", "content": "hello"}],
                                               max_tokens=4)
         assert chat.choices[0].message.content is not None
+        assert chat.model == "sql"
+        streamed = client.completions.create(model="sql", prompt=prompt, max_tokens=3, stream=True)
+        assert {chunk.model for chunk in streamed} == {"sql"}
         with pytest.raises(openai.NotFoundError, match="nosuch"):
             client.completions.create(model="nosuch", prompt=prompt, max_tokens=2)
         metrics = httpx.get(f"{server.url}/metrics").text
         assert "vllm:lora_requests_info{" in metrics and 'max_lora="2"' in metrics
-        assert 'pagedkv_lora_requests_total{adapter="sql",model_name="tiny"} 2.0' in metrics
+        assert 'pagedkv_lora_requests_total{adapter="sql",model_name="tiny"} 3.0' in metrics
 
 
 def test_runtime_load_and_unload_need_the_flag_and_the_key(model: dict, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -331,6 +331,11 @@ class _Rendering:
         self._decoded: dict[int, str] = {}  # token id -> text, for logprobs
         self._echoed_logprobs: dict[str, dict[str, Any]] = {}  # request id -> its prompt's logprobs
 
+    @property
+    def _model(self) -> str:
+        """The ``model`` of the response: the LoRA adapter's name when one ran it (vLLM's), else the base's."""
+        return self.gen.lora or self.state.model_name
+
     def _choice_index(self, out: RequestOutput, comp: CompletionOutput) -> int:
         return int(out.request_id.rsplit("-", 1)[1]) * self.n + comp.index
 
@@ -398,10 +403,10 @@ class _Rendering:
                 choices.append(self.gen.fmt.choice(self._choice_index(out, comp), prefix + comp.text,
                                                    logprobs, comp.finish_reason))
         choices.sort(key=lambda c: c["index"])
-        return dumps_response(self.gen.fmt.full(self.base_id, self.state.model_name, choices, self._usage()))
+        return dumps_response(self.gen.fmt.full(self.base_id, self._model, choices, self._usage()))
 
     async def events(self) -> AsyncIterator[str]:
-        fmt, model = self.gen.fmt, self.state.model_name
+        fmt, model = self.gen.fmt, self._model
         usage_field = {"usage": None} if self.gen.include_usage else {}
         first = fmt.first_deltas(self.num_choices)
         if first:
@@ -427,7 +432,7 @@ class _Rendering:
         deltas = [d for comp in out.outputs if (d := self._delta(out, comp)) is not None]
         if not deltas:
             return None
-        chunk = self.gen.fmt.chunk(self.base_id, self.state.model_name, deltas) | usage_field
+        chunk = self.gen.fmt.chunk(self.base_id, self._model, deltas) | usage_field
         return f"data: {dumps_response(chunk, allow_nan=True).decode()}\n\n"  # as _sse writes it
 
     def _delta(self, out: RequestOutput, comp: CompletionOutput) -> dict[str, Any] | None:
