@@ -117,7 +117,7 @@ def add_log_arguments(p: argparse.ArgumentParser) -> None:
                         "request, the stats line; debug adds probes' requests, client addresses and more)")
     p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
                    help="log lines as text or as one JSON object each (default text)")
-    p.add_argument("--disable-log-requests", action="store_true",
+    p.add_argument("--disable-log-requests", "--no-enable-log-requests", action="store_true",
                    help="no line per request (on by default)")
     p.add_argument("--enable-log-requests", action="store_true",
                    help="a line per request (vLLM's newer spelling; on by default here)")

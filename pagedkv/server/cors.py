@@ -32,7 +32,7 @@ def add_cors_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + name.replace("_", "-"), action="extend", nargs="+", default=None, metavar="VALUE",
                        help=f"CORS: the {what} browsers may use, as vLLM's JSON list or plain values (default: "
                             f"CORS off; once any CORS flag is given, \"*\")")
-    p.add_argument("--allow-credentials", action="store_true", default=None,
+    p.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction, default=None,
                    help="CORS: allow credentials (cookies, Authorization) in cross-origin requests")
 
 

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+# vLLM's short spellings of flags pagedkv has
+ALIASES = {"-q": "--quantization", "-sc": "--speculative-config"}
 LONG_MAX_MODEL_LEN_VARS = ("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "PAGEDKV_ALLOW_LONG_MAX_MODEL_LEN")
 
 
@@ -81,7 +83,7 @@ FLAGS: dict[str, VLLMFlag] = {f.name: f for f in [
     # -- accepted, no effect here --------------------------------------------------------------
     *_group(_REMOTE, _always, switches="--trust-remote-code"),
     *_group("the KV pool is sized by --kv-cache-memory-bytes or --num-kv-blocks, not by a share of GPU memory",
-            _on_cpu, values="--gpu-memory-utilization"),
+            _on_cpu, values="--gpu-memory-utilization --device-memory-utilization"),
     *_group(_PARALLEL, _one, values="--tensor-parallel-size -tp --pipeline-parallel-size -pp --data-parallel-size -dp "
             "--data-parallel-size-local -dpl --decode-context-parallel-size -dcp --api-server-count -asc "
             "--prefill-context-parallel-size -pcp"),
@@ -126,6 +128,39 @@ FLAGS: dict[str, VLLMFlag] = {f.name: f for f in [
             "--allowed-local-media-path --allowed-media-domains --default-mm-loras --mm-encoder-attn-backend",
             switches="--interleave-mm-strings --skip-mm-profiling --disable-mm-preprocessor-cache "
             "--enable-multimodal-encoder-data-parallel --enable-mm-embeds"),
+    *_group("off is pagedkv's behaviour: tools are called only with --enable-auto-tool-choice", _off,
+            switches="--no-enable-auto-tool-choice"),
+    *_group(_PARALLEL, _off, values="--nnodes -n --node-rank -r --master-addr --master-port --device-ids "
+            "--data-parallel-supervisor-port --dp-supervisor-probe-failure-threshold --dp-supervisor-probe-interval-s "
+            "--dp-supervisor-probe-timeout-s --dp-sync-interval --elastic-ep-max-dp-size --all2all-backend "
+            "--dcp-comm-backend --dcp-kv-cache-interleave-size --cp-kv-cache-interleave-size "
+            "--distributed-timeout-seconds --cpu-distributed-timeout-seconds --ubatch-size",
+            switches="--data-parallel-multi-port-external-lb -dpm --dcp-q-replicate "
+            "--disable-nccl-for-dp-synchronization --enable-elastic-ep --enable-ep-weight-filter --enable-hc-sp "
+            "--enable-nccl-comm-suspend --enable-scale-out --enable-fault-tolerance --enable-batch-sharded-sampling"),
+    *_group(_GPU, _always, values="--attention-backend --attention-config -ac --linear-backend --moe-backend "
+            "--mamba-backend --gdn-prefill-backend --kda-decode-backend --kda-prefill-backend "
+            "--sparse-indexer-topk-backend --ir-op-priority --kernel-config --performance-mode --jit-monitor-mode "
+            "--profiler-config", switches="--enable-flashinfer-autotune --enable-cumem-allocator "
+            "--enable-shm-tensor-arena --sleep-mode-offload-cudagraph --jit-monitor-verbose "
+            "--enable-layerwise-nvtx-tracing --cudagraph-metrics --enable-mfu-metrics --enable-trace-replay "
+            "--use-fp64-gumbel"),
+    *_group("pagedkv loads safetensors with its own reader", _always,
+            values="--safetensors-prefetch-block-size --safetensors-prefetch-num-threads --renderer-num-workers"),
+    *_group("NUMA placement is the operator's (numactl, taskset); pagedkv's --threads sets its CPU threads", _off,
+            values="--numa-bind-cpus --numa-bind-nodes", switches="--numa-bind"),
+    *_group("pagedkv is a text model server: it runs the language model only", _always,
+            switches="--language-model-only"),
+    *_group(_MM, _off, values="--mm-encoder-attn-dtype --mm-encoder-fp8-scale-path --mm-encoder-fp8-scale-save-margin "
+            "--mm-encoder-fp8-scale-save-path --mm-hasher-algorithm --mm-ipc-gpu-memory-gb --mm-processor-device "
+            "--mm-tensor-ipc --video-pruning-method", switches="--mm-device-do-normalize --mm-encoder-only "
+            "--trust-request-mm-kwargs"),
+    *_group("pagedkv keeps the state of no state-space model (mamba, linear attention)", _off,
+            values="--mamba-block-size --mamba-cache-mode --mamba-cache-philox-rounds --mamba-ssu-algorithm "
+            "--replayssm-buffer-len", switches="--enable-mamba-cache-stochastic-rounding "
+            "--enable-mamba-shared-prefix-checkpoint --use-replayssm --swa-bounded-replay"),
+    *_group("no shutdown timeout here: SIGTERM drains for --drain-timeout seconds", _never,
+            values="--shutdown-timeout"),
     # -- refused: they would change what a client gets, and pagedkv cannot do it ----------------
     *_group("no Unix-socket listener: give --host and --port", _never, values="--uds"),
     *_group("pagedkv's API exposes no custom ASGI middleware: put a proxy in front", _never, values="--middleware"),
@@ -178,6 +213,36 @@ FLAGS: dict[str, VLLMFlag] = {f.name: f for f in [
     *_group("expert-parallel load balancing needs expert parallelism", _never,
             values="--eplb-config --num-redundant-experts --eplb-window-size --eplb-step-interval "
             "--expert-placement-strategy"),
+    *_group("no gRPC or Cohere / Anthropic front-ends: pagedkv serves OpenAI's API", _never,
+            values="--grpc-port --cohere-format --anthropic-disabled-thinking-effort", switches="--grpc "
+            "--cohere-is-reasoning-model"),
+    *_group("not implemented in pagedkv's OpenAI front-end", _never,
+            values="--default-chat-template-kwargs --disable-access-log-for-endpoints --sse-keep-alive-interval "
+            "--tool-strict-level --fingerprint-mode --fingerprint-value",
+            switches="--enable-log-deltas --enable-offline-docs --tokens-only --return-sampling-mask "
+            "--enable-return-routed-experts --enable-flash-late-interaction"),
+    *_group("no per-request or extra engine metrics or histogram buckets beyond /metrics' own", _never,
+            values="--custom-histogram-buckets --kv-cache-metrics-sample --per-request-spec-decode-metrics",
+            switches="--enable-per-request-metrics --kv-cache-metrics --enable-logging-iteration-details"),
+    *_group("the logging setup is --log-level and --log-format json", _never, values="--logging-config"),
+    *_group("pagedkv's scheduler has its own limits: --max-num-seqs, --max-num-batched-tokens, --max-queue, "
+            "--max-step-time-s", _never, values="--max-num-active-seqs --max-num-queued-reqs --max-num-queued-tokens "
+            "--max-num-scheduled-tokens --prefill-schedule-interval --prefix-cache-retention-interval "
+            "--prefix-match-unit", switches="--long-prefill-token-threshold-adaptive --scheduler-reserve-full-isl"),
+    *_group("quantization here is --quantization (q8_0, a GGUF's own types); no other configuration", _never,
+            values="--quantization-config --kv-cache-dtype-skip-layers", switches="--allow-deprecated-quantization"),
+    *_group("speculative decoding is --speculative-config here (ngram or a draft model)", _never,
+            values="--spec-method --spec-model --spec-tokens"),
+    *_group("no weight offloading or transfer: weights stay where they are loaded", _never,
+            values="--cpu-offload-params --offload-backend --weight-transfer-config --sleep-preserve-parameter-names"),
+    *_group("no model class overrides, diffusion, engram, watermark, reasoning-budget or auxiliary-output "
+            "configurations", _never, values="--model-class-overrides --diffusion-config -dc --engram-config "
+            "--watermark-config --reasoning-config --aux-output-config --ec-manager-config --fault-tolerance-config"),
+    *_group("LoRA here: --enable-lora, --max-loras, --max-lora-rank, --max-cpu-loras (PEFT adapters of the "
+            "attention and MLP projections)", _never, values="--lora-target-modules --max-lora-cls-labels",
+            switches="--enable-mixed-moe-lora-format --enable-moe-shared-loras --enable-tower-connector-lora "
+            "--specialize-active-lora"),
+    *_group("pagedkv does not validate VLLM_* environment variables", _always, switches="--fail-on-environ-validation"),
 ]}
 
 
@@ -211,9 +276,14 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
         if flag.name in taken:
             continue
         names = [flag.name]
-        if flag.switch and flag.name.startswith("--"):
+        if flag.switch and flag.name.startswith("--") and not flag.name.startswith("--no-"):
             names.append(f"--no-{flag.name[2:]}")
         p.add_argument(*names, dest=flag.dest, action=_VLLMFlagAction, flag=flag)
+    for alias, name in ALIASES.items():  # vLLM's short spellings of flags pagedkv has
+        action = p._option_string_actions.get(name)
+        if action is not None and alias not in p._option_string_actions:
+            action.option_strings.append(alias)
+            p._option_string_actions[alias] = action
 
 
 def model_context_length(engine: Any) -> int | None:
