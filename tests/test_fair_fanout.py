@@ -162,3 +162,52 @@ def test_request_limits_refuse_a_range_without_the_default() -> None:
     assert RequestLimits().priority_error(-100, None) is None  # no tenants: the range alone
     assert RequestLimits().priority_error(-1, "t")[0] == 403  # type: ignore[index]
     assert RequestLimits().max_logit_bias is None
+
+
+# ---------------------------------------------------------------------- the real default model
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fan_out_with_a_full_vocabulary_bias_beside_a_newcomer_on_the_default_model() -> None:
+    """Issue 27's probe: n = 128, max_tokens = 30 and a logit_bias over the whole vocabulary (479 s
+    before, a newcomer's first token after 476 s), on `pagedkv serve` with the default model and
+    flags. A stream that arrives meanwhile gets its first token within 15 s and its gaps stay
+    <= 5 s; /health answers within 1 s throughout; the fan-out is answered."""
+    import threading
+    import time
+
+    from latency_probe import HealthProbe, StreamProbe
+    from server_helpers import free_port, spawn_server, stop_server
+
+    port = free_port()
+    proc, _ = spawn_server(["--port", str(port)], timeout=180)
+    base = f"http://127.0.0.1:{port}"
+    bias = {str(t): -1.0 for t in range(49152)}
+    bias["42"] = 2.0
+    try:
+        with HealthProbe(base) as health:
+            answer: dict[str, object] = {}
+
+            def fan_out() -> None:
+                r = httpx.post(f"{base}/v1/completions", timeout=600, json={
+                    "prompt": "List some animals:", "n": 128, "max_tokens": 30, "logit_bias": bias,
+                    "temperature": 1.0, "seed": 3})
+                answer["status"], answer["at"], answer["body"] = r.status_code, time.monotonic(), r.json()
+
+            heavy = threading.Thread(target=fan_out, daemon=True)
+            started = time.monotonic()
+            heavy.start()
+            time.sleep(4)  # its prompt is in, its forks decode
+            newcomer = StreamProbe(base, {"prompt": "Write a haiku about the sea.", "max_tokens": 16,
+                                          "ignore_eos": True, "temperature": 0}).start()
+            newcomer.finished.wait(120)
+            heavy.join(240)
+        body = answer.get("body") or {}
+        print(f"fan-out answered in {float(answer.get('at', 0.0)) - started:.1f} s; newcomer TTFT "  # type: ignore[arg-type]
+              f"{newcomer.ttft:.2f} s, longest gap {newcomer.worst_gap():.2f} s; /health worst {health.worst:.2f} s")
+        assert answer.get("status") == 200, body
+        assert len(body["choices"]) == 128  # type: ignore[index]
+        assert newcomer.ttft <= 15.0, newcomer.error
+        assert newcomer.worst_gap() <= 5.0
+        assert health.worst <= 1.0
+    finally:
+        stop_server(proc)

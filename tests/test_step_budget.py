@@ -3,7 +3,7 @@ the scheduler's chunks beside streams (issue 27, item 2). The real-model checks 
 
 from __future__ import annotations
 
-import math
+import os
 import random
 import time
 
@@ -55,7 +55,8 @@ def test_max_tokens_is_the_largest_chunk_within_the_seconds() -> None:
 
 def test_the_fit_recovers_the_coefficients_of_measured_steps() -> None:
     """Steps timed by a known linear law (with 3% noise), from a prior 10x too slow and in the
-    wrong proportions: the fit finds every coefficient within 15% and estimates within 10%."""
+    wrong proportions: the fit finds the coefficients (within 15% the large ones) and estimates
+    within 10%."""
     rng = random.Random(0)
     model = StepCostModel(tuple(c * 10 * rng.uniform(0.3, 3) for c in COEF))
     truth = StepCostModel(COEF)
@@ -69,11 +70,13 @@ def test_the_fit_recovers_the_coefficients_of_measured_steps() -> None:
         if w.tokens == 0:
             continue
         model.observe(w, truth.estimate(w) * rng.uniform(0.97, 1.03))
-    for name, fitted, want in zip(FEATURES, model.coef, COEF):  # (the overhead is the least determined)
-        assert fitted == pytest.approx(want, rel=0.6 if name == "overhead" else 0.15), name
+    # (the overhead and the processed rows, small parts of every step, are the least determined)
+    loose = {"overhead": 0.6, "processed": 0.3}
+    for name, fitted, want in zip(FEATURES, model.coef, COEF):
+        assert fitted == pytest.approx(want, rel=loose.get(name, 0.15)), name
     w = _work(600, 600 * 3000, 1, 0)
     assert model.estimate(w) == pytest.approx(truth.estimate(w), rel=0.1)
-    assert model.error is not None and model.observed == len([1 for _ in range(model.observed)])
+    assert model.observed > 250 and model.error is not None and model.error > 1.0  # the early misses count
 
 
 def test_a_feature_never_varied_keeps_the_prior_proportion() -> None:
@@ -217,3 +220,94 @@ def test_fan_out_takes_turns_and_leaves_room_for_a_newcomer() -> None:
     sched.add(_group("new", list(range(100, 137)), 1))
     out = _step(sched)
     assert _chunk_of(out, "new") == 37 and len(out.scheduled) == 64
+
+
+# ---------------------------------------------------------------------- the real default model
+LONG_PROMPT_TOKENS = int(os.environ.get("PAGEDKV_LONG_PROMPT_TOKENS", "4000"))
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_long_prompt_beside_streams_on_the_default_model() -> None:
+    """Issue 27's probe: a long prompt of random token ids while a request streams, on `pagedkv
+    serve` with the default model and flags. The stream's longest gap stays <= 5 s while the
+    prompt is prefilled (42.7 s before the step budget, at 8,000 tokens), a stream that arrives
+    meanwhile gets its first token within 10 s, /health answers within 1 s throughout, and the
+    long request is answered. LONG_PROMPT_TOKENS (env PAGEDKV_LONG_PROMPT_TOKENS) is 4,000 to keep
+    CI short; 8,000 is the issue's probe (about 100 s of prefill on a quiet 2-core machine)."""
+    import threading
+
+    import httpx
+    from latency_probe import HealthProbe, StreamProbe
+    from server_helpers import free_port, spawn_server, stop_server
+
+    port = free_port()
+    proc, _ = spawn_server(["--port", str(port)], timeout=180)
+    base = f"http://127.0.0.1:{port}"
+    story = {"prompt": "Write a long story about a lighthouse keeper.", "max_tokens": 4000,
+             "ignore_eos": True, "temperature": 0}
+    try:
+        with HealthProbe(base) as health:
+            victim = StreamProbe(base, story).start()
+            victim.wait_tokens(3, timeout=60)
+            assert len(victim.times) >= 3, victim.error
+            ids = [random.Random(0).randrange(100, 40000) for _ in range(LONG_PROMPT_TOKENS)]
+            answer: dict[str, object] = {}
+
+            def long_request() -> None:
+                r = httpx.post(f"{base}/v1/completions", json={"prompt": ids, "max_tokens": 1}, timeout=600)
+                answer["status"], answer["at"] = r.status_code, time.monotonic()
+
+            started = time.monotonic()
+            heavy = threading.Thread(target=long_request, daemon=True)
+            heavy.start()
+            time.sleep(8)
+            newcomer = StreamProbe(base, {**story, "prompt": "A second, shorter story.", "max_tokens": 20}).start()
+            heavy.join(300)
+            assert answer.get("status") == 200, answer
+            newcomer.finished.wait(60)
+            victim.stop()
+        gap = victim.worst_gap(since=started, until=float(answer["at"]))  # type: ignore[arg-type]
+        print(f"long prompt answered in {float(answer['at']) - started:.1f} s; victim's longest gap "  # type: ignore[arg-type]
+              f"{gap:.2f} s over {len(victim.times)} tokens; newcomer TTFT {newcomer.ttft:.2f} s; "
+              f"/health worst {health.worst:.2f} s")
+        assert gap <= 5.0
+        assert newcomer.ttft <= 10.0, newcomer.error
+        assert health.worst <= 1.0
+    finally:
+        stop_server(proc)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_estimate_tracks_measured_steps_on_the_default_model() -> None:
+    """Every step's estimate, made before the step is observed, against its measured time: a
+    stream beside prompts of 200 to 1,200 tokens (chunks from position 0 to ~1,200, decodes).
+    After ten steps of fitting, the median ratio is within 1.5x and nine steps in ten within 2x."""
+    from pagedkv.engine import LLMEngine
+
+    engine = LLMEngine.from_options()
+    model = engine.step_costs
+    pairs: list[tuple[float, float]] = []
+    real = model.observe
+
+    def observe(work: StepWork, seconds: float) -> None:
+        pairs.append((model.estimate(work), seconds))
+        real(work, seconds)
+
+    model.observe = observe  # type: ignore[method-assign]
+    rng = random.Random(1)
+    engine.add_request("s", "Tell me about the sea.", SamplingParams(max_tokens=4000, ignore_eos=True,
+                                                                     temperature=0))
+    for k, n in enumerate([200, 600, 1200, 300]):
+        engine.add_request(f"p{k}", [rng.randrange(100, 40000) for _ in range(n)],
+                           SamplingParams(max_tokens=3, ignore_eos=True, temperature=0))
+        while f"p{k}" in engine.scheduler.groups:
+            engine.step()
+    for _ in range(5):
+        engine.step()
+    ratios = sorted(measured / estimate for estimate, measured in pairs[10:])
+    print(f"{len(ratios)} steps: measured/estimated from {ratios[0]:.2f} to {ratios[-1]:.2f}, "
+          f"median {ratios[len(ratios) // 2]:.2f}; fit {model.as_dict()}")
+    assert 1 / 1.5 <= ratios[len(ratios) // 2] <= 1.5
+    assert sum(1 for r in ratios if 0.5 <= r <= 2.0) >= 0.9 * len(ratios)
+    engine.close()

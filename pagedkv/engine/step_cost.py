@@ -17,13 +17,15 @@ prompts freezes every stream beside a long one (issue 27: a 42.7 s gap). Plannin
 makes the chunks of a long prompt shrink as it grows, and counts a fan-out request's rows.
 
 The prior comes from the model's shape (FLOPs per token, per attended pair, per LM-head row) at a
-deliberately low CPU rate, so that an engine's first chunks err small. Each measured step then
-refits the five coefficients: least squares on the relative error (a 10 ms decode and a 3 s
-prefill weigh alike), old steps forgotten geometrically, and a ridge pulling every coefficient
-toward the prior's proportions at the fitted common scale, so a feature a workload never varies
-(no processed rows, say) keeps a sensible value. A coefficient never leaves [1/50, 50] times its
-share of that scale. Pure Python: ~25 multiply-adds per observed step, a 5x5 solve every
-``REFIT_EVERY`` steps.
+deliberately low CPU rate, so that an engine's first chunks err small; the overhead includes
+reading every weight once (a decode is bound by it). Each measured step then refits the five
+coefficients: least squares on the relative error (a 10 ms decode and a 3 s prefill weigh
+alike), old steps forgotten geometrically, and a ridge pulling each coefficient, in proportion
+to what the steps say about it, toward the prior's proportions at the fitted common scale, so a
+feature a workload never varies (no processed rows, say) keeps a sensible value. A coefficient
+never leaves [1/50, 50] times its share of that scale. Checked against measured steps of the
+default model (tests/test_step_budget.py): within 1.5x at the median, 2x for nine steps in ten.
+Pure Python: ~25 multiply-adds per observed step, a 5x5 solve every ``REFIT_EVERY`` steps.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ _ATTENTION_FLOPS_PER_S = 5e9
 _SAMPLE_S_PER_ROW = 2e-4
 _PROCESS_S_PER_VOCAB = 2e-9
 _OVERHEAD_S = 5e-3
+_WEIGHT_BYTES_PER_S = 1e10  # a step reads every weight once (2 bytes each assumed): a decode's floor
 
 
 @dataclass(slots=True)
@@ -77,7 +80,8 @@ def prior_coefficients(shape: object | None) -> tuple[float, float, float, float
     q, kv = heads * head_dim, kv_heads * head_dim
     flops_token = 2 * layers * (h * (q + 2 * kv) + q * h + 3 * h * inter)
     flops_pair = 4 * layers * heads * head_dim  # q.k and p.v
-    return (_OVERHEAD_S, flops_token / _WEIGHT_FLOPS_PER_S, flops_pair / _ATTENTION_FLOPS_PER_S,
+    weight_bytes = 2 * (flops_token // 2 + h * vocab)
+    return (_OVERHEAD_S + weight_bytes / _WEIGHT_BYTES_PER_S, flops_token / _WEIGHT_FLOPS_PER_S, flops_pair / _ATTENTION_FLOPS_PER_S,
             2 * h * vocab / _WEIGHT_FLOPS_PER_S + _SAMPLE_S_PER_ROW, vocab * _PROCESS_S_PER_VOCAB)
 
 
@@ -152,14 +156,17 @@ class StepCostModel:
             self._refit()
 
     def _refit(self) -> None:
-        """min sum (m.r - 1)^2 + ridge * trace(A)/k * |m - s|^2, s: the best common scale."""
+        """min sum (m.r - 1)^2 + sum_i ridge * A_ii * (m_i - s)^2, s: the best common scale."""
         A, b, k = self._A, self._b, len(FEATURES)
         total = sum(sum(row) for row in A)
         if total <= 0:
             return
         s = sum(b) / total  # every m_i = s: the prior's proportions at the measured speed
-        lam = self.ridge * sum(A[i][i] for i in range(k)) / k
-        M = [[A[i][j] + (lam if i == j else 0.0) for j in range(k)] + [b[i] + lam * s] for i in range(k)]
+        # each coefficient pulled in proportion to what the steps say about it (a decode-heavy
+        # workload still fits the overhead), one never varied by a trace's hair
+        floor = 1e-6 * sum(A[i][i] for i in range(k)) / k
+        lam = [self.ridge * A[i][i] + floor for i in range(k)]
+        M = [[A[i][j] + (lam[i] if i == j else 0.0) for j in range(k)] + [b[i] + lam[i] * s] for i in range(k)]
         m = _solve(M)
         if m is None:
             m = [s] * k

@@ -1,0 +1,101 @@
+"""Probes for the latency tests of issue 27: a victim stream's token times and /health's answer
+times, each on a thread of its own, against a server process (tests only)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import httpx
+
+
+class HealthProbe:
+    """GET /health every ``interval`` seconds until stopped; ``latencies`` (seconds each, a
+    failure counted as infinite) say whether the event loop answered throughout."""
+
+    def __init__(self, base: str, interval: float = 0.25) -> None:
+        self.base, self.interval = base, interval
+        self.latencies: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=5.0) as client:
+            while not self._stop.is_set():
+                start = time.monotonic()
+                try:
+                    ok = client.get(f"{self.base}/health").status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                self.latencies.append(time.monotonic() - start if ok else float("inf"))
+                self._stop.wait(self.interval)
+
+    def __enter__(self) -> HealthProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    @property
+    def worst(self) -> float:
+        return max(self.latencies, default=0.0)
+
+
+class StreamProbe:
+    """A streamed completion on a thread: the monotonic time of each delivery with a token
+    (``times``), from ``sent``. ``stop()`` closes the stream (the server aborts the request)."""
+
+    def __init__(self, base: str, body: dict[str, Any]) -> None:
+        self.base, self.body = base, {**body, "stream": True}
+        self.sent = 0.0
+        self.times: list[float] = []
+        self.error: str | None = None
+        self.finished = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> StreamProbe:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        self.sent = time.monotonic()
+        try:
+            with httpx.stream("POST", f"{self.base}/v1/completions", json=self.body, timeout=600) as r:
+                if r.status_code != 200:
+                    self.error = f"{r.status_code}: {r.read()[:300]!r}"
+                    return
+                for line in r.iter_lines():
+                    if self._stop.is_set():
+                        return
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if any(c.get("text") for c in event.get("choices", [])):
+                        self.times.append(time.monotonic())
+        except httpx.HTTPError as exc:
+            self.error = repr(exc)
+        finally:
+            self.finished.set()
+
+    def wait_tokens(self, count: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.times) < count and not self.finished.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    @property
+    def ttft(self) -> float:
+        return self.times[0] - self.sent if self.times else float("inf")
+
+    def worst_gap(self, since: float = 0.0, until: float = float("inf")) -> float:
+        """The longest wait between two deliveries, counting those from ``since`` to ``until``."""
+        times = [t for t in self.times if since <= t <= until]
+        return max((b - a for a, b in zip(times, times[1:])), default=0.0)
