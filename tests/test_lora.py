@@ -297,3 +297,22 @@ def test_even_runs_take_the_batched_path_and_agree_with_per_run_products(tiny: d
     for i, one in enumerate(alone):
         assert (every[i * len(p):(i + 1) * len(p)] - one).abs().max() < 1e-5
         assert (by_chunk[i] - one[-1]).abs().max() < 1e-5
+
+
+def test_idle_adapters_kept_up_to_max_cpu_loras_and_requests_checked(tiny: dict) -> None:
+    """max_cpu_loras bounds the adapters kept read while idle (the least recently used leaves
+    first; a request keeps the weights it holds); LoRARequest checks its fields (vLLM's rules)."""
+    engine = _llm(tiny, max_loras=1, max_cpu_loras=1).engine
+    qv = engine.lora.resolve(tiny["reqs"]["qv"])
+    mlp = engine.lora.resolve(tiny["reqs"]["mlp"])
+    assert list(engine.lora.idle) == ["mlp"]
+    again = engine.lora.resolve(tiny["reqs"]["qv"])  # read again, the same identity
+    assert again is not qv and again.key == qv.key and list(engine.lora.idle) == ["qv"]
+    assert mlp.modules  # still usable by the request that holds it
+    assert {a.name for a in engine.lora.known()} == {"qv", "mlp"}
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        _llm(tiny, max_loras=2, max_cpu_loras=1)
+    with pytest.raises(LoRAError, match="lora_int_id"):
+        LoRARequest("x", 0, "/tmp")
+    with pytest.raises(LoRAError, match="lora_path"):
+        LoRARequest("x", 1, "")
