@@ -79,6 +79,7 @@ def test_a_request_builds_its_bias_vector_once(tmp_path, monkeypatch) -> None:
         for out in engine.step():
             final = out if out.finished else final
     assert built == [vocab]
+    assert engine.stats().step_costs["steps_observed"] == 12  # every step timed for the step-time fit
     assert final is not None and len(final.outputs) == 8
     assert all(set(c.token_ids) <= allowed and len(c.token_ids) == 12 for c in final.outputs)
 

@@ -629,7 +629,8 @@ class LLMEngine:
             enable_prefix_caching=self.config.enable_prefix_caching,
             kv_bytes_per_block=int(getattr(getattr(runner, "cache", None), "bytes_per_block", 0)),
             kv_quant_error=quant, kv_quant_error_max=max_quant_error(quant),
-            tier_costs=self.kv.costs.as_dict(), thrash_guarded=s.thrash_guarded, **self._spec_stats(),
+            tier_costs=self.kv.costs.as_dict(), thrash_guarded=s.thrash_guarded, step_costs=self.step_costs.as_dict(),
+            **self._spec_stats(),
             lora=self.lora.stats((g.lora for g in s.running), (g.lora for g in s.waiting + s.swapped))
             if self.lora is not None else None)
 
