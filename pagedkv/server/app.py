@@ -76,7 +76,7 @@ def create_app(
     named = {t for t in keys.values() if t} | set(getattr(config, "tenant_quotas", None) or {})
     state = ServerState(
         engine=engine,
-        metrics=ServerMetrics(names[0], frozenset(named)),
+        metrics=ServerMetrics(names[0], frozenset(named), getattr(config, "max_model_len", None)),
         served_model_names=names,
         api_keys=keys,
         max_queue=max_queue,

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pagedkv.memory.tenancy import DEFAULT_TENANT
+from pagedkv.server.vllm_metrics import VLLMRequestMetrics, snapshot_families
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -213,6 +214,7 @@ class EngineStatsCollector(Collector):
                            str(getattr(kv, "host_blocks", 0)), str(getattr(s, "kv_cache_dtype", "auto")),
                            str(getattr(s, "enable_prefix_caching", True))], 1.0)
         yield config
+        yield from snapshot_families(self._model, s, kv)  # vllm:prompt_tokens_cached and by source
 
     def _spec_metrics(self, s: Any, counter, gauge) -> Iterator[Metric]:
         """Speculative decoding (vLLM's spec_decode metrics, pagedkv's names)."""
@@ -313,7 +315,8 @@ class EngineStatsCollector(Collector):
 class ServerMetrics:
     """The registry of one app: the engine collector plus the handlers' histograms and counters."""
 
-    def __init__(self, model_name: str, public_tenants: frozenset[str] = frozenset()) -> None:
+    def __init__(self, model_name: str, public_tenants: frozenset[str] = frozenset(),
+                 max_model_len: int | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.engine = EngineStatsCollector(model_name, public_tenants)
         self.registry.register(self.engine)
@@ -359,14 +362,20 @@ class ServerMetrics:
             "pagedkv_request_errors", "Requests answered with an error, by HTTP status.",
             ["model_name", "status"], registry=self.registry,
         )
+        # the same observations under vLLM's names and buckets (server/vllm_metrics.py)
+        self.vllm = VLLMRequestMetrics(self.registry, model_name, max_model_len)
+        self._max_model_len = max_model_len or 0
 
     def observe_request(self, *, ttft: float | None, e2e: float, num_output_tokens: int) -> None:
         if ttft is not None:
             self.time_to_first_token.labels(self._model).observe(ttft)
+            self.vllm.ttft.observe(ttft)
             if num_output_tokens > 1:
                 tpot = (e2e - ttft) / (num_output_tokens - 1)
                 self.time_per_output_token.labels(self._model).observe(tpot)
+                self.vllm.tpot.observe(tpot)
         self.e2e_latency.labels(self._model).observe(e2e)
+        self.vllm.e2e.observe(e2e)
 
     def observe_phases(self, times: dict[str, float], prompt_tokens: int, generation_tokens: int) -> None:
         """A finished request's phases from its engine timestamps (``RequestOutput.metrics``)."""
@@ -377,20 +386,33 @@ class ServerMetrics:
         for phase, (start, end) in spans.items():
             if start in times and end in times:
                 self.phases[phase].labels(self._model).observe(max(times[end] - times[start], 0.0))
+                self.vllm.phases[phase].observe(max(times[end] - times[start], 0.0))
         self.prompt_tokens.labels(self._model).observe(prompt_tokens)
         self.generation_tokens.labels(self._model).observe(generation_tokens)
+        self.vllm.prompt_tokens.observe(prompt_tokens)
+        self.vllm.generation_tokens.observe(generation_tokens)
+
+    def observe_finished(self, outputs: Any, n: int, max_tokens: int | None) -> None:
+        """Finished requests' parameters and counts under vLLM's names (vllm:request_params_n, ...)."""
+        self.vllm.observe_finished(outputs, n, max_tokens, self._max_model_len)
 
     def observe_inter_token(self, gaps: list[float]) -> None:
         child = self.inter_token_latency.labels(self._model)
         for gap in gaps:
             child.observe(gap)
+            self.vllm.inter_token.observe(gap)
+            self.vllm.tpot_legacy.observe(gap)
 
     def observe_iteration(self, num_tokens: int) -> None:
         """One engine step's token count (called on the engine thread; prometheus_client locks)."""
         self.iteration_tokens.labels(self._model).observe(num_tokens)
+        self.vllm.iteration_tokens.observe(num_tokens)
 
     def count_finish(self, reason: str | None) -> None:
         self.requests_finished.labels(self._model, reason or "abort").inc()
+        success = self.vllm.success.get(reason or "abort")
+        if success is not None:
+            success.inc()
 
     def count_first_miss(self, caller_reason: str, tenant: str) -> None:
         """A finished request's first prefix-cache miss, by the reason its caller may see."""
@@ -398,6 +420,8 @@ class ServerMetrics:
 
     def count_error(self, status: int) -> None:
         self.request_errors.labels(self._model, str(status)).inc()
+        if status == 429:  # the queue was full (--max-queue)
+            self.vllm.queue_full.inc()
 
     def render(self, stats: Any) -> bytes:
         """The exposition text for this engine snapshot (call on the event loop, not concurrently)."""

@@ -214,6 +214,7 @@ async def serve_generation(state: ServerState, request: Request, gen: Generation
         release()
         if not stream.aborted:  # the tenant as the engine counts it: the key's, else the salt, else default
             tracker.observe(state.metrics, gen.tenant if gen.tenant is not None else gen.cache_salt or DEFAULT_TENANT)
+            state.metrics.observe_finished(tracker.final.values(), gen.params.n, gen.params.max_tokens)
         note_generation(request.scope, prompt_tokens=sum(len(p.token_ids) for p in prompts),  # its log line
                         outputs=list(tracker.final.values()), first_token_at=min(tracker.first_token.values(),
                                                                                  default=None),
