@@ -140,10 +140,14 @@ def test_disable_log_requests_and_json_format(model_dir: Path) -> None:
         stop_server(proc)
 
 
-def test_json_request_lines(model_dir: Path) -> None:
-    """A request line in JSON carries its figures as fields (a log pipeline reads them)."""
-    proc, log, url = _serve(model_dir, "--log-format", "json", "--disable-log-stats")
+def test_json_request_lines_at_debug(model_dir: Path) -> None:
+    """A request line in JSON carries its figures as fields (a log pipeline reads them); debug
+    adds the probes' lines and client addresses."""
+    proc, log, url = _serve(model_dir, "--log-format", "json", "--disable-log-stats", "--log-level", "debug")
     try:
+        httpx.get(f"{url}/health", timeout=10)  # a probe: logged at debug only, with the client address
+        probe = json.loads(log.wait_for(lambda s: '"route": "/health"' in s))
+        assert probe["level"] == "DEBUG" and probe["status"] == 200 and probe["client"].startswith("127.0.0.1:")
         httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                       "max_tokens": 2}, timeout=30)
         line = json.loads(log.wait_for(lambda s: '"pagedkv.server.requests"' in s))
