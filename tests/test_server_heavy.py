@@ -57,7 +57,9 @@ class Server:
         assert after - before <= max(0.05 * before, 64 << 20), (before >> 20, after >> 20)
 
     def settled_rss(self) -> int:
-        """RSS once memory stops being handed back (trimming runs after a request ends)."""
+        """RSS once memory stops being handed back (trimming runs after a request ends, at most
+        once a second)."""
+        time.sleep(1.5)
         last = self.rss()
         for _ in range(20):
             time.sleep(0.25)

@@ -13,10 +13,11 @@ what arrived. So, per connection and per body:
       │        the whole body within body_timeout, or 408 and the connection closed
     response ─ keep-alive: uvicorn's keep_alive_timeout, then header_timeout again
 
-``max_connections`` is lowered to fit the process's open-file limit (after raising the soft
-limit to the hard one, as vLLM does), so connections alone never exhaust the descriptors; if
-something else does, ``accept`` failing is logged once per ``LOG_INTERVAL_S`` with a count, not
-once per attempt.
+``max_connections`` is lowered, and the listen backlog (how many connections asyncio accepts at
+once) sized, to fit the process's open-file limit after raising its soft value to the hard one,
+as vLLM does (``fd_budget``), so connections alone never exhaust the descriptors; if something
+else does, ``accept`` failing is logged once per ``LOG_INTERVAL_S`` with a count, not once per
+attempt.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ import asyncio
 import errno
 import json
 import logging
+import os
 import resource
 import time
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from starlette.requests import ClientDisconnect, Request
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -38,16 +40,24 @@ from pagedkv.server.protocol import APIError
 logger = logging.getLogger(__name__)
 
 LOG_INTERVAL_S = 10.0
-# Descriptors kept for everything but client connections: the listener, model and tier files,
-# the engine's and tokenizers' threads, ZMQ sockets, the self-pipe.
-_RESERVED_FDS = 128
+# Descriptors kept beyond those open at start and two accept bursts (asyncio accepts up to the
+# listen backlog at once, before any connection_made, and closes an evicted socket one loop turn
+# later): disk-tier files, ZMQ sockets, the odd log or cache file.
+_RESERVED_FDS = 32
 _FD_TARGET = 65536
+_MAX_BACKLOG = 2048  # uvicorn's default
 _FD_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
-def usable_connections(wanted: int) -> int:
-    """``wanted``, or fewer so that the open-file limit (its soft value raised towards the hard
-    one first) keeps ``_RESERVED_FDS`` descriptors for the rest of the process."""
+class FdBudget(NamedTuple):
+    max_connections: int
+    backlog: int  # the listen backlog, which is also how many connections asyncio accepts at once
+
+
+def fd_budget(wanted: int) -> FdBudget:
+    """``wanted`` connections, or fewer, and a listen backlog, so that connections never exhaust
+    the open-file limit: the limit's soft value is first raised towards the hard one (as vLLM
+    does), then what is open now, two accept bursts and ``_RESERVED_FDS`` are kept back."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = _FD_TARGET if hard == resource.RLIM_INFINITY else min(hard, _FD_TARGET)
     if soft != resource.RLIM_INFINITY and soft < target:
@@ -57,11 +67,17 @@ def usable_connections(wanted: int) -> int:
         except (ValueError, OSError):
             pass
     if soft == resource.RLIM_INFINITY:
-        return wanted
-    usable = max(soft - _RESERVED_FDS, 1)
+        return FdBudget(wanted, _MAX_BACKLOG)
+    backlog = max(16, min(_MAX_BACKLOG, soft // 8))
+    try:
+        open_now = len(os.listdir("/proc/self/fd"))
+    except OSError:  # no procfs: assume a loaded engine's share
+        open_now = 128
+    usable = max(soft - open_now - 2 * backlog - _RESERVED_FDS, 1)
     if usable < wanted:
-        logger.warning("max_connections lowered from %d to %d to fit the open-file limit (%d)", wanted, usable, soft)
-    return min(wanted, usable)
+        logger.warning("max_connections lowered from %d to %d to fit the open-file limit (%d, %d open)",
+                       wanted, usable, soft, open_now)
+    return FdBudget(min(wanted, usable), backlog)
 
 
 class RateLimitedLog:
@@ -131,10 +147,11 @@ class GuardedH11Protocol(H11Protocol):
     _partial: bool = False
 
     @classmethod
-    def bound_to(cls, limits: ConnectionLimits) -> type[GuardedH11Protocol]:
-        """A subclass for one server: its limits, and counters of its own."""
+    def bound_to(cls, limits: ConnectionLimits, max_connections: int) -> type[GuardedH11Protocol]:
+        """A subclass for one server: its limits (``max_connections``: ``limits``' or fewer, from
+        ``fd_budget``), and counters of its own."""
         return type("GuardedH11Protocol", (cls,), {"limits": limits, "refused": 0, "evicted": 0, "timed_out": 0,
-                                                   "max_connections": usable_connections(limits.max_connections)})
+                                                   "max_connections": max_connections})
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         if len(self.connections) >= self.max_connections and not self._make_room():

@@ -23,7 +23,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from pagedkv.server.connections import GuardedH11Protocol, RateLimitedLog, install_fd_exhaustion_handler
+from pagedkv.server.connections import GuardedH11Protocol, RateLimitedLog, fd_budget, install_fd_exhaustion_handler
 from pagedkv.server.serving import ServerState
 
 
@@ -31,8 +31,9 @@ def server_config(app: FastAPI, **options: Any) -> uvicorn.Config:
     """uvicorn's config for ``app`` with its connection limits (``create_app``'s
     ``connection_limits``); ``options`` go to ``uvicorn.Config`` (host, port, log_level, ...)."""
     limits = app.state.server.connection_limits
-    return uvicorn.Config(app, http=GuardedH11Protocol.bound_to(limits),
-                          timeout_keep_alive=limits.keep_alive_timeout, **options)
+    budget = fd_budget(limits.max_connections)
+    return uvicorn.Config(app, http=GuardedH11Protocol.bound_to(limits, budget.max_connections),
+                          timeout_keep_alive=limits.keep_alive_timeout, **{"backlog": budget.backlog, **options})
 
 
 class DrainingServer(uvicorn.Server):
