@@ -140,7 +140,7 @@ def _tokenizer_router(state: ServerState) -> APIRouter:
     router = APIRouter(dependencies=[Depends(_key_check(state))])
 
     @router.post("/tokenize")
-    async def tokenize(request: Request) -> dict[str, Any]:
+    async def tokenize(request: Request) -> Response:
         body = await read_json(request, state, TokenizeRequest)
         state.check_model(body.model)
         body.check()
