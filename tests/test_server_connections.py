@@ -239,8 +239,8 @@ def test_the_replay_socket_bounds_what_it_keeps_per_peer() -> None:
     ctx = zmq.Context()
     try:
         for i in range(2000):  # ~8 KB each: a 500-token prefill's blocks
-            publisher.publish([BlockStored([i.to_bytes(4, "big") + bytes(28)] * 32, None, list(range(70_000, 71_600)), 16,
-                                           "GPU")])
+            publisher.publish([BlockStored([i.to_bytes(4, "big") + bytes(28)] * 32, None,
+                                           list(range(70_000, 71_600)), 16, "GPU")])
         deadline = time.monotonic() + 60
         while publisher.published < 2000 and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -42,6 +42,8 @@ from pagedkv.server.responses import ResponseFormat, Usage
 
 # How often a non-streaming request checks whether its client is still there.
 _DISCONNECT_POLL_S = 0.5
+# A whole response body with fewer tokens and logprobs entries than this is built on the event loop.
+_INLINE_ENTRIES = 4096
 
 
 @dataclass(slots=True)
@@ -393,7 +395,17 @@ class _Rendering:
             watcher.cancel()
         if self.stream.aborted:
             raise APIError(499, "client disconnected", code="client_closed_request")
+        if self._entries() < _INLINE_ENTRIES:  # a small body: a thread hop would cost more than building it
+            return self._full_body()
         return await self.state.heavy.run(self._full_body)
+
+    def _entries(self) -> int:
+        """About how many tokens (each with its logprobs entries) the body will hold."""
+        outs = self.tracker.final.values()
+        tokens = sum(len(c.token_ids) for out in outs for c in out.outputs)
+        if self.gen.echo:
+            tokens += sum(self.n * len(out.prompt_token_ids) for out in outs)
+        return tokens * (2 + (self.gen.params.logprobs or 0)) if self.wants_logprobs else tokens
 
     def _full_body(self) -> bytes:
         choices = []
