@@ -104,7 +104,7 @@ def create_app(
     app.state.server = state
     app.state.tool_options = tool_options or ToolOptions()
     app.include_router(_api_router(state))
-    app.include_router(responses_router(Depends(_key_check(state))))  # /v1/responses, over chat
+    app.include_router(responses_router(Depends(_key_check(state)), read_body))  # /v1/responses, over chat
     app.include_router(_tokenizer_router(state))
     app.include_router(_ops_router(state))
     if runtime_updates_allowed(allow_lora_updates):  # LoRA load / unload (server/lora.py)
@@ -215,7 +215,7 @@ def _api_router(state: ServerState) -> APIRouter:
             stream=body.stream, include_usage=body.include_usage_in_stream, echo=body.echo,
             cache_salt=body.cache_salt, priority=body.priority, tenant=request.state.tenant,
             return_cache_details=body.return_cache_details, conversation_id=body.conversation_id,
-            pin_ttl_s=body.pin_ttl_s, lora=state.adapter_of(body.model), grammar_param=body.grammar_param,
+            pin_ttl_s=body.pin_ttl_s, grammar_param=body.grammar_param, lora=state.adapter_of(body.model),
         )
         if len(gen.prompts) * params.n > MAX_CHOICES:
             raise bad_request(f"at most {MAX_CHOICES} choices (prompts times n) per request", param="n")
@@ -248,7 +248,7 @@ def _api_router(state: ServerState) -> APIRouter:
             stream=body.stream, include_usage=body.include_usage_in_stream,
             cache_salt=body.cache_salt, priority=body.priority, tenant=request.state.tenant,
             return_cache_details=body.return_cache_details, conversation_id=body.conversation_id,
-            pin_ttl_s=body.pin_ttl_s, lora=state.adapter_of(body.model), grammar_param=body.grammar_param,
+            pin_ttl_s=body.pin_ttl_s, grammar_param=body.grammar_param, lora=state.adapter_of(body.model),
         )
         return await serve_generation(state, request, gen)
 

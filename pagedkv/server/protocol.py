@@ -20,36 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, Val
 
 from pagedkv.engine.grammar_worker import excerpt
 from pagedkv.sampling_params import SamplingParams, StructuredOutput
+from pagedkv.server.errors import APIError, bad_request
 from pagedkv.server.limits import MAX_CHOICES
-
-
-class APIError(Exception):
-    """An error returned to the client in OpenAI's format."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
 
 
 class _Body(BaseModel):

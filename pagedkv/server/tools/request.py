@@ -30,7 +30,7 @@ from functools import lru_cache
 from typing import Any
 
 from pagedkv.sampling_params import StructuredOutput
-from pagedkv.server.protocol import APIError, bad_request
+from pagedkv.server.errors import APIError, bad_request
 from pagedkv.server.tools.parsers import ToolParser, tool_parser
 from pagedkv.server.tools.reasoning import ReasoningParser, reasoning_parser
 

@@ -19,13 +19,13 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pagedkv.server.protocol import APIError, bad_request
+from pagedkv.server.errors import APIError, bad_request
 
 Json = dict[str, Any]
 
@@ -44,14 +44,13 @@ _PASSED = ("model", "temperature", "top_p", "user", "parallel_tool_calls", "seed
            "priority", "chat_template_kwargs", "conversation_id", "pin_ttl_s")
 
 
-def responses_router(key_check: Any) -> APIRouter:
-    """The ``/v1/responses`` route (behind ``key_check``, the API-key dependency)."""
+def responses_router(key_check: Any, read_body: Callable[[Request, int], Awaitable[bytes]]) -> APIRouter:
+    """The ``/v1/responses`` route (behind ``key_check``, the API-key dependency); ``read_body`` is
+    the server's bounded body reader (app.py's, with its size, time and upload limits)."""
     router = APIRouter(prefix="/v1", dependencies=[key_check])
 
     @router.post("/responses")
     async def create_response(request: Request) -> Response:
-        from pagedkv.server.app import read_body  # (app imports this module)
-
         state = request.app.state.server
         raw = await read_body(request, state.limits.max_request_bytes)
         try:
