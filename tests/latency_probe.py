@@ -11,6 +11,15 @@ from typing import Any
 import httpx
 
 
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process ``pid`` (Linux)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
 class HealthProbe:
     """GET /health every ``interval`` seconds until stopped; ``latencies`` (seconds each, a
     failure counted as infinite) say whether the event loop answered throughout."""

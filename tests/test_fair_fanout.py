@@ -176,7 +176,7 @@ def test_fan_out_with_a_full_vocabulary_bias_beside_a_newcomer_on_the_default_mo
     import threading
     import time
 
-    from latency_probe import HealthProbe, StreamProbe
+    from latency_probe import HealthProbe, StreamProbe, rss_bytes
     from server_helpers import free_port, spawn_server, stop_server
 
     port = free_port()
@@ -194,6 +194,9 @@ def test_fan_out_with_a_full_vocabulary_bias_beside_a_newcomer_on_the_default_mo
                     "temperature": 1.0, "seed": 3})
                 answer["status"], answer["at"], answer["body"] = r.status_code, time.monotonic(), r.json()
 
+            warm = StreamProbe(base, {"prompt": "Hello", "max_tokens": 4, "temperature": 0}).start()
+            warm.finished.wait(60)
+            rss_before = rss_bytes(proc.pid)
             heavy = threading.Thread(target=fan_out, daemon=True)
             started = time.monotonic()
             heavy.start()
@@ -202,13 +205,17 @@ def test_fan_out_with_a_full_vocabulary_bias_beside_a_newcomer_on_the_default_mo
                                           "ignore_eos": True, "temperature": 0}).start()
             newcomer.finished.wait(120)
             heavy.join(240)
+            time.sleep(1)
+            rss_after = rss_bytes(proc.pid)
         body = answer.get("body") or {}
         print(f"fan-out answered in {float(answer.get('at', 0.0)) - started:.1f} s; newcomer TTFT "  # type: ignore[arg-type]
-              f"{newcomer.ttft:.2f} s, longest gap {newcomer.worst_gap():.2f} s; /health worst {health.worst:.2f} s")
+              f"{newcomer.ttft:.2f} s, longest gap {newcomer.worst_gap():.2f} s; /health worst {health.worst:.2f} s; "
+              f"RSS {rss_before >> 20} -> {rss_after >> 20} MiB")
         assert answer.get("status") == 200, body
         assert len(body["choices"]) == 128  # type: ignore[index]
         assert newcomer.ttft <= 15.0, newcomer.error
         assert newcomer.worst_gap() <= 5.0
         assert health.worst <= 1.0
+        assert rss_after <= 1.05 * rss_before
     finally:
         stop_server(proc)

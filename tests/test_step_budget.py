@@ -13,6 +13,7 @@ from pagedkv.engine.scheduler import Scheduler, SchedulerConfig, StepResult
 from pagedkv.engine.sequence import Sequence, SequenceGroup
 from pagedkv.engine.step_cost import (
     FEATURES,
+    GROWTH,
     PREFILL_FLOOR,
     WAITING_SHARE,
     StepCostModel,
@@ -130,8 +131,8 @@ def _step(sched: Scheduler):
 
 
 def _scheduler(seconds: float | None, *, max_num_seqs: int = 64, blocks: int = 1024) -> Scheduler:
-    kv = KVCacheManager(blocks, B)
-    return Scheduler(SchedulerConfig(max_num_seqs, 2048, "recompute"), kv, StepCostModel(COEF, seconds))
+    kv = KVCacheManager(blocks, B)  # (a known model: no exploring growth of the chunks)
+    return Scheduler(SchedulerConfig(max_num_seqs, 2048, "recompute"), kv, StepCostModel(COEF, seconds, growth=None))
 
 
 def _chunk_of(out, rid: str) -> int:
@@ -237,7 +238,7 @@ def test_a_long_prompt_beside_streams_on_the_default_model() -> None:
     import threading
 
     import httpx
-    from latency_probe import HealthProbe, StreamProbe
+    from latency_probe import HealthProbe, StreamProbe, rss_bytes
     from server_helpers import free_port, spawn_server, stop_server
 
     port = free_port()
@@ -250,6 +251,7 @@ def test_a_long_prompt_beside_streams_on_the_default_model() -> None:
             victim = StreamProbe(base, story).start()
             victim.wait_tokens(3, timeout=60)
             assert len(victim.times) >= 3, victim.error
+            rss_before = rss_bytes(proc.pid)
             ids = [random.Random(0).randrange(100, 40000) for _ in range(LONG_PROMPT_TOKENS)]
             answer: dict[str, object] = {}
 
@@ -266,13 +268,16 @@ def test_a_long_prompt_beside_streams_on_the_default_model() -> None:
             assert answer.get("status") == 200, answer
             newcomer.finished.wait(60)
             victim.stop()
+            time.sleep(1)
+            rss_after = rss_bytes(proc.pid)
         gap = victim.worst_gap(since=started, until=float(answer["at"]))  # type: ignore[arg-type]
         print(f"long prompt answered in {float(answer['at']) - started:.1f} s; victim's longest gap "  # type: ignore[arg-type]
               f"{gap:.2f} s over {len(victim.times)} tokens; newcomer TTFT {newcomer.ttft:.2f} s; "
-              f"/health worst {health.worst:.2f} s")
+              f"/health worst {health.worst:.2f} s; RSS {rss_before >> 20} -> {rss_after >> 20} MiB")
         assert gap <= 5.0
         assert newcomer.ttft <= 10.0, newcomer.error
         assert health.worst <= 1.0
+        assert rss_after <= 1.05 * rss_before
     finally:
         stop_server(proc)
 
@@ -281,8 +286,9 @@ def test_a_long_prompt_beside_streams_on_the_default_model() -> None:
 @pytest.mark.timeout(300)
 def test_the_estimate_tracks_measured_steps_on_the_default_model() -> None:
     """Every step's estimate, made before the step is observed, against its measured time: a
-    stream beside prompts of 200 to 1,200 tokens (chunks from position 0 to ~1,200, decodes).
-    After ten steps of fitting, the median ratio is within 1.5x and nine steps in ten within 2x."""
+    stream beside prompts of 300 to 1,500 tokens (chunks from position 0 to ~1,500, decodes).
+    After ten steps of fitting, the median ratio is within 1.5x and four steps in five within 2x
+    (a step a busy machine slows down is a miss too)."""
     from pagedkv.engine import LLMEngine
 
     engine = LLMEngine.from_options()
@@ -298,7 +304,7 @@ def test_the_estimate_tracks_measured_steps_on_the_default_model() -> None:
     rng = random.Random(1)
     engine.add_request("s", "Tell me about the sea.", SamplingParams(max_tokens=4000, ignore_eos=True,
                                                                      temperature=0))
-    for k, n in enumerate([200, 600, 1200, 300]):
+    for k, n in enumerate([300, 900, 1500, 400]):
         engine.add_request(f"p{k}", [rng.randrange(100, 40000) for _ in range(n)],
                            SamplingParams(max_tokens=3, ignore_eos=True, temperature=0))
         while f"p{k}" in engine.scheduler.groups:
@@ -309,5 +315,27 @@ def test_the_estimate_tracks_measured_steps_on_the_default_model() -> None:
     print(f"{len(ratios)} steps: measured/estimated from {ratios[0]:.2f} to {ratios[-1]:.2f}, "
           f"median {ratios[len(ratios) // 2]:.2f}; fit {model.as_dict()}")
     assert 1 / 1.5 <= ratios[len(ratios) // 2] <= 1.5
-    assert sum(1 for r in ratios if 0.5 <= r <= 2.0) >= 0.9 * len(ratios)
+    assert len(ratios) >= 15 and sum(1 for r in ratios if 0.5 <= r <= 2.0) >= 0.8 * len(ratios)
     engine.close()
+
+
+def test_chunks_grow_geometrically_past_what_was_measured() -> None:
+    """A new engine whose prior is 10x too optimistic: a chunk beyond a small share of the budget
+    asks at most GROWTH times what was measured, so no step's true time passes twice the budget
+    while the fit learns; without that guard the first chunk alone takes 8x the budget."""
+    truth = StepCostModel(COEF)
+
+    def first_steps(growth: float | None) -> list[float]:
+        model = StepCostModel(tuple(c / 10 for c in COEF), 0.5, growth=growth)
+        sched = Scheduler(SchedulerConfig(64, 2048, "recompute"), KVCacheManager(1024, B), model)
+        sched.add(_group("long", [7 + i % 50 for i in range(8000)], 0))
+        seconds = []
+        for _ in range(8):
+            out = _step(sched)
+            seconds.append(truth.estimate(out.work))
+            model.observe(out.work, seconds[-1])
+        return seconds
+
+    guarded = first_steps(GROWTH)
+    assert max(guarded) <= 2 * 0.5 and min(guarded[3:]) > 0.25  # bounded, and soon near the budget
+    assert first_steps(None)[0] > 8 * 0.5

@@ -34,7 +34,7 @@ class EngineConfig:
     evicted from the device; ``swap_space`` is its deprecated alias (give one of the two).
     ``kv_offload_dir`` adds the disk tier below it (a directory of checksummed block files that
     survives restarts; see docs/kv_tiers.md) of ``kv_offload_disk_size`` (default 20GiB).
-    ``max_step_time_s`` (default 2.0; 0: off) budgets each step in seconds besides the
+    ``max_step_time_s`` (default 1.5; 0: off) budgets each step in seconds besides the
     ``max_num_batched_tokens`` tokens: the scheduler sizes prefill chunks by the step-time estimate
     (``engine/step_cost.py``, fitted to measured steps), so streams beside a long prompt keep their
     inter-token gaps near it.
@@ -103,7 +103,7 @@ class EngineConfig:
     kv_offload_disk_size: str | int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    max_step_time_s: float = 2.0
+    max_step_time_s: float = 1.5
     max_model_len: int | None = None
     preemption_mode: str = "auto"
     eviction_policy: str = "lru"

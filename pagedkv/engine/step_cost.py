@@ -15,6 +15,10 @@ Why not tokens alone: attention grows with the context a chunk attends to, so a 
 at position 7,000 costs several times one at position 0; a token budget that is right for short
 prompts freezes every stream beside a long one (issue 27: a 42.7 s gap). Planning by seconds
 makes the chunks of a long prompt shrink as it grows, and counts a fan-out request's rows.
+A chunk estimated at more than ``TRUSTED_SHARE`` of the budget never asks more than ``GROWTH``
+times the tokens and attended pairs of the largest step measured so far: on a new engine, or
+past anything it has run, long chunks grow geometrically while the fit learns, instead of
+betting a whole step on an extrapolation.
 
 The prior comes from the model's shape (FLOPs per token, per attended pair, per LM-head row) at a
 deliberately low CPU rate, so that an engine's first chunks err small; the overhead includes
@@ -37,6 +41,9 @@ FEATURES = ("overhead", "tokens", "attended", "rows", "processed")
 REFIT_EVERY = 4          # observations between two refits
 PREFILL_FLOOR = 0.25     # share of the step budget one prefill chunk may always take (progress)
 WAITING_SHARE = 0.5      # share of the budget running prefills leave to a waiting request
+GROWTH = 2.0             # a chunk may ask this many times the largest work measured so far
+EXPLORE_TOKENS = 32      # ... and at least this many tokens (a new engine's first chunks)
+TRUSTED_SHARE = 0.1      # ... unless its estimate is under this share of the step budget
 # The prior's rates: low on purpose (first chunks err small); measured steps replace them.
 _WEIGHT_FLOPS_PER_S = 2e10
 _ATTENTION_FLOPS_PER_S = 5e9
@@ -91,7 +98,7 @@ class StepCostModel:
     the observed steps (each estimated before it was observed); ``as_dict()`` reports it."""
 
     def __init__(self, prior: tuple[float, ...], max_step_time_s: float | None = None, *,
-                 forgetting: float = 0.95, ridge: float = 0.05) -> None:
+                 forgetting: float = 0.95, ridge: float = 0.05, growth: float | None = GROWTH) -> None:
         if len(prior) != len(FEATURES) or not all(p > 0 for p in prior):
             raise ValueError(f"prior must be {len(FEATURES)} positive seconds per unit, got {prior!r}")
         self.max_step_time_s = max_step_time_s or None  # EngineConfig's (0: no time limit)
@@ -103,6 +110,10 @@ class StepCostModel:
         self._A = [[0.0] * k for _ in range(k)]  # sum of r r^T, r = prior-scaled features / seconds
         self._b = [0.0] * k                     # sum of r
         self.observed = 0
+        # the largest work measured so far: a chunk may ask ``growth`` times as much, no more
+        self.growth = growth
+        self.max_tokens_seen = 0
+        self.max_attended_seen = 0
         self._error_sum = 0.0
 
     @classmethod
@@ -125,6 +136,20 @@ class StepCostModel:
         c = self.coef
         return (c[1] * num_tokens + c[2] * (num_tokens * start + num_tokens * (num_tokens + 1) / 2)
                 + c[3] * rows + c[4] * processed)
+
+    def explored_tokens(self, start: int) -> int:
+        """The most tokens a chunk from ``start`` may hold without asking more than ``growth``
+        times the tokens and attended pairs of any step measured so far (at least EXPLORE_TOKENS
+        tokens): the fit is trusted near what it has seen, and a long prompt's first chunks on a
+        new engine grow geometrically instead of betting a whole step on the prior."""
+        if self.growth is None:
+            return 1 << 30
+        tokens = max(EXPLORE_TOKENS, int(self.growth * self.max_tokens_seen))
+        pairs = max(EXPLORE_TOKENS * (EXPLORE_TOKENS + 1) // 2, self.growth * self.max_attended_seen)
+        # the largest n with n * start + n (n + 1) / 2 <= pairs
+        b = start + 0.5
+        by_pairs = int(math.sqrt(b * b + 2 * pairs) - b)
+        return max(1, min(tokens, by_pairs))
 
     def max_tokens(self, start: int, seconds: float, rows: int = 0, processed: int = 0) -> int:
         """The most tokens a chunk from ``start`` may hold to add at most ``seconds`` (0 when
@@ -152,6 +177,8 @@ class StepCostModel:
                 row[j] = lam * row[j] + ri * rj
             b[i] = lam * b[i] + ri
         self.observed += 1
+        self.max_tokens_seen = max(self.max_tokens_seen, work.tokens)
+        self.max_attended_seen = max(self.max_attended_seen, work.attended)
         if self.observed <= REFIT_EVERY or self.observed % REFIT_EVERY == 0:
             self._refit()
 
@@ -223,7 +250,12 @@ class StepBudget:
         n = model.max_tokens(start, self.left - reserve, rows, processed)
         if floor and not self._floor_taken:
             n = max(n, model.max_tokens(start, PREFILL_FLOOR * self.seconds, rows, processed), 1)
-        return min(wanted, n)
+        n = min(wanted, n)
+        if n > 0 and model.chunk_seconds(start, n, rows, processed) > TRUSTED_SHARE * self.seconds:
+            # beyond what was measured only as far as a small share of the step risks
+            n = min(n, max(model.explored_tokens(start),
+                           model.max_tokens(start, TRUSTED_SHARE * self.seconds, rows, processed)))
+        return n
 
 
 def _solve(M: list[list[float]]) -> list[float] | None:
