@@ -14,7 +14,6 @@ from pagedkv.engine.sequence import Sequence, SequenceGroup
 from pagedkv.engine.step_cost import (
     FEATURES,
     GROWTH,
-    PREFILL_FLOOR,
     WAITING_SHARE,
     StepCostModel,
     StepWork,
@@ -141,8 +140,8 @@ def _chunk_of(out, rid: str) -> int:
 
 def test_a_long_prompt_is_chunked_by_seconds_beside_a_stream() -> None:
     """An 8,000-token prompt beside a decoding stream: the stream decodes every step, each
-    step's estimate stays within the budget, and the chunks shrink as the context grows (the
-    token budget alone would take 2,048 tokens a step whatever the context)."""
+    step's estimate stays within the budget (plus the stream's decode row), and the chunks shrink
+    as the context grows (the token budget alone takes 2,048 tokens a step whatever the context)."""
     budget = 0.5
     sched = _scheduler(budget)
     sched.add(_group("victim", list(range(3, 20)), 0))
@@ -152,7 +151,7 @@ def test_a_long_prompt_is_chunked_by_seconds_beside_a_stream() -> None:
     while sched.kv.num_computed("long#0") < 8000 if "long#0" in sched.kv else True:
         out = _step(sched)
         assert _chunk_of(out, "victim") == 1  # the stream never misses a step
-        assert sched.costs.estimate(out.work) <= budget * 1.001
+        assert sched.costs.estimate(out.work) <= budget + 0.01
         chunks.append(_chunk_of(out, "long"))
         if sched.groups["long"].seqs[0].num_tokens > 8000:
             break
@@ -181,17 +180,18 @@ def test_a_newcomer_is_admitted_beside_a_long_prefill() -> None:
     long_chunk = _chunk_of(out, "long")
     start = sched.kv.num_computed("long#0") - long_chunk
     assert 0 < sched.costs.chunk_seconds(start, long_chunk) <= (1 - WAITING_SHARE) * budget
-    # a newcomer of a lower priority (a higher value): the prefill ahead of it takes the step,
-    # less the decode row planned after it
+    # a newcomer of a lower priority (a higher value): the prefill ahead of it takes the step
     sched.add(_group("low", list(range(3, 40)), 2, priority=5))
     for _ in range(3):
         out = _step(sched)
         assert _chunk_of(out, "new") == 1 and _chunk_of(out, "low") == 0
-        assert budget * 0.98 <= sched.costs.estimate(out.work) <= budget * 1.001
+        assert budget * 0.98 <= sched.costs.estimate(out.work) <= budget + 0.01
 
 
-def test_a_long_prompt_progresses_beside_many_decodes() -> None:
-    """Decodes alone fill the step: a prefill still gets PREFILL_FLOOR of the budget."""
+def test_decodes_do_not_spend_the_prefill_budget() -> None:
+    """30 streams whose decodes alone exceed the budget: a long prompt beside them still gets the
+    whole budget (a stream waits for every stream's decode anyway; charging them would only slow
+    admissions beside a full batch)."""
     budget = 0.05
     sched = _scheduler(budget)
     for i in range(30):
@@ -202,8 +202,8 @@ def test_a_long_prompt_progresses_beside_many_decodes() -> None:
     assert sched.costs.estimate(_step(sched).work) > budget
     sched.add(_group("long", [7 + i % 50 for i in range(3000)], 99))
     out = _step(sched)
-    chunk = _chunk_of(out, "long")  # admitted with the floor
-    assert chunk == StepCostModel(COEF).max_tokens(0, PREFILL_FLOOR * budget)
+    chunk = _chunk_of(out, "long")
+    assert chunk == StepCostModel(COEF).max_tokens(0, budget - COEF[0]) > 0
     assert all(_chunk_of(out, f"d{i}") == 1 for i in range(30))
 
 

@@ -20,14 +20,14 @@ Every step the scheduler builds a plan (``SchedulerOutput``) under a token budge
    With a disk tier, a waiting request whose cached prefix continues on disk waits until those
    blocks are read (``KVCacheManager.prefetch``) while running requests keep decoding.
 
-Each step also has a budget of seconds (``EngineConfig.max_step_time_s``), spent by the step-time
-estimate of ``engine/step_cost.py`` (fitted to measured steps): attention grows with the context a
-chunk attends to, so a long prompt is prefilled in chunks that shrink as it grows and the streams
-beside it keep their inter-token gaps near the budget. Decode rows always run and are charged; a
-prefill chunk takes what is left, the step's first at least a floor (a long prompt progresses
-beside any number of decodes), and running prefills leave a share to the first waiting request
-(unless it sorts after them) so a newcomer's prefill starts within a step or two. A request's
-rows count: its n forks sampled at once, and the penalties or logit_bias they process.
+Each step also has a budget of prefill seconds (``EngineConfig.max_step_time_s``), spent by the
+step-time estimate of ``engine/step_cost.py`` (fitted to measured steps): attention grows with the
+context a chunk attends to, so a long prompt is prefilled in chunks that shrink as it grows and
+the streams beside it keep their inter-token gaps near the budget (plus the batch's decodes,
+which always run). Running prefills leave a share to the first waiting request (unless it sorts
+after them) so a newcomer's prefill starts within a step or two. A chunk that completes a
+prompt counts its rows: the n forks sampled at once, and the penalties or logit_bias they
+process.
 
 Fan-out: a step computes at most ``max_num_seqs`` rows. A request with more live sequences than
 its share of them takes turns among them (the least advanced first), and it holds at most half
@@ -199,17 +199,11 @@ class Scheduler:
             not self.running or self.num_running_seats + self._seats(self.waiting[0].width)
             <= self.config.max_num_seqs) else None
 
-        # a prefill leaves the seconds of the decode rows planned after it (they always run)
-        decodes = self._decode_seconds(caps) if seconds.seconds is not None else {}
-        later = sum(decodes.values())
-
         i = 0
         while i < len(self.running) and budget > 0:
             group = self.running[i]
-            later -= decodes.get(id(group), 0.0)
             share = seconds.reserve() if newcomer is not None and newcomer.priority <= group.priority else 0.0
-            plan = self._schedule_running(group, budget, swap_out, preempted, seconds, caps, later + share,
-                                          not share)
+            plan = self._schedule_running(group, budget, swap_out, preempted, seconds, caps, share, not share)
             if plan is None:  # preempted itself
                 continue
             entries, pairs = plan
@@ -279,7 +273,7 @@ class Scheduler:
         seqs = group.live_seqs
         if len(seqs) > 1 and not group.beam_width:  # forks take turns: the least advanced first
             seqs = sorted(seqs, key=lambda s: s.num_tokens)[:caps.get(id(group), len(seqs)) if caps else None]
-        for k, seq in enumerate(seqs):
+        for seq in seqs:
             if budget <= 0:
                 break
             computed = self.kv.num_computed(seq.seq_id)
@@ -291,8 +285,6 @@ class Scheduler:
                                   floor=floor)
                 if n <= 0:
                     continue
-            elif k > 0 and not seconds.affords(computed, 1, *_sampled_rows(group, seq, computed, 1), reserve):
-                break  # the other forks' turn comes in the next steps
             proposal = seq.live_proposal[:budget - 1] if n == 1 and seq.seq_id in self.kv else ()
             if proposal:
                 # Speculation takes free blocks only: it never preempts or waits for them.
@@ -303,7 +295,7 @@ class Scheduler:
                 else:
                     entries.append(ScheduledSeq(group, seq, computed, 1 + len(proposal), proposal))
                     seconds.charge(computed, 1 + len(proposal), 1 + len(proposal),
-                                   (1 + len(proposal)) * _processes(group))
+                                   (1 + len(proposal)) * _processes(group), prefill=False)
                     budget -= 1 + len(proposal)
                     continue
             if seq.seq_id not in self.kv:
@@ -338,20 +330,6 @@ class Scheduler:
             seconds.charge(computed, n, *_sampled_rows(group, seq, computed, n))
             budget -= n
         return entries, pairs
-
-    def _decode_seconds(self, caps: dict[int, int] | None) -> dict[int, float]:
-        """The estimated seconds of each running request's decode rows this step (by ``id``)."""
-        kv, model, out = self.kv, self.costs, {}
-        for group in self.running:
-            total, rows = 0.0, caps.get(id(group), 1 << 30) if caps else 1 << 30
-            processed = _processes(group)
-            for seq in group.live_seqs[:rows]:
-                computed = kv.num_computed(seq.seq_id)
-                if seq.num_tokens - computed == 1:
-                    total += model.chunk_seconds(computed, 1, 1, processed)
-            if total:
-                out[id(group)] = total
-        return out
 
     def _row_caps(self) -> dict[int, int] | None:
         """Rows each running request may compute this step (by ``id``), when their live sequences

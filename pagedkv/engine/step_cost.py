@@ -211,10 +211,11 @@ class StepCostModel:
 
 
 class StepBudget:
-    """One step's seconds as the scheduler spends them (``seconds`` None: no time limit, only the
-    token budget). Decode rows always run and are charged; a prefill chunk takes what is left
-    (less a ``reserve`` for a waiting request), and the step's first one at least
-    ``PREFILL_FLOOR`` of the budget, so a long prompt progresses beside any number of decodes."""
+    """One step's seconds of prefill as the scheduler spends them (``seconds`` None: no time
+    limit, only the token budget). Decode rows always run and are not charged to it (a stream
+    waits for the decodes of every stream anyway; charging them would only slow admissions
+    beside a full batch); prefill chunks take what is left (less a ``reserve`` for a waiting
+    request), the step's first at least ``PREFILL_FLOOR`` of the budget."""
 
     def __init__(self, model: StepCostModel, seconds: float | None) -> None:
         self.model = model
@@ -223,16 +224,16 @@ class StepBudget:
         self.work = StepWork()
         self._floor_taken = False
 
-    def charge(self, start: int, num_tokens: int, rows: int = 0, processed: int = 0) -> None:
+    def charge(self, start: int, num_tokens: int, rows: int = 0, processed: int = 0, *,
+               prefill: bool | None = None) -> None:
+        """Count a chunk in the step's work; a prefill chunk (default: more than one token) also
+        spends the budget, a decode row (or a speculating decode) only counts for the fit."""
         self.work.add(start, num_tokens, rows, processed)
-        if num_tokens > 1:
-            self._floor_taken = True
+        if not (num_tokens > 1 if prefill is None else prefill):
+            return
+        self._floor_taken = True
         if self.seconds is not None:
             self.left -= self.model.chunk_seconds(start, num_tokens, rows, processed)
-
-    def affords(self, start: int, num_tokens: int, rows: int = 0, processed: int = 0, reserve: float = 0.0) -> bool:
-        return self.seconds is None or \
-            self.model.chunk_seconds(start, num_tokens, rows, processed) <= self.left - reserve
 
     def reserve(self) -> float:
         """The seconds running prefills leave to a waiting request."""
