@@ -21,24 +21,27 @@ def rss_bytes(pid: int) -> int:
 
 
 class HealthProbe:
-    """GET /health every ``interval`` seconds until stopped; ``latencies`` (seconds each, a
-    failure counted as infinite) say whether the event loop answered throughout."""
+    """GET each of ``paths`` (default /health) every ``interval`` seconds until stopped;
+    ``latencies`` (seconds each, a failure or a status other than 200 counted as infinite) say
+    whether the event loop answered throughout."""
 
-    def __init__(self, base: str, interval: float = 0.25) -> None:
-        self.base, self.interval = base, interval
+    def __init__(self, base: str, interval: float = 0.25, paths: tuple[str, ...] = ("/health",),
+                 headers: dict[str, str] | None = None) -> None:
+        self.base, self.interval, self.paths, self.headers = base, interval, paths, headers or {}
         self.latencies: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        with httpx.Client(timeout=5.0) as client:
+        with httpx.Client(timeout=10.0, headers=self.headers) as client:
             while not self._stop.is_set():
-                start = time.monotonic()
-                try:
-                    ok = client.get(f"{self.base}/health").status_code == 200
-                except httpx.HTTPError:
-                    ok = False
-                self.latencies.append(time.monotonic() - start if ok else float("inf"))
+                for path in self.paths:
+                    start = time.monotonic()
+                    try:
+                        ok = client.get(f"{self.base}{path}").status_code == 200
+                    except httpx.HTTPError:
+                        ok = False
+                    self.latencies.append(time.monotonic() - start if ok else float("inf"))
                 self._stop.wait(self.interval)
 
     def __enter__(self) -> HealthProbe:
@@ -52,6 +55,11 @@ class HealthProbe:
     @property
     def worst(self) -> float:
         return max(self.latencies, default=0.0)
+
+    def assert_answered_within(self, seconds: float) -> None:
+        """Every probe answered 200 within ``seconds`` (and there was at least one)."""
+        assert self.latencies, "no probe was answered"
+        assert self.worst <= seconds, f"a probe of {self.paths} took {self.worst:.2f} s (inf: failed)"
 
 
 class StreamProbe:

@@ -14,7 +14,7 @@ from server_helpers import ServerThread, tiny_engine
 from tiny_model import write_tiny_model
 
 from pagedkv.engine import sampler as sampler_module
-from pagedkv.engine.sampler import SampleRow, Sampler, apply_penalties, logit_bias_vector
+from pagedkv.engine.sampler import SampleRow, apply_penalties, logit_bias_vector
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.server.limits import RequestLimits
 

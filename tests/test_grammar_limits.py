@@ -15,7 +15,6 @@ beside it (time to first token <= 10 s, longest inter-token gap <= 5 s, default 
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -25,19 +24,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from latency_probe import HealthProbe, rss_bytes
 from server_helpers import ServerThread, free_port, spawn_server, stop_server, tiny_engine
 from tiny_model import write_tiny_model
 
 pytestmark = pytest.mark.timeout(240)
 
 SMALL_ERROR = 1000  # bytes: the most any error body here may take (the inputs are megabytes)
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 def settled_rss(pid: int) -> int:
@@ -88,22 +81,11 @@ def watched(url: str, rss_pid: int | None = None) -> Iterator[None]:
     10 s and no gap between its tokens exceeded 5 s, and (given ``rss_pid``) that process's RSS
     is within 5% of before."""
     before = settled_rss(rss_pid) if rss_pid is not None else 0
-    health: list[tuple[int, float]] = []
+    health = HealthProbe(url, interval=0.1)
     ttfts: list[float] = []
     gaps: list[float] = []
     errors: list[BaseException] = []
     stop = threading.Event()
-
-    def poll() -> None:
-        with httpx.Client(timeout=10) as c:
-            while not stop.is_set():
-                t0 = time.monotonic()
-                try:
-                    status = c.get(url + "/health").status_code
-                except httpx.HTTPError:
-                    status = -1
-                health.append((status, time.monotonic() - t0))
-                time.sleep(0.1)
 
     def victims() -> None:
         body = {"model": "tiny", "prompt": "the victim streams", "max_tokens": 200, "ignore_eos": True,
@@ -123,21 +105,19 @@ def watched(url: str, rss_pid: int | None = None) -> Iterator[None]:
                 errors.append(exc)
                 return
 
-    threads = [threading.Thread(target=poll), threading.Thread(target=victims)]
-    for t in threads:
-        t.start()
-    time.sleep(0.5)
-    try:
-        yield
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(90)
+    victim = threading.Thread(target=victims)
+    with health:
+        victim.start()
+        time.sleep(0.5)
+        try:
+            yield
+        finally:
+            stop.set()
+            victim.join(90)
     assert not errors, errors
     assert ttfts and max(ttfts) <= 10, ttfts
     assert max(gaps, default=0) <= 5, max(gaps)
-    assert health and all(status == 200 and took <= 1.0 for status, took in health), \
-        [h for h in health if h[0] != 200 or h[1] > 1.0]
+    health.assert_answered_within(1.0)
     if rss_pid is not None:
         after = settled_rss(rss_pid)
         assert after <= before * 1.05, (before >> 20, after >> 20)

@@ -10,7 +10,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from conftest_models import hf_greedy, hf_logits, load_hf_reference, make_hf_checkpoint
 from lora_helpers import make_adapter
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from latency_probe import rss_bytes
 from server_helpers import free_port, spawn_server, stop_server
 from tiny_model import write_tiny_model
 
@@ -36,13 +37,6 @@ HEADER_TIMEOUT = 3.0
 BODY_TIMEOUT = 8.0
 MAX_UPLOADS = 4
 MAX_CONNECTIONS = 700
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 @pytest.fixture(scope="module", autouse=True)

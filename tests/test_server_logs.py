@@ -40,7 +40,7 @@ class _Log:
             if found:
                 return found[-1]
             time.sleep(0.05)
-        raise AssertionError(f"no such log line; the log:\n" + "\n".join(self.lines[-40:]))
+        raise AssertionError("no such log line; the log:\n" + "\n".join(self.lines[-40:]))
 
     def snapshot(self) -> list[str]:
         with self._lock:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from pagedkv.engine.grammar_worker import excerpt, read_frame, write_frame
+from pagedkv.engine.grammar_worker import excerpt, write_frame
 from pagedkv.sampling_params import StructuredOutput
 
 logger = logging.getLogger(__name__)

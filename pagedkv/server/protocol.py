@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, Val
 
 from pagedkv.engine.grammar_worker import excerpt
 from pagedkv.sampling_params import SamplingParams, StructuredOutput
-from pagedkv.server.errors import APIError, bad_request
+from pagedkv.server.errors import APIError as APIError  # re-exported: the routes raise it from here
+from pagedkv.server.errors import bad_request
 from pagedkv.server.limits import MAX_CHOICES
 
 

@@ -76,7 +76,7 @@ class ReasoningStream:
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> tuple[str, str]:
-        reasoning = content = ""
+        reasoning = ""
         if self.state == "start":
             body = self.text.lstrip()
             if body.startswith(START):
