@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -60,6 +61,11 @@ def scrape(tmp_path_factory: pytest.TempPathFactory) -> str:
         for body in ({"prompt": "hello there", "max_tokens": 6}, {"prompt": "hello there", "max_tokens": 3, "n": 2},
                      {"prompt": "again", "max_tokens": 4, "stream": True}):
             assert httpx.post(f"{server.base_url}/completions", json=body, timeout=60).status_code == 200
+        server.wait_idle()  # the stream's admission is released after its last chunk: let it go first
+        deadline = time.monotonic() + 30
+        while server.state.active and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.state.active == 0, server.state.active
         server.state.max_queue = 0  # nothing may wait: a request beyond max_num_seqs is a 429
         server.state.active = server.state.max_num_seqs
         assert httpx.post(f"{server.base_url}/completions", json={"prompt": "x"}, timeout=60).status_code == 429
