@@ -10,6 +10,9 @@ so the text goes through the real sampler, detokenizer and server; nothing ships
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -59,3 +62,24 @@ class ScriptedWriter:
             return _Script(ids, self.eos)
 
         engine._start_grammar = start
+
+
+HERMES = Path("examples/tool_chat_template_hermes.jinja").read_text(encoding="utf-8")
+
+
+@contextmanager
+def hermes_tool_server(folder: Path) -> Iterator[Any]:
+    """A tiny model behind a ServerThread that serves tools with the shipped Hermes template and
+    the hermes parser; ``server.writer`` (a ScriptedWriter) makes the model write a given text."""
+    from server_helpers import ServerThread, tiny_engine
+    from tiny_model import write_tiny_model
+
+    from pagedkv.server.tools.request import ToolOptions
+
+    engine = tiny_engine(write_tiny_model(folder, max_position_embeddings=4096), num_kv_blocks=1200, seed=0)
+    engine.tokenizer.set_chat_template(HERMES)
+    writer = ScriptedWriter(engine)
+    with ServerThread(engine, served_model_names=["m"], tool_options=ToolOptions(True, "hermes", None)) as srv:
+        srv.writer = writer
+        yield srv
+        writer.scripts.clear()

@@ -15,13 +15,10 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from scripted_writer import ScriptedWriter
-from server_helpers import ServerThread, tiny_engine
-from tiny_model import write_tiny_model
+from scripted_writer import HERMES, hermes_tool_server
 
 from pagedkv.server.tools.request import ToolOptions
 
-HERMES = open("examples/tool_chat_template_hermes.jinja", encoding="utf-8").read()
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -42,12 +39,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    engine = tiny_engine(write_tiny_model(tmp_path_factory.mktemp("tiny-tools"), max_position_embeddings=4096),
-                         num_kv_blocks=1200, seed=0)
-    engine.tokenizer.set_chat_template(HERMES)
-    writer = ScriptedWriter(engine)
-    with ServerThread(engine, served_model_names=["m"], tool_options=ToolOptions(True, "hermes", None)) as srv:
-        srv.writer = writer
+    with hermes_tool_server(tmp_path_factory.mktemp("tiny-tools")) as srv:
         yield srv
 
 

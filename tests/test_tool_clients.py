@@ -14,13 +14,9 @@ from typing import Any, Literal
 
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
-from scripted_writer import ScriptedWriter
-from server_helpers import ServerThread, tiny_engine
-from tiny_model import write_tiny_model
+from scripted_writer import hermes_tool_server
 
-from pagedkv.server.tools.request import ToolOptions
 
-HERMES = open("examples/tool_chat_template_hermes.jinja", encoding="utf-8").read()
 
 
 class Weather(BaseModel):
@@ -35,14 +31,8 @@ class Weather(BaseModel):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    engine = tiny_engine(write_tiny_model(tmp_path_factory.mktemp("tiny-clients"), max_position_embeddings=4096),
-                         num_kv_blocks=1200, seed=0)
-    engine.tokenizer.set_chat_template(HERMES)
-    writer = ScriptedWriter(engine)
-    with ServerThread(engine, served_model_names=["m"], tool_options=ToolOptions(True, "hermes", None)) as srv:
-        srv.writer = writer
+    with hermes_tool_server(tmp_path_factory.mktemp("tiny-clients")) as srv:
         yield srv
-        writer.scripts.clear()
 
 
 def test_langchain_bind_tools_and_structured_output(server: Any) -> None:
