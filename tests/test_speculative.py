@@ -1,4 +1,4 @@
-"""Speculative decoding (pagedkv/spec): proposers, exact verification and KV rollback.
+"""Speculative decoding (pagedkv/speculative): proposers, exact verification and KV rollback.
 
 Greedy outputs with speculation must equal those without it, token for token, for the n-gram
 and the draft-model proposers, across block sizes 1, 16 and 64, with forks (n > 1), penalties,
@@ -26,10 +26,10 @@ from pagedkv.engine import EngineConfig
 from pagedkv.engine.flags import add_engine_arguments, engine_options
 from pagedkv.engine.sampler import Sampler, SampleRow
 from pagedkv.memory import KVCacheManager
-from pagedkv.spec import SpeculativeConfig
-from pagedkv.spec.decoder import SpecDecoder, SpecState
-from pagedkv.spec.ngram import propose_ngram
-from pagedkv.spec.verify import verify
+from pagedkv.speculative import SpeculativeConfig
+from pagedkv.speculative.decoder import SpeculativeDecoder, SpeculativeState
+from pagedkv.speculative.ngram import propose_ngram
+from pagedkv.speculative.verify import verify
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 
@@ -74,7 +74,7 @@ def run(folder, prompts, params, **options):
     outs = llm.generate(prompts, params)
     stats = llm.stats()
     assert stats.kv.used_blocks == 0, "a block stayed in use"
-    spec = llm.engine.spec
+    spec = llm.engine.speculative
     if spec is not None and spec.draft is not None:
         assert not spec.draft.lists  # finished sequences left the draft's cache too
     return [[c.token_ids for c in o.outputs] for o in outs], stats
@@ -356,7 +356,7 @@ def test_a_failing_draft_model_only_costs_its_proposals(target, draft, caplog):
     expected, _ = run(target, prompts, params, block_size=4)
     llm = LLM(str(target), block_size=4, num_kv_blocks=500, debug_integrity=True,
               speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
-    proposer = llm.engine.spec.draft
+    proposer = llm.engine.speculative.draft
     calls = {"n": 0}
     real = proposer.runner.execute
 
@@ -418,10 +418,10 @@ def test_per_request_opt_out(target):
 
 def test_backoff_pauses_and_shortens_after_rejections():
     config = SpeculativeConfig("ngram", num_speculative_tokens=4)
-    spec = SpecDecoder(config, max_model_len=1000)
+    spec = SpeculativeDecoder(config, max_model_len=1000)
 
     class Seq:
-        num_tokens, num_output_tokens, spec = 50, 10, None
+        num_tokens, num_output_tokens, speculative = 50, 10, None
 
     class Group:
         max_tokens = 100
@@ -431,14 +431,14 @@ def test_backoff_pauses_and_shortens_after_rejections():
     pauses = []
     for _ in range(7):
         spec.record(seq, 4, 0)
-        pauses.append(seq.spec.resume_at - seq.num_tokens)
+        pauses.append(seq.speculative.resume_at - seq.num_tokens)
     assert pauses == [1, 2, 4, 8, 16, 32, 32]
     assert spec._length(Group, seq) == 0  # paused
-    seq.num_tokens = seq.spec.resume_at
+    seq.num_tokens = seq.speculative.resume_at
     assert spec._length(Group, seq) == 2  # resumes with short proposals: ceil(0.7**7 * 4) + 1
     for _ in range(12):
         spec.record(seq, 4, 4)
-    assert seq.spec.misses == 0 and spec._length(Group, seq) == 4
+    assert seq.speculative.misses == 0 and spec._length(Group, seq) == 4
     seq.num_output_tokens = 98  # room for two more tokens: one proposal and the target's own
     assert spec._length(Group, seq) == 1
     seq.num_output_tokens = 99  # room for one: nothing to propose
@@ -446,7 +446,7 @@ def test_backoff_pauses_and_shortens_after_rejections():
     c = spec.counters()
     assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens) == (19, 76, 48)
     assert c.acceptance_rate == pytest.approx(48 / 76) and c.mean_accepted_length == pytest.approx(1 + 48 / 19)
-    assert isinstance(SpecState(), SpecState)
+    assert isinstance(SpeculativeState(), SpeculativeState)
 
 
 def test_stats_and_metrics_report_speculation(target):

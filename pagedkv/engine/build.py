@@ -94,21 +94,21 @@ def generation_defaults(setting: str, model_defaults: dict[str, Any]) -> dict[st
     return defaults
 
 
-def build_spec_decoder(config: EngineConfig, runner, tokenizer, max_model_len: int):
-    """The speculative decoder ``config.speculative_config`` asks for (``pagedkv/spec``), or None.
+def build_speculative_decoder(config: EngineConfig, runner, tokenizer, max_model_len: int):
+    """The speculative decoder ``config.speculative_config`` asks for (``pagedkv/speculative``), or None.
     A draft model gets a runner and a memory core of its own, with the target's block size and
     (unless ``draft_kv_blocks`` says otherwise) as many blocks; ValueError when its tokenizer
     is not the target's."""
     spec = config.speculative
     if spec is None:
         return None
-    from pagedkv.spec.decoder import SpecDecoder
+    from pagedkv.speculative.decoder import SpeculativeDecoder
 
     draft = None
     if spec.method == "draft_model":
         from pagedkv.engine.llm_engine import kv_group_windows
         from pagedkv.memory import KVCacheManager
-        from pagedkv.spec.draft_model import DraftModelProposer
+        from pagedkv.speculative.draft_model import DraftModelProposer
 
         target_vocab = int(getattr(getattr(runner, "config", None), "vocab_size", 0) or 0)
         draft_config = EngineConfig(model=spec.model, block_size=config.block_size,
@@ -124,7 +124,7 @@ def build_spec_decoder(config: EngineConfig, runner, tokenizer, max_model_len: i
                                    target_vocab or draft_runner.config.vocab_size)
         logger.info("speculative decoding: draft model %s, %d KV blocks, k=%d", draft_name,
                     draft_runner.num_blocks, spec.num_speculative_tokens)
-    return SpecDecoder(spec, max_model_len, draft)
+    return SpeculativeDecoder(spec, max_model_len, draft)
 
 
 def check_same_tokenizer(target, draft, draft_name: str) -> None:

@@ -11,7 +11,7 @@ from pagedkv.memory import EVICTION_POLICIES
 from pagedkv.memory.prefix_index import PREFIX_INDEXES
 from pagedkv.memory.tenancy import check_fraction, parse_quotas
 from pagedkv.model_shape import KV_CACHE_DTYPES, check_block_size
-from pagedkv.spec.config import SpeculativeConfig
+from pagedkv.speculative.config import SpeculativeConfig
 from pagedkv.units import parse_bytes
 from pagedkv.weight_quant import QUANTIZATIONS
 
@@ -67,7 +67,7 @@ class EngineConfig:
     say so.
     ``speculative_config`` (vLLM's shape, a dict or its JSON text) turns on speculative decoding:
     ``{"method": "ngram", "num_speculative_tokens": 4}`` or ``{"method": "draft_model", "model":
-    PATH, "num_speculative_tokens": 4}`` (``pagedkv/spec``; docs/speculative_decoding.md).
+    PATH, "num_speculative_tokens": 4}`` (``pagedkv/speculative``; docs/speculative_decoding.md).
     ``kv_events`` records KV cache events (``memory/kv_events.py``; the server publishes them
     with ``--kv-events-endpoint``, which turns this on).
     ``device``: "cpu" (default), "cuda" or "auto" (CUDA when torch sees a GPU): where the model,

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from pagedkv.engine.beam_search import select_beams
-from pagedkv.engine.build import build_runner, build_spec_decoder
+from pagedkv.engine.build import build_runner, build_speculative_decoder
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.errors import RequestRejectedError
 from pagedkv.engine.faults import FaultInjectingScheduler, FaultInjector, install_disk_faults
@@ -48,7 +48,7 @@ from pagedkv.memory import KVCacheManager
 from pagedkv.outputs import RequestOutput
 from pagedkv.runner.batch import SeqChunk
 from pagedkv.sampling_params import SamplingParams, StructuredOutput
-from pagedkv.spec.verify import verify
+from pagedkv.speculative.verify import verify
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class LLMEngine:
         # Structured output: grammars compile in a worker process, under limits (grammar_compiler.py)
         self.structured = StructuredOutputs(tokenizer, vocab_size, self.outputs.eos_token_ids,
                                             limits=GrammarLimits.of(config))
-        self.spec = build_spec_decoder(config, runner, tokenizer, self.config.max_model_len)
+        self.speculative = build_speculative_decoder(config, runner, tokenizer, self.config.max_model_len)
         self._arrivals = 0
         self._steps = 0
         self.last_step_tokens = 0  # tokens computed by the last step (the iteration-tokens histogram)
@@ -283,8 +283,8 @@ class LLMEngine:
                     logits = logits.index_select(0, logits.new_tensor(keep).long())
                 self._sample(out, logits, first_row, step)
         self.scheduler.update_from_output(out, step)
-        if self.spec is not None:  # proposals for the next step's decodes
-            self.spec.propose(self.scheduler.running, self.kv.num_computed)
+        if self.speculative is not None:  # proposals for the next step's decodes
+            self.speculative.propose(self.scheduler.running, self.kv.num_computed)
         self.last_step_tokens = sum(c.num_tokens for c in chunks)
         if not out.scheduled and self.kv.disk is not None:
             self.kv.disk.wait_for_reads(0.05)  # nothing to compute but requests waiting for the disk
@@ -298,8 +298,8 @@ class LLMEngine:
             self.kv_guard.after_step(self._steps)
         if self.config.debug_integrity:
             self.kv.check_integrity()
-            if self.spec is not None and self.spec.draft is not None:
-                self.spec.draft.kv.check_integrity()
+            if self.speculative is not None and self.speculative.draft is not None:
+                self.speculative.draft.kv.check_integrity()
         return [self._output(g) for g in step.progressed.values() if not only_finished or g.is_finished]
 
     def _chunk(self, s: ScheduledSeq, lora_slots: dict[str, int]) -> SeqChunk:
@@ -470,7 +470,7 @@ class LLMEngine:
             self._fail(group, message, step)
 
     def _verify(self, s: ScheduledSeq, batch, spec_rows: list[SampleRow], step: StepResult) -> None:
-        """Check a sequence's proposal (``spec/verify.py``), append the tokens it yields (stop
+        """Check a sequence's proposal (``speculative/verify.py``), append the tokens it yields (stop
         checks as usual), and tell the update how many of the chunk's tokens keep their KV."""
         group, seq = s.group, s.seq
         if group.error is not None:
@@ -488,7 +488,7 @@ class LLMEngine:
             return
         # the KV of the last token and of the accepted proposal tokens that were appended
         step.spec_computed[seq.seq_id] = 1 + min(accepted, appended)
-        self.spec.record(seq, len(s.proposal), accepted)  # type: ignore[union-attr]
+        self.speculative.record(seq, len(s.proposal), accepted)  # type: ignore[union-attr]
         step.progressed[group.request_id] = group
 
     def _append(self, group: SequenceGroup, seq: Sequence, sampled: Sampled, step: StepResult) -> None:
@@ -597,8 +597,8 @@ class LLMEngine:
         self._closed = True
         for request_id in list(self.scheduler.groups):
             self.scheduler.abort(request_id)
-        if self.spec is not None:
-            self.spec.close()
+        if self.speculative is not None:
+            self.speculative.close()
         self.structured.close()
         written = self.tiers.persist()
         if written:
@@ -635,9 +635,9 @@ class LLMEngine:
             if self.lora is not None else None)
 
     def _spec_stats(self) -> dict[str, Any]:
-        if self.spec is None:
+        if self.speculative is None:
             return {}
-        c = self.spec.counters()
+        c = self.speculative.counters()
         return dict(spec_num_drafts=c.num_drafts, spec_draft_tokens=c.num_draft_tokens,
                     spec_accepted_tokens=c.num_accepted_tokens, spec_acceptance_rate=c.acceptance_rate,
                     spec_mean_accepted_length=c.mean_accepted_length,

@@ -46,11 +46,11 @@ class Sequence:
     cumulative_logprob: float = 0.0
     rng: object | None = None  # per-sequence random generator for seeded sampling (runner side)
     grammar: object | None = None  # structured output: a GrammarState, advanced by each appended token
-    # speculative decoding (pagedkv/spec): tokens proposed to follow token_ids[:proposal_at] (the
+    # speculative decoding (pagedkv/speculative): tokens proposed to follow token_ids[:proposal_at] (the
     # scheduler verifies them only while proposal_at == num_tokens), and the back-off state
     proposal: tuple[int, ...] = ()
     proposal_at: int = -1
-    spec: object | None = None
+    speculative: object | None = None  # the SpeculativeState (pagedkv.speculative.decoder)
 
     @property
     def num_tokens(self) -> int:

@@ -35,7 +35,7 @@ class EngineStats:
     # The step-time estimate (engine/step_cost.py): seconds per unit of each feature as fitted,
     # steps observed, and the mean factor between estimated and measured step times
     step_costs: dict[str, float | int | None] | None = None
-    # Speculative decoding (pagedkv/spec; zeros when off): verifications (a sequence's proposal in
+    # Speculative decoding (pagedkv/speculative; zeros when off): verifications (a sequence's proposal in
     # a step), tokens proposed and accepted, accepted / proposed, tokens emitted per verification,
     # and accepted tokens by their position in the proposal
     spec_num_drafts: int = 0

@@ -1,6 +1,6 @@
 """The engine's side of speculative decoding: who speculates, how far, and the counters.
 
-After each step the engine asks :meth:`SpecDecoder.propose` for proposals for every running
+After each step the engine asks :meth:`SpeculativeDecoder.propose` for proposals for every running
 sequence whose next step is a decode; they are stored on the ``Sequence`` (``proposal``) and the
 scheduler verifies them in the next step's batch, beside other requests' decodes and prefill
 chunks. A sequence speculates unless its request opted out (``SamplingParams.speculative``),
@@ -18,8 +18,8 @@ import logging
 import math
 from dataclasses import dataclass
 
-from pagedkv.spec.config import SpeculativeConfig
-from pagedkv.spec.ngram import propose_ngram
+from pagedkv.speculative.config import SpeculativeConfig
+from pagedkv.speculative.ngram import propose_ngram
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ EMA_WEIGHT = 0.3    # weight of the latest step in a sequence's acceptance avera
 
 
 @dataclass(slots=True)
-class SpecState:
+class SpeculativeState:
     """One sequence's back-off state (on ``Sequence.spec``)."""
 
     acceptance: float = 1.0   # running average of accepted / proposed
@@ -53,7 +53,7 @@ class SpecCounters:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
-class SpecDecoder:
+class SpeculativeDecoder:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, draft=None) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
@@ -101,9 +101,9 @@ class SpecDecoder:
 
     def _length(self, group, seq) -> int:
         """How many tokens to propose for ``seq`` now (0: none)."""
-        state = seq.spec
+        state = seq.speculative
         if state is None:
-            state = seq.spec = SpecState()
+            state = seq.speculative = SpeculativeState()
         k = self.k
         if self.config.backoff:
             if seq.num_tokens < state.resume_at:
@@ -122,7 +122,7 @@ class SpecDecoder:
         self._accepted += accepted
         for i in range(accepted):
             self._per_position[i] += 1
-        state = seq.spec
+        state = seq.speculative
         if state is None or not proposed:
             return
         state.acceptance += EMA_WEIGHT * (accepted / proposed - state.acceptance)

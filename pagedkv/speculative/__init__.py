@@ -9,6 +9,6 @@ forward pass, and the paged cache gives back the slots of the guesses it rejects
 - ``decoder.py``: the engine's glue: who speculates, how far (back-off), and the counters.
 """
 
-from pagedkv.spec.config import SPEC_METHODS, SpeculativeConfig
+from pagedkv.speculative.config import SPEC_METHODS, SpeculativeConfig
 
 __all__ = ["SPEC_METHODS", "SpeculativeConfig"]
