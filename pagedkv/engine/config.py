@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from pagedkv import envs
 from pagedkv.engine.faults import FaultSpec
 from pagedkv.memory import EVICTION_POLICIES
 from pagedkv.memory.prefix_index import PREFIX_INDEXES
@@ -28,112 +28,127 @@ class EngineConfig:
     """Every engine option, validated once at construction; bad values raise ValueError naming
     the field and the allowed range.
 
-    ``kv_cache_memory`` (bytes or a size string like "2GiB") or ``num_kv_blocks`` sizes the
-    device KV pool (default 1 GiB). ``kv_offloading_size`` (vLLM's name) is the host tier in GiB
-    (default 0.5): the one host pool, holding swapped-out sequences and the cached prefix blocks
-    evicted from the device; ``swap_space`` is its deprecated alias (give one of the two).
-    ``kv_offload_dir`` adds the disk tier below it (a directory of checksummed block files that
-    survives restarts; see docs/kv_tiers.md) of ``kv_offload_disk_size`` (default 20GiB).
-    ``max_step_time_s`` (default 1.5; 0: off) budgets each step in seconds besides the
-    ``max_num_batched_tokens`` tokens: the scheduler sizes prefill chunks by the step-time estimate
-    (``engine/step_cost.py``, fitted to measured steps), so streams beside a long prompt keep their
-    inter-token gaps near it.
-    ``preemption_mode`` "auto" (default) swaps or recomputes a preempted request, whichever the
-    engine's measured costs say is cheaper.
-    ``max_model_len`` defaults to the model's context length. ``fault_injection`` (or the
-    ``PAGEDKV_FAULT_INJECTION`` environment variable) takes a spec such as "seed=7,rate=0.05".
-    ``debug_integrity`` runs ``check_integrity()`` after every step. ``dtype`` "auto" (default)
-    is the checkpoint's dtype where the hardware computes in it natively, else float32 (see
-    ``pagedkv/models/dtype.py``). ``prefix_index`` picks the
-    structure that finds cached prefixes: the SHA-256 hash chain ("hash") or a radix tree over
-    token ids ("radix"); both find the same blocks. ``kv_cache_dtype`` is the KV block format:
-    "auto" (the model dtype), a float dtype, or 8-bit blocks with one scale per block, layer, K/V
-    and KV head ("int8", "fp8" = "fp8_e4m3", "fp8_e5m2"; see docs/kv_quantization.md).
-    ``quantization`` is the format of the linear weights: "none" (the model dtype), "q8_0" (int8
-    with a scale, and an offset where needed, per 32 values; other GGUF types requantized), "auto"
-    (default: a GGUF's weights kept 8-bit where that is exact, the rest dequantized, so the values
-    are the file's; else "none"; see ``pagedkv/weight_quant.py``).
-    ``generation_config`` (vLLM's ``--generation-config``) gives the sampling defaults for fields a
-    request leaves out: "auto" (default) the model folder's generation_config.json (temperature,
-    top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens; a GGUF file has none),
-    "vllm" the neutral defaults of SamplingParams, or a folder holding a generation_config.json.
-    ``tenant_kv_quota`` ("NAME=FRACTION" items) and ``default_tenant_kv_quota`` limit the device
-    KV blocks each tenant holds, in use plus cached, as fractions of the pool (``memory/tenancy.py``):
-    over its quota a tenant's own cached blocks go first and its new requests wait.
-    ``max_pin_ttl_s`` bounds (and is the default of) a request's ``pin_ttl_s``: how long a
-    conversation's prefix stays pinned after a turn (``memory/pins.py``).
-    ``max_tenant_pin_fraction`` (None: no limit but the pool) caps the share of the device pool one
-    tenant's conversation pins hold: a pin past it is refused, and the response's cache details
-    say so.
-    ``speculative_config`` (vLLM's shape, a dict or its JSON text) turns on speculative decoding:
-    ``{"method": "ngram", "num_speculative_tokens": 4}`` or ``{"method": "draft_model", "model":
-    PATH, "num_speculative_tokens": 4}`` (``pagedkv/speculative``; docs/speculative_decoding.md).
-    ``kv_events`` records KV cache events (``memory/kv_events.py``; the server publishes them
-    with ``--kv-events-endpoint``, which turns this on).
-    ``device``: "cpu" (default), "cuda" or "auto" (CUDA when torch sees a GPU): where the model,
-    the KV pool and the attention kernels run (Triton on CUDA; the host tier stays in host memory).
-    A Hugging Face repo id as ``model`` that is not in the cache is downloaded from the Hub
-    (``pagedkv/models/hub.py``; never with HF_HUB_OFFLINE=1): ``revision`` (a branch, tag or commit;
-    default "main") and ``download_dir`` (the Hugging Face cache to use; default Hugging Face's own)
-    are vLLM's ``--revision`` and ``--download-dir``.
-    ``tokenizer`` (vLLM's ``--tokenizer``) replaces the model's tokenizer: a folder with
-    tokenizer.json, a .gguf file, or a cached Hugging Face repo id (``pagedkv.models.load_tokenizer``).
-    ``enable_lora`` serves LoRA adapters (``pagedkv/lora``, docs/lora.md): ``max_loras`` of them
-    in one step (slots preallocated at rank ``max_lora_rank``), ``max_cpu_loras`` (default
-    ``max_loras``) kept read in memory while idle.
-    ``grammar_compile_timeout_s``, ``grammar_memory_mib``, ``grammar_max_lexer_states``,
-    ``grammar_max_spec_chars``, ``max_guided_choices`` and ``grammar_cache_mib`` bound what one
-    structured-output grammar may cost (``engine/grammar_compiler.py``): the compile's wall time
-    and memory (in its worker process), llguidance's lexer states (also at every step), the
-    schema's or regex's characters, the choices of a choice list, and the compiled grammars kept.
-    Past one the request is refused, naming it.
+    Each field is documented once, in its ``metadata["help"]``: the command-line flags are made
+    from the fields (``engine/flags.py``: a field's name with dashes, vLLM's names, and that help)
+    and so is the table of options in docs/configuration.md (``python -m pagedkv.engine.flags``).
+    Derived values are properties (``host_tier_gib``, ``disk_tier_bytes``, ``tenant_quotas``).
     """
 
-    model: str | None = None
-    tokenizer: str | None = None
-    revision: str | None = None
-    download_dir: str | None = None
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    kv_cache_memory: str | int | None = None
-    num_kv_blocks: int | None = None
-    kv_offloading_size: float | None = None
-    swap_space: float | None = None  # deprecated alias of kv_offloading_size
-    kv_offload_dir: str | None = None
-    kv_offload_disk_size: str | int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_step_time_s: float = 1.5
-    max_model_len: int | None = None
-    preemption_mode: str = "auto"
-    eviction_policy: str = "lru"
-    prefix_index: str = "hash"
-    watermark: float = 0.01
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"
-    quantization: str = "auto"
-    seed: int = 0
-    debug_integrity: bool = False
-    fault_injection: str | None = None
-    threads: int | None = None
-    generation_config: str = "auto"
-    tenant_kv_quota: tuple[str, ...] | list[str] | None = None
-    default_tenant_kv_quota: float | None = None
-    max_pin_ttl_s: float = 600.0
-    max_tenant_pin_fraction: float | None = None
-    speculative_config: str | dict | SpeculativeConfig | None = None
-    kv_events: bool = False
-    device: str = "cpu"
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
-    grammar_compile_timeout_s: float = 10.0
-    grammar_memory_mib: int = 1024
-    grammar_max_lexer_states: int = 50_000  # llguidance's max_lexer_states (~1-2 kB each)
-    grammar_max_spec_chars: int = 1 << 20
-    max_guided_choices: int = 10_000
-    grammar_cache_mib: int = 256
+    model: str | None = field(default=None, metadata={"help": (
+        "the model: a Hugging Face folder, a .gguf file (or a folder holding one), or a Hugging Face repo "
+        "id (downloaded from the Hub when not in the local cache, never with HF_HUB_OFFLINE=1; "
+        "pagedkv/models/hub.py) (default: the bundled SmolLM2-135M-Instruct)")})
+    tokenizer: str | None = field(default=None, metadata={"help": (
+        "a tokenizer instead of the model's (vLLM's --tokenizer): a folder with tokenizer.json, a .gguf "
+        "file or a cached Hugging Face repo id (default: the model's own)")})
+    revision: str | None = field(default=None, metadata={"help": (
+        "the branch, tag or commit of a Hugging Face repo id given as the model (vLLM's --revision; "
+        "default main)")})
+    download_dir: str | None = field(default=None, metadata={"help": (
+        "the Hugging Face cache a repo id given as the model is looked up in and downloaded into (vLLM's "
+        "--download-dir; default: Hugging Face's own, $HF_HUB_CACHE or ~/.cache/huggingface/hub)")})
+    block_size: int = field(default=16, metadata={"help": "token slots per KV block"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "share KV blocks of common prompt prefixes"})
+    kv_cache_memory: str | int | None = field(default=None, metadata={"help": (
+        "memory for the device KV pool: bytes or a size such as 512MiB, 2GiB, 4G (= 4GiB, as vLLM's "
+        "--kv-cache-memory-bytes reads it; 4g and 4GB are 4 x 1000^3); give it or num_kv_blocks (default "
+        "1GiB)")})
+    num_kv_blocks: int | None = field(default=None, metadata={"help": (
+        "number of device KV blocks (instead of kv_cache_memory)")})
+    kv_offloading_size: float | None = field(default=None, metadata={"help": (
+        "the host tier in GiB (vLLM's name): the one host pool, holding swapped-out sequences and the "
+        "cached prefix blocks evicted from the device; swap_space is its deprecated alias (give one of "
+        "the two) (default 0.5)")})
+    swap_space: float | None = field(default=None, metadata={"help": "deprecated alias of kv_offloading_size"})
+    kv_offload_dir: str | None = field(default=None, metadata={"help": (
+        "directory of the disk tier below the host tier: checksummed block files of evicted prefix blocks "
+        "that persist across restarts (owner-only; wipe with `pagedkv kv-cache clear DIR`; "
+        "docs/kv_tiers.md)")})
+    kv_offload_disk_size: str | int | None = field(default=None, metadata={"help": (
+        "size of the disk tier, e.g. 20GiB (default 20GiB; needs kv_offload_dir)")})
+    max_num_seqs: int = field(default=64, metadata={"help": "most sequences in one batch"})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "most tokens in one step (chunked prefill)"})
+    max_step_time_s: float = field(default=1.5, metadata={"help": (
+        "seconds one step should take at most: prefill chunks are sized by the engine's step-time "
+        "estimate (engine/step_cost.py, fitted to its measured steps) so that streams beside a long "
+        "prompt keep their inter-token gaps near it; decodes always run; 0: off, the token budget alone")})
+    max_model_len: int | None = field(default=None, metadata={"help": (
+        "longest prompt plus output, in tokens (default: the model's context length)")})
+    preemption_mode: str = field(default="auto", metadata={"help": (
+        "how to preempt under memory pressure: auto swaps or recomputes a preempted request, whichever "
+        "the engine's measured costs say is cheaper")})
+    eviction_policy: str = field(default="lru", metadata={"help": "which cached blocks to evict first"})
+    prefix_index: str = field(default="hash", metadata={"help": (
+        "how cached prefixes are found: SHA-256 hash chain (hash) or a radix tree over token ids (radix); "
+        "both find the same blocks")})
+    watermark: float = field(default=0.01, metadata={"help": (
+        "fraction of the KV pool kept free when admitting requests")})
+    dtype: str = field(default="auto", metadata={"help": (
+        "model dtype; auto: the checkpoint's where the hardware computes in it natively, else float32 "
+        "(pagedkv/models/dtype.py)")})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": (
+        "KV block format: auto (the model dtype), a float dtype, or 8-bit blocks with one scale per "
+        "block, layer, K/V and KV head: int8, fp8 (= fp8_e4m3), fp8_e5m2 (docs/kv_quantization.md)")})
+    quantization: str = field(default="auto", metadata={"help": (
+        "linear weights: none (the model dtype), q8_0 (int8 + a scale and offset per 32 values; GGUF "
+        "types it cannot hold exactly are requantized), auto: a GGUF's weights kept 8-bit where exact "
+        "(Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K), the rest dequantized, so the values are the file's; else "
+        "none (pagedkv/weight_quant.py)")})
+    seed: int = field(default=0, metadata={"help": "global random seed"})
+    debug_integrity: bool = field(default=False, metadata={"help": (
+        "check KV-cache integrity (check_integrity()) after every step")})
+    fault_injection: str | None = field(default=None, metadata={"help": (
+        "inject faults, e.g. seed=7,rate=0.05 (also env PAGEDKV_FAULT_INJECTION)")})
+    threads: int | None = field(default=None, metadata={"help": "torch CPU threads (default: torch's choice)"})
+    generation_config: str = field(default="auto", metadata={"help": (
+        "sampling defaults for fields a request leaves out (vLLM's --generation-config): auto (the model "
+        "folder's generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens as max_tokens; a GGUF file has none), vllm (the neutral defaults of "
+        "SamplingParams), or a folder holding a generation_config.json")})
+    tenant_kv_quota: tuple[str, ...] | list[str] | None = field(default=None, metadata={"help": (
+        "NAME=FRACTION: the share of the device KV pool tenant NAME may hold, in use plus cached; over "
+        "it, its own cached blocks are evicted first and its new requests wait (repeat the flag for more "
+        "tenants; memory/tenancy.py)")})
+    default_tenant_kv_quota: float | None = field(default=None, metadata={"help": (
+        "the share of the device KV pool each tenant without a tenant_kv_quota may hold (default: no "
+        "limit)")})
+    max_pin_ttl_s: float = field(default=600.0, metadata={"help": (
+        "the longest a request's conversation_id may keep its prefix pinned in the KV cache after a turn "
+        "(pin_ttl_s), and its default, in seconds (memory/pins.py)")})
+    max_tenant_pin_fraction: float | None = field(default=None, metadata={"help": (
+        "the largest share of the device KV pool one tenant's conversation pins may hold; a pin past it "
+        "is refused, with a warning in the response's cache details (default: no limit but the pool)")})
+    speculative_config: str | dict | SpeculativeConfig | None = field(default=None, metadata={"help": (
+        "speculative decoding, as a JSON object (vLLM's; in Python also a dict): "
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} or '
+        '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4} (docs/speculative_decoding.md) '
+        "(default: off)")})
+    kv_events: bool = field(default=False, metadata={"help": (
+        "record KV cache events (prefix blocks stored and removed per tier) for KV-aware routers; pagedkv "
+        "serve --kv-events-endpoint publishes them, and turns this on")})
+    device: str = field(default="cpu", metadata={"help": (
+        "where the model, the KV pool and attention run: cpu, cuda (Triton kernels; also cuda:N) or auto "
+        "(cuda when a GPU is visible); the host tier stays in host memory")})
+    enable_lora: bool = field(default=False, metadata={"help": (
+        "serve LoRA adapters (--lora-modules, or selected per request; docs/lora.md)")})
+    max_loras: int = field(default=1, metadata={"help": (
+        "most distinct LoRA adapters computed in one step (their slots are preallocated)")})
+    max_lora_rank: int = field(default=16, metadata={"help": "the highest LoRA rank served (slot size)"})
+    max_cpu_loras: int | None = field(default=None, metadata={"help": (
+        "LoRA adapters kept read in memory while idle (default: max_loras)")})
+    grammar_compile_timeout_s: float = field(default=10.0, metadata={"help": (
+        "longest one structured-output grammar may take to compile (in a worker process); past it the "
+        "request gets a 400 (engine/grammar_compiler.py)")})
+    grammar_memory_mib: int = field(default=1024, metadata={"help": (
+        "memory one grammar compile may map in the worker process (MiB); past it the request gets a 400")})
+    grammar_max_lexer_states: int = field(default=50_000, metadata={"help": (
+        "most lexer states one grammar may build (llguidance's max_lexer_states, ~1-2 kB each), at "
+        "compile time and while generating")})
+    grammar_max_spec_chars: int = field(default=1 << 20, metadata={"help": (
+        "most characters of a JSON schema, regex or choice list (as JSON)")})
+    max_guided_choices: int = field(default=10_000, metadata={"help": "most strings in a guided_choice list"})
+    grammar_cache_mib: int = field(default=256, metadata={"help": (
+        "memory for compiled grammars kept for reuse, by their text (MiB)")})
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -232,8 +247,8 @@ class EngineConfig:
         unknown = sorted(set(options) - names)
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; valid options: {sorted(names)}")
-        if options.get("fault_injection") is None and os.environ.get("PAGEDKV_FAULT_INJECTION"):
-            options["fault_injection"] = os.environ["PAGEDKV_FAULT_INJECTION"]
+        if options.get("fault_injection") is None and envs.FAULT_INJECTION.get():
+            options["fault_injection"] = envs.FAULT_INJECTION.get()
         return cls(model=model, **options)  # type: ignore[arg-type]
 
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:
