@@ -9,19 +9,20 @@ need it; the user's terminal does).
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from pagedkv import envs
+
 PREFIX = "pagedkv: "
 _TICK_S = 1.0
 
 
 def quiet() -> bool:
-    return os.environ.get("PAGEDKV_QUIET", "0") not in ("", "0")
+    return envs.QUIET.get()
 
 
 def interactive() -> bool:

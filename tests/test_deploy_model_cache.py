@@ -16,7 +16,7 @@ import pytest
 import yaml
 from test_deploy import CHART, DEPLOY, render_chart
 
-from pagedkv.models.cache_dir import cache_root
+from pagedkv.paths import cache_root
 
 IMAGE_CACHE = "/opt/pagedkv/cache"  # deploy/Dockerfile's PAGEDKV_CACHE_DIR
 

@@ -21,7 +21,7 @@ from pagedkv.models import (
     UnsupportedModelError,
     load_model,
 )
-from pagedkv.models.cache_dir import cache_root
+from pagedkv.paths import cache_root
 from pagedkv.runner import ModelRunner, SeqChunk, bytes_per_block, parse_memory_size
 
 TEMPLATE = (

@@ -15,7 +15,7 @@ import torch
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.models import load_model
-from pagedkv.models.cache_dir import cache_root
+from pagedkv.paths import cache_root
 from pagedkv.models.gguf_loader import converted_folder
 
 pytestmark = pytest.mark.slow

@@ -167,7 +167,7 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_start(tmp_
     import subprocess
     import sys
 
-    from pagedkv.models.cache_dir import cache_root
+    from pagedkv.paths import cache_root
 
     key = native._build_key()
     built = cache_root() / "native" / key

@@ -57,7 +57,7 @@ def test_a_failed_build_is_announced_and_ends_in_one_line(tmp_path: Path) -> Non
 
 
 def test_a_built_cache_loads_without_a_message(tmp_path: Path) -> None:
-    from pagedkv.models.cache_dir import cache_root
+    from pagedkv.paths import cache_root
 
     if not native.available():
         pytest.skip(f"native kernels unavailable here: {native.why_unavailable()}")

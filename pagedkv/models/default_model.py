@@ -12,7 +12,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from pagedkv.models.cache_dir import cache_root, file_key
+from pagedkv.paths import cache_root, file_key
 from pagedkv.models.errors import DefaultModelMissingError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"

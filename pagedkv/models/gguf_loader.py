@@ -36,7 +36,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from pagedkv.model_shape import ModelShape, shape_from_gguf
-from pagedkv.models.cache_dir import cache_root, file_key
+from pagedkv.paths import cache_root, file_key
 from pagedkv.models.config import ModelConfig, RopeConfig
 from pagedkv.models.errors import ModelLoadError, UnsupportedModelError
 from pagedkv.models.gguf_file import check_model_metadata, open_gguf

@@ -16,24 +16,26 @@ download from the Hub with ``huggingface_hub`` (vLLM's behaviour).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from pagedkv import envs
 from pagedkv.models.errors import ModelLoadError
 from pagedkv.progress import phase
 
 # The files of a repo that loading an HF folder reads (models/hf_loader.py).
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja"]
-_TRUE = ("1", "ON", "YES", "TRUE")
 
 
 def hf_hub_cache() -> Path:
     """Where Hugging Face keeps downloaded models: $HF_HUB_CACHE, else $HF_HOME/hub, else
     ~/.cache/huggingface/hub."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
-    return Path(home).expanduser() / "hub"
+    cache = envs.HF_HUB_CACHE.get()
+    if cache is not None:
+        return cache
+    home = envs.HF_HOME.get()
+    if home is None:
+        home = (envs.XDG_CACHE_HOME.get() or Path("~/.cache").expanduser()) / "huggingface"
+    return home / "hub"
 
 
 def hf_cache_snapshot(repo_id: str, revision: str = "main", cache: Path | None = None) -> Path | None:
@@ -65,7 +67,7 @@ def snapshot_complete(folder: Path) -> bool:
 
 def hub_offline() -> bool:
     """Whether ``HF_HUB_OFFLINE`` forbids the network (read now, not at import)."""
-    return os.environ.get("HF_HUB_OFFLINE", "").upper() in _TRUE
+    return envs.HF_HUB_OFFLINE.get()
 
 
 def looks_like_repo_id(text: str) -> bool:
@@ -96,7 +98,7 @@ def model_snapshot(repo_id: str, revision: str | None = None, download_dir: str 
     except ImportError as e:
         raise ModelLoadError(f"{repo_id!r} is not in the Hugging Face cache ({cache}) and huggingface_hub, "
                              "which downloads it, is not installed: pip install huggingface_hub") from e
-    endpoint = os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
+    endpoint = envs.HF_ENDPOINT.get() or constants.ENDPOINT
     try:
         with phase(f"downloading {repo_id}{at} from {endpoint} into {cache}", done="downloaded"):
             folder = huggingface_hub.snapshot_download(repo_id, revision=revision, cache_dir=str(cache),

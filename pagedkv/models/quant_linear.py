@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedkv.ops import native
 from pagedkv.weight_quant import Q8_0_GROUP
 
 _FALLBACK_TILE = 256  # weight rows dequantized at a time by the plain-PyTorch path
@@ -79,7 +80,6 @@ def _register(module: nn.Module, rows: int, cols: int, offsets: bool) -> None:
 
 
 def _native_ok() -> bool:
-    from pagedkv.ops import native  # imported late: ops.native imports pagedkv.models (the cache dir)
     return native.available()
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -25,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from pagedkv.models.cache_dir import cache_root
+from pagedkv import envs
+from pagedkv.paths import cache_root
 from pagedkv.progress import phase
 
 logger = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ def available() -> bool:
         return bool(_state["ok"])
     with _lock:
         if "ok" not in _state:
-            if os.environ.get("PAGEDKV_NATIVE", "1") == "0":
+            if not envs.NATIVE.get():
                 _state["ok"], _state["why"] = False, "PAGEDKV_NATIVE=0"
             else:
                 try:

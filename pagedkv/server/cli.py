@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 
+from pagedkv import envs
 from pagedkv.engine.flags import add_engine_arguments, engine_options
 from pagedkv.server.cors import add_cors_arguments
 from pagedkv.server.limits import CONNECTION_HELP, LIMIT_HELP, ConnectionLimits, RequestLimits
@@ -154,8 +155,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print("pagedkv serve: --max-queue must be >= 0", file=sys.stderr)
         return 2
     try:
-        api_keys = read_api_keys(args.api_key or ([os.environ["PAGEDKV_API_KEY"]]
-                                                  if os.environ.get("PAGEDKV_API_KEY") else []), args.api_keys_file)
+        env_key = envs.API_KEY.get()
+        api_keys = read_api_keys(args.api_key or ([env_key] if env_key else []), args.api_keys_file)
     except ValueError as exc:
         print(f"pagedkv serve: {exc}", file=sys.stderr)
         return 2
@@ -193,7 +194,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pagedkv serve: --{str(exc).replace('_', '-')}", file=sys.stderr)
         return 2
-    metrics_api_key = args.metrics_api_key or os.environ.get("PAGEDKV_METRICS_API_KEY") or None
+    metrics_api_key = args.metrics_api_key or envs.METRICS_API_KEY.get()
     try:
         events_config = kv_events_config(args)
     except ValueError as exc:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -33,8 +32,9 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pagedkv import envs
+
 LOG_FORMATS = ("text", "json")
-DEFAULT_STATS_INTERVAL_S = 10.0  # vLLM's VLLM_LOG_STATS_INTERVAL default
 PROBE_ROUTES = frozenset({"/health", "/metrics", "/version", "/ping"})
 
 startup_log = logging.getLogger("pagedkv.server.startup")
@@ -242,14 +242,7 @@ def _log_request(scope: Scope, status: int, start: float, record: RequestRecord)
 
 def stats_interval() -> float:
     """Seconds between stats lines: PAGEDKV_LOG_STATS_INTERVAL, else vLLM's VLLM_LOG_STATS_INTERVAL."""
-    text = os.environ.get("PAGEDKV_LOG_STATS_INTERVAL") or os.environ.get("VLLM_LOG_STATS_INTERVAL")
-    try:
-        value = float(text) if text else DEFAULT_STATS_INTERVAL_S
-    except ValueError:
-        raise ValueError(f"VLLM_LOG_STATS_INTERVAL must be a number of seconds, got {text!r}") from None
-    if value <= 0:
-        raise ValueError(f"VLLM_LOG_STATS_INTERVAL must be > 0, got {value}")
-    return value
+    return envs.LOG_STATS_INTERVAL.get()
 
 
 @dataclass(slots=True)

@@ -15,7 +15,6 @@ engine thread.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -25,11 +24,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from pydantic import BaseModel, ConfigDict
 from starlette.responses import PlainTextResponse
 
+from pagedkv import envs
 from pagedkv.lora.request import LoRAError, LoRARequest
 from pagedkv.lora.stats import LoRAStats
 from pagedkv.server.protocol import APIError, bad_request, parse_body
-
-RUNTIME_UPDATES_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -72,7 +70,7 @@ def parse_lora_modules(items: list[str]) -> list[tuple[str, str, str | None]]:
 
 def runtime_updates_allowed(flag: bool) -> bool:
     """``--allow-runtime-lora-updating``, or vLLM's environment variable set to true."""
-    return flag or os.environ.get(RUNTIME_UPDATES_ENV, "").strip().lower() in ("1", "true")
+    return flag or envs.ALLOW_RUNTIME_LORA_UPDATING.get()
 
 
 def register_lora_modules(engine: Any, modules: list[tuple[str, str, str | None]]) -> None:

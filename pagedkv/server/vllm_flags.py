@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pagedkv import envs
+
 # vLLM's short spellings of flags pagedkv has
 ALIASES = {"-q": "--quantization", "-sc": "--speculative-config"}
-LONG_MAX_MODEL_LEN_VARS = ("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "PAGEDKV_ALLOW_LONG_MAX_MODEL_LEN")
 
 
 Harmless = Callable[[Any, argparse.Namespace], bool]  # (the flag's value, all flags) -> a no-op here?
@@ -298,7 +298,7 @@ def check_max_model_len(requested: int | None, model_len: int | None) -> None:
     RoPE models produce garbage there. Raises ValueError saying so."""
     if requested is None or model_len is None or requested <= model_len:
         return
-    if any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes") for v in LONG_MAX_MODEL_LEN_VARS):
+    if envs.ALLOW_LONG_MAX_MODEL_LEN.get():
         return
     raise ValueError(f"--max-model-len {requested} is greater than the model's own context length "
                      f"(max_position_embeddings={model_len}): positions beyond it were never trained and give "

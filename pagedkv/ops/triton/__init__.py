@@ -16,7 +16,8 @@ set before triton is imported) on CPU tensors: how the tests here prove them.
 from __future__ import annotations
 
 import importlib.util
-import os
+
+from pagedkv import envs
 
 
 def installed() -> bool:
@@ -26,7 +27,7 @@ def installed() -> bool:
 
 def interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter (on CPU tensors)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return envs.TRITON_INTERPRET.get()
 
 
 def usable_on(device_type: str) -> bool:
