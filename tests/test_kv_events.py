@@ -12,7 +12,7 @@ from conftest_models import make_hf_checkpoint
 
 from pagedkv import SamplingParams
 from pagedkv.engine import LLMEngine
-from pagedkv.memory.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from pagedkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
 class CacheModel:
@@ -108,30 +108,30 @@ def test_disk_tier_events_follow_its_index_and_a_restart_announces_what_it_kept(
             assert model.tiers.get("GPU", set()) == group0(engine.kv.pool)
             assert model.tiers.get("CPU", set()) == group0(engine.kv.host_pool)
         assert engine.kv.disk.flush(timeout=30)
-        engine.kv.disk_lookup.take_events()  # (a step takes them; this run has no more steps)
+        engine.kv.disk.take_events()  # (a step takes them; this run has no more steps)
         model.apply(engine.kv.events.take())
-        assert model.tiers.get("DISK", set()) == set(engine.kv.disk.disk.keys_lru())
+        assert model.tiers.get("DISK", set()) == set(engine.kv.disk.store.keys_lru())
 
     probe = open_engine()  # how big one block file is, to size a disk that must evict
     run(probe, CacheModel(), ragged(2, 6))
-    disk = probe.kv.disk.disk
+    disk = probe.kv.disk.store
     block_file = disk.stats().bytes_used // len(disk)
     probe.close()
-    from pagedkv.memory.disk_tier import clear_directory
+    from pagedkv.memory.tiers.disk_store import clear_directory
     clear_directory(kv_dir)
 
     engine = open_engine(disk_size=12 * block_file)
     model = CacheModel()
     run(engine, model, ragged(3, 16))
-    assert engine.kv.disk.disk.stats().evictions > 0  # the disk's LRU removed blocks too
+    assert engine.kv.disk.store.stats().evictions > 0  # the disk's LRU removed blocks too
     engine.close()  # writes down what the disk lacks: its index changes once more
-    kept = set(engine.kv.disk.disk.keys_lru())
+    kept = set(engine.kv.disk.store.keys_lru())
 
     again = open_engine(disk_size=12 * block_file)
     restarted = CacheModel()
-    again.kv.disk_lookup.take_events()
+    again.kv.disk.take_events()
     restarted.apply(again.kv.events.take())
-    assert restarted.tiers["DISK"] == set(again.kv.disk.disk.keys_lru()) == kept and kept
+    assert restarted.tiers["DISK"] == set(again.kv.disk.store.keys_lru()) == kept and kept
     run(again, restarted, ragged(3, 4))  # prefixes the disk kept are read back; the events still agree
     again.close()
 

@@ -251,7 +251,7 @@ def test_faults_and_preemption_with_adapters_give_the_clean_outputs(tiny: dict) 
 
 def test_kv_events_carry_the_adapter(tiny: dict) -> None:
     """BlockStored of an adapter's blocks names it (vLLM's lora_id and lora_name); the base model's none."""
-    from pagedkv.memory.kv_events import BlockStored
+    from pagedkv.kv_events import BlockStored
     from pagedkv.server.kv_events import encode_event
 
     llm = _llm(tiny, kv_events=True)

@@ -224,7 +224,7 @@ def test_the_replay_socket_bounds_what_it_keeps_per_peer() -> None:
     keeps at most REPLAY_HWM messages for each (it kept up to ZMQ's default 1,000, or everything
     asked); a reader gets the batches in replies of at most REPLAY_MAX_BYTES, then the end mark."""
     zmq = pytest.importorskip("zmq")
-    from pagedkv.memory.kv_events import BlockStored
+    from pagedkv.kv_events import BlockStored
     from pagedkv.server.kv_events import END_SEQ, REPLAY_HWM, REPLAY_MAX_BYTES, KVEventPublisher, KVEventsConfig
 
     pub_port, replay_port = free_port(), free_port()
