@@ -13,8 +13,8 @@ import torch
 from server_helpers import ServerThread, tiny_engine
 from tiny_model import write_tiny_model
 
-from pagedkv.engine import sampler as sampler_module
-from pagedkv.engine.sampler import SampleRow, apply_penalties, logit_bias_vector
+from pagedkv.sampling import sampler as sampler_module
+from pagedkv.sampling.sampler import SampleRow, apply_penalties, logit_bias_vector
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.server.limits import RequestLimits
 
@@ -69,7 +69,7 @@ def test_a_request_builds_its_bias_vector_once(tmp_path, monkeypatch) -> None:
         built.append(size)
         return real(bias, size, dtype)
 
-    monkeypatch.setattr("pagedkv.engine.llm_engine.logit_bias_vector", counting)
+    monkeypatch.setattr("pagedkv.engine.step_update.logit_bias_vector", counting)
     allowed = {7, 8, 9}
     bias = {t: (0.0 if t in allowed else -100.0) for t in range(vocab)}
     engine.add_request("r", "hello world", SamplingParams(n=8, max_tokens=12, ignore_eos=True, seed=1,

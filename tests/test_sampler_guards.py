@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedkv.engine.sampler import MIN_LOGPROB, Sampler, SampleRow, SamplingError, make_generator
+from pagedkv.sampling.sampler import MIN_LOGPROB, Sampler, SampleRow, SamplingError, make_generator
 from pagedkv.sampling_params import SamplingParams
 
 VOCAB = 12

@@ -23,7 +23,7 @@ from tiny_model import write_tiny_model
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.engine import RequestRejectedError
-from pagedkv.engine.sampler import Sampler, SampleRow, apply_penalties, make_generator
+from pagedkv.sampling.sampler import Sampler, SampleRow, apply_penalties, make_generator
 from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
 
 pytestmark = pytest.mark.timeout(300)

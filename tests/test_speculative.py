@@ -24,12 +24,12 @@ from safetensors.torch import load_file, save_file
 from pagedkv import LLM, SamplingParams
 from pagedkv.engine import EngineConfig
 from pagedkv.engine.flags import add_engine_arguments, engine_options
-from pagedkv.engine.sampler import Sampler, SampleRow
+from pagedkv.sampling.sampler import Sampler, SampleRow
 from pagedkv.memory import KVCacheManager
 from pagedkv.speculative import SpeculativeConfig
 from pagedkv.speculative.decoder import SpeculativeDecoder, SpeculativeState
 from pagedkv.speculative.ngram import propose_ngram
-from pagedkv.speculative.verify import verify
+from pagedkv.sampling.rejection import verify
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 
@@ -213,7 +213,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
     vocab = 6
     logits = torch.randn(3, vocab) * 1.5
     params = SamplingParams(temperature=0.8, top_k=5)
-    from pagedkv.engine.sampler import filtered_probs
+    from pagedkv.sampling.sampler import filtered_probs
     p = [filtered_probs(logits[i], params) for i in range(3)]
     proposal = (int(p[0].argmax()), 2)
     counts: Counter = Counter()

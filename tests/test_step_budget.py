@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from pagedkv.engine.scheduler import Scheduler, SchedulerConfig, StepResult
+from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
+from pagedkv.engine.scheduler_output import StepResult
 from pagedkv.engine.sequence import Sequence, SequenceGroup
 from pagedkv.engine.step_cost import (
     FEATURES,

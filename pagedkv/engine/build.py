@@ -1,22 +1,39 @@
-"""From an EngineConfig to a ModelRunner: load the model, size the device and host KV pools."""
+"""From an EngineConfig to the engine's parts: the runner (load the model, size the device and
+host KV pools), the speculative decoder, the LoRA manager. ``LLMEngine`` wires what these return;
+nothing here imports the engine."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pagedkv.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from pagedkv.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from pagedkv.lora.manager import LoRAManager
+    from pagedkv.models.tokenizer import Tokenizer
+    from pagedkv.runner.protocol import Runner
+    from pagedkv.speculative.decoder import SpeculativeDecoder
+
 logger = logging.getLogger(__name__)
 
 
-def build_runner(config: EngineConfig):
-    """Load the model and size its KV pools: returns (runner, tokenizer, model name,
-    max_position_embeddings, model identity, sampling defaults). The identity
-    (``models/identity.py``) is computed only for the disk tier's fingerprint, else None; the
-    defaults are :func:`generation_defaults`'."""
+class RunnerParts(NamedTuple):
+    """A loaded model on its runner, and what the engine takes from the model beside it."""
+
+    runner: Runner
+    tokenizer: Tokenizer
+    model_name: str
+    max_position_embeddings: int
+    model_identity: dict[str, str] | None  # for the disk tier's fingerprint (models/identity.py)
+    generation_defaults: dict[str, Any]    # sampling defaults (:func:`generation_defaults`)
+
+
+def build_runner(config: EngineConfig) -> RunnerParts:
+    """Load the model and size its KV pools. The identity (``models/identity.py``) is computed
+    only for the disk tier's fingerprint, else None; the defaults are :func:`generation_defaults`'."""
     import torch
 
     from pagedkv.models import load_model
@@ -61,7 +78,8 @@ def build_runner(config: EngineConfig):
         from pagedkv.models.identity import model_identity
         identity = model_identity(loaded.path)
     defaults = generation_defaults(config.generation_config, loaded.generation_defaults)
-    return runner, loaded.tokenizer, loaded.name, loaded.config.max_position_embeddings, identity, defaults
+    return RunnerParts(runner, loaded.tokenizer, loaded.name, loaded.config.max_position_embeddings, identity,
+                       defaults)
 
 
 def generation_defaults(setting: str, model_defaults: dict[str, Any]) -> dict[str, Any]:
@@ -94,7 +112,8 @@ def generation_defaults(setting: str, model_defaults: dict[str, Any]) -> dict[st
     return defaults
 
 
-def build_speculative_decoder(config: EngineConfig, runner, tokenizer, max_model_len: int):
+def build_speculative_decoder(config: EngineConfig, runner: Runner, tokenizer: Tokenizer | None,
+                              max_model_len: int) -> SpeculativeDecoder | None:
     """The speculative decoder ``config.speculative_config`` asks for (``pagedkv/speculative``), or None.
     A draft model gets a runner and a memory core of its own, with the target's block size and
     (unless ``draft_kv_blocks`` says otherwise) as many blocks; ValueError when its tokenizer
@@ -106,11 +125,10 @@ def build_speculative_decoder(config: EngineConfig, runner, tokenizer, max_model
 
     draft = None
     if spec.method == "draft_model":
-        from pagedkv.engine.llm_engine import kv_group_windows
         from pagedkv.memory import KVCacheManager
         from pagedkv.speculative.draft_model import DraftModelProposer
 
-        target_vocab = int(getattr(getattr(runner, "config", None), "vocab_size", 0) or 0)
+        target_vocab = runner.config.vocab_size
         draft_config = EngineConfig(model=spec.model, block_size=config.block_size,
                                     num_kv_blocks=spec.draft_kv_blocks or runner.num_blocks, kv_offloading_size=0,
                                     max_num_seqs=config.max_num_seqs, dtype=config.dtype,
@@ -121,10 +139,28 @@ def build_speculative_decoder(config: EngineConfig, runner, tokenizer, max_model
         draft_kv = KVCacheManager(draft_runner.num_blocks, config.block_size, watermark=0.0,
                                   kv_group_windows=kv_group_windows(draft_runner))
         draft = DraftModelProposer(draft_runner, draft_kv, config.max_num_batched_tokens,
-                                   target_vocab or draft_runner.config.vocab_size)
+                                   target_vocab)
         logger.info("speculative decoding: draft model %s, %d KV blocks, k=%d", draft_name,
                     draft_runner.num_blocks, spec.num_speculative_tokens)
     return SpeculativeDecoder(spec, max_model_len, draft)
+
+
+def kv_group_windows(runner: Runner) -> tuple[int | None, ...]:
+    """The memory core's KV groups for the runner's cache (``model_shape.kv_groups``): one per
+    group, its window or None."""
+    return tuple(g.window for g in runner.kv_groups) or (None,)
+
+
+def build_lora_manager(config: EngineConfig, runner: Runner) -> LoRAManager | None:
+    """The adapters' manager of an engine with ``enable_lora`` (its runner built with LoRA slots)."""
+    if not config.enable_lora:
+        return None
+    if runner.lora is None:
+        raise ValueError("enable_lora: the runner has no LoRA slots (build it with max_loras > 0)")
+    from pagedkv.lora.manager import LoRAManager
+
+    return LoRAManager(runner, runner.config, max_loras=config.max_loras, max_rank=config.max_lora_rank,
+                       max_cpu_loras=config.max_cpu_loras or config.max_loras)
 
 
 def check_same_tokenizer(target, draft, draft_name: str) -> None:

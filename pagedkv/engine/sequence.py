@@ -15,9 +15,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedkv.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # types only: this module stays pure Python, like the scheduler that imports it
+    import torch
+
+    from pagedkv.engine.structured_output import GrammarState
+    from pagedkv.speculative.decoder import SpeculativeState
 
 
 class GroupStatus(enum.Enum):
@@ -44,13 +50,13 @@ class Sequence:
     read_offset: int = 0
     logprobs: list | None = None
     cumulative_logprob: float = 0.0
-    rng: object | None = None  # per-sequence random generator for seeded sampling (runner side)
-    grammar: object | None = None  # structured output: a GrammarState, advanced by each appended token
+    rng: torch.Generator | None = None  # per-sequence random generator for seeded sampling
+    grammar: GrammarState | None = None  # structured output: advanced by each appended token
     # speculative decoding (pagedkv/speculative): tokens proposed to follow token_ids[:proposal_at] (the
     # scheduler verifies them only while proposal_at == num_tokens), and the back-off state
     proposal: tuple[int, ...] = ()
     proposal_at: int = -1
-    speculative: object | None = None  # the SpeculativeState (pagedkv.speculative.decoder)
+    speculative: SpeculativeState | None = None  # back-off state (pagedkv.speculative.decoder)
 
     @property
     def num_tokens(self) -> int:

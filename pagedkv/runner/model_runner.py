@@ -16,11 +16,13 @@ import torch
 
 from pagedkv.lora.adapter import LoRAWeights
 from pagedkv.lora.layers import LoRAStack, apply_lora
+from pagedkv.model_shape import KVGroup
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.llama import LlamaForCausalLM, RMSNorm
 from pagedkv.models.loader import LoadedModel
 from pagedkv.models.packed_linear import pack_lm_head as pack_head
 from pagedkv.models.packed_linear import transpose_wide_linears
+from pagedkv.models.quant_linear import QuantLinear
 from pagedkv.ops import native
 from pagedkv.ops.cache_ops import (
     block_payloads,
@@ -177,7 +179,8 @@ def choose_backend(device: torch.device, requested: str | None) -> str:
 
 
 class ModelRunner:
-    """Owns the KV cache of one model and executes steps described by ``SeqChunk`` lists.
+    """Owns the KV cache of one model and executes steps described by ``SeqChunk`` lists (the
+    engine's ``Runner``, ``runner/protocol.py``).
 
     Size the device pool with ``num_blocks`` or ``kv_cache_memory`` (bytes or "2GiB"; exactly one);
     ``num_host_blocks`` sizes the host pool used by swap_out/swap_in. ``kv_cache_dtype`` is the
@@ -272,6 +275,30 @@ class ModelRunner:
     @property
     def block_size(self) -> int:
         return self.cache.block_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.cache.bytes_per_block
+
+    @property
+    def kv_groups(self) -> tuple[KVGroup, ...]:
+        return self.cache.groups
+
+    @property
+    def payload_bytes(self) -> int:
+        """One block's payload size, measured on block 0 (what ``block_payloads`` writes)."""
+        return len(self.block_payloads([0])[0]) if self.num_blocks else 0
+
+    @property
+    def model_dtype(self) -> str:
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+
+    @property
+    def weights_quantization(self) -> str | None:
+        return "q8_0" if any(isinstance(m, QuantLinear) for m in self.model.modules()) else None
+
+    def set_context_length(self, context: int) -> None:
+        self.model.set_context_length(context)
 
     @property
     def num_blocks(self) -> int:

@@ -16,10 +16,16 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from pagedkv.sampling.rejection import verify as verify_proposal
 from pagedkv.speculative.config import SpeculativeConfig
 from pagedkv.speculative.ngram import propose_ngram
+
+if TYPE_CHECKING:
+    from pagedkv.sampling.sampler import SampleBatch, Sampled, SampleRow
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +35,7 @@ EMA_WEIGHT = 0.3    # weight of the latest step in a sequence's acceptance avera
 
 @dataclass(slots=True)
 class SpeculativeState:
-    """One sequence's back-off state (on ``Sequence.spec``)."""
+    """One sequence's back-off state (on ``Sequence.speculative``)."""
 
     acceptance: float = 1.0   # running average of accepted / proposed
     misses: int = 0           # proposals rejected outright in a row
@@ -115,6 +121,23 @@ class SpeculativeDecoder:
         return max(0, min(k, remaining - 1, self.max_model_len - seq.num_tokens))
 
     # ------------------------------------------------------------------ outcomes
+    def verify(self, seq, batch: SampleBatch, rows: list[SampleRow], proposal: tuple[int, ...],
+               append: Callable[[Sampled], None]) -> int:
+        """Check ``seq``'s proposal against the target's rows (``sampling/rejection.py``), hand each
+        token it yields to ``append`` (which appends it and runs the stop checks) until the
+        sequence finishes, and record the outcome. Returns how many of the chunk's tokens keep
+        their KV: the last token and the accepted proposals that were appended."""
+        tokens, accepted = verify_proposal(batch, rows, proposal)
+        appended = 0
+        for sampled in tokens:
+            append(sampled)
+            appended += 1
+            if seq.finish_reason is not None:
+                break
+        kept = 1 + min(accepted, appended)
+        self.record(seq, len(proposal), accepted)
+        return kept
+
     def record(self, seq, proposed: int, accepted: int) -> None:
         """A verification's outcome for ``seq``: ``accepted`` of ``proposed`` tokens."""
         self._drafts += 1

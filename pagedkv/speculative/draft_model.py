@@ -12,7 +12,7 @@ Each call (after an engine step):
 2. catch up: one batched pass over every sequence's tokens the draft has not seen yet (a
    prompt, or the target's own token after a rejection) gives its first proposal;
 3. k - 1 batched single-token passes give the rest. Proposals are the draft's argmax (a point
-   mass, which ``speculative/verify.py``'s rejection sampling expects).
+   mass, which ``sampling/rejection.py``'s rejection sampling expects).
 
 A sequence whose catch-up exceeds the pass's token budget (a long new prompt) catches up over
 several calls and gets proposals once it has.

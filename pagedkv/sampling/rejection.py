@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.engine.sampler import SampleBatch, Sampled, SampleRow, SamplingError, filtered_probs
+from pagedkv.sampling.sampler import SampleBatch, Sampled, SampleRow, SamplingError, filtered_probs
 
 
 @torch.inference_mode()

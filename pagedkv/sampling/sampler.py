@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedkv.engine.structured_output import apply_bitmask
 from pagedkv.errors import PagedKVError
 from pagedkv.outputs import Logprob
+from pagedkv.sampling.bitmask import apply_bitmask
 from pagedkv.sampling_params import SamplingParams
 
 MIN_LOGPROB = -9999.0  # the log-probability reported for a token of probability 0
