@@ -5,7 +5,8 @@ from pagedkv.outputs import CompletionOutput, RequestOutput
 from pagedkv.sampling_params import SamplingParams, StructuredOutput
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "LoRARequest", "RequestOutput", "SamplingParams", "StructuredOutput", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "LoRARequest", "RequestOutput", "SamplingParams", "StructuredOutput",
+           "__version__"]
 
 
 def __getattr__(name: str):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Sequence
+from typing import cast
 
 from pagedkv.engine import EngineStats, LLMEngine
 from pagedkv.lora.request import LoRARequest
@@ -161,10 +162,10 @@ class _ProgressBar:
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one prompt of token ids
-    return prompts
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [cast(list[int], items)]  # one prompt of token ids
+    return cast(list[Prompt], items)
 
 
 def _per_prompt_lora(value, n: int) -> list | None:

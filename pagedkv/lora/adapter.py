@@ -111,7 +111,8 @@ def check_adapter_config(cfg: dict[str, Any], where: str) -> None:
         if cfg.get(key):
             raise LoRAError(f"{where}: {key} = {cfg[key]!r}: {why}")
     if cfg.get("bias", "none") not in ("none", None):
-        raise LoRAError(f"{where}: bias = {cfg['bias']!r}: trained base-model biases are not supported (bias must be 'none')")
+        raise LoRAError(f"{where}: bias = {cfg['bias']!r}: trained base-model biases are not supported "
+                        "(bias must be 'none')")
     for key in ("r", "lora_alpha"):
         value = cfg.get(key, 8)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:

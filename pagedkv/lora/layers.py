@@ -57,10 +57,14 @@ class LoRABatch:
 class LoRALinear(nn.Module):
     """``base(x)`` plus each slot's low-rank product on that slot's rows (see the module doc)."""
 
+    lora_a: torch.Tensor  # [slots, width, in] (a buffer: declared so its type is not nn.Module's __getattr__)
+    lora_bt: torch.Tensor  # [slots, width, out]
+
     def __init__(self, base: nn.Module, parts: int, max_loras: int, max_rank: int, batch: LoRABatch,
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.base = base
+        # nn.Module's __getattr__ is typed Tensor | Module; every wrapped linear layer has int features
         self.in_features: int = base.in_features  # type: ignore[assignment]
         self.out_features: int = base.out_features  # type: ignore[assignment]
         width = parts * max_rank
@@ -152,9 +156,8 @@ class LoRAStack:
         if not 0 <= slot < self.max_loras:
             raise ValueError(f"LoRA slot {slot} out of range 0..{self.max_loras - 1}")
         modules = weights.modules if weights is not None else {}
-        unknown = set(modules) - set(self.layers)
-        if unknown:
-            raise ValueError(f"adapter {weights.name!r} adapts modules this model lacks: {sorted(unknown)[:3]}")  # type: ignore[union-attr]
+        if weights is not None and (unknown := set(modules) - set(self.layers)):
+            raise ValueError(f"adapter {weights.name!r} adapts modules this model lacks: {sorted(unknown)[:3]}")
         with torch.inference_mode():
             for name, layer in self.layers.items():
                 layer.set_slot(slot, modules.get(name, []))

@@ -201,7 +201,8 @@ def _model_type(d: dict[str, Any]) -> str:
         if arch in SUPPORTED_ARCHITECTURES:
             return SUPPORTED_ARCHITECTURES[arch]
     model_type = d.get("model_type")
-    model_type = _MODEL_TYPE_ALIASES.get(model_type, model_type)
+    if isinstance(model_type, str):
+        model_type = _MODEL_TYPE_ALIASES.get(model_type, model_type)
     if model_type in SUPPORTED_MODEL_TYPES and not archs:
         return str(model_type)
     name = archs[0] if archs else model_type

@@ -18,6 +18,7 @@ model never saw in training, without any sign that something is off.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
@@ -117,9 +118,9 @@ def _byte_level_bpe(*, pre: str, tokens: Sequence[str], token_types: Sequence[in
     """A byte-level BPE tokenizer equal to the GGUF vocabulary; control tokens become special."""
     pre_tokenizer = _pre_tokenizer(pre)  # first, so an unknown name fails before any work
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    pairs = cast(list[tuple[str, str]], [tuple(m.split(" ", 1)) for m in merges])  # each merge is "a b"
     ignore_merges = pre in ("llama-bpe", "llama3")
-    tok = HFTokenizer(BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges))  # type: ignore[arg-type]
+    tok = HFTokenizer(BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges))
     tok.pre_tokenizer = pre_tokenizer
     tok.decoder = decoders.ByteLevel()
     _add_marked_tokens(tok, tokens, token_types)
@@ -188,14 +189,14 @@ def _sentencepiece(*, pre: str, architecture: str, tokens: Sequence[str], token_
         scores = [-float(i) for i in range(len(tokens))]  # Gemma's scores do not follow its merge order
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if merges is not None:
-        pairs = [tuple(m.split(" ")) for m in merges]
+        pairs = cast(list[tuple[str, str]], [tuple(m.split(" ")) for m in merges])  # each merge is "a b"
     elif scores is not None:
         pairs = _merges_from_scores(tokens, scores)
     else:
         raise UnsupportedModelError(
             "GGUF 'llama' tokenizer has neither tokenizer.ggml.merges nor tokenizer.ggml.scores"
         )
-    tok = HFTokenizer(BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True))  # type: ignore[arg-type]
+    tok = HFTokenizer(BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True))
     if gemma:
         tok.normalizer = normalizers.Replace(" ", SENTENCEPIECE_SPACE)
     elif architecture == "phi3":

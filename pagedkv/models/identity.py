@@ -20,7 +20,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "special_tokens_map.json", "added_tokens.json")
 
 
-def file_identity(path: Path, digest: hashlib._Hash) -> None:
+def file_identity(path: Path, digest: hashlib.blake2b) -> None:
     size = path.stat().st_size
     digest.update(f"{path.name}\0{size}\0".encode())
     with open(path, "rb") as f:

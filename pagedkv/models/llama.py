@@ -64,8 +64,9 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         h, kvh = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(t, h + 2 * kvh, self.head_dim)  # [T, H + 2*KVH, d]
-        if self.q_norm is not None:
-            qkv = torch.cat((self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h:h + kvh]), qkv[:, h + kvh:]), dim=1)
+        if self.q_norm is not None:  # k_norm is set with q_norm (qk_norm): not tested again on the hot path
+            qkv = torch.cat((self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h:h + kvh]),  # type: ignore[misc]
+                             qkv[:, h + kvh:]), dim=1)
         qk = apply_rope(qkv[:, : h + kvh], cos, sin)  # q and k rotated in one op
         q, k = qk[:, :h], qk[:, h:]
         v = qkv[:, h + kvh:]

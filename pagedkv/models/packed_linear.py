@@ -90,14 +90,15 @@ def pack_lm_head(model: nn.Module) -> bool:
     if isinstance(head, PackedLinear):
         return True
     if head is None:  # tied: the embedding matrix is the head
+        # nn.Module's __getattr__ types a submodule as Tensor | Module: the embedding is a Module
         weight, bias = model.embed_tokens.weight, None  # type: ignore[union-attr]
     elif isinstance(head, nn.Linear):
         weight, bias = head.weight, head.bias
     else:
         return False
-    if weight.dtype != torch.float32 or not packing_available():
+    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or not packing_available():
         return False
-    model.lm_head = PackedLinear(weight, bias)  # type: ignore[assignment]
+    model.lm_head = PackedLinear(weight, bias)
     return True
 
 

@@ -41,10 +41,10 @@ def inv_frequencies(rope: RopeConfig, head_dim: int, max_position_embeddings: in
     elif rope.rope_type == "llama3":
         inv_freq = _llama3_scale(inv_freq, rope, max_position_embeddings)
     if rope.freq_factors is not None:
-        factors = torch.tensor(rope.freq_factors, dtype=torch.float32, device="cpu")
-        if factors.numel() != inv_freq.numel():
-            raise ValueError(f"rope freq_factors has {factors.numel()} entries, expected {inv_freq.numel()}")
-        inv_freq = inv_freq / factors
+        freq_factors = torch.tensor(rope.freq_factors, dtype=torch.float32, device="cpu")
+        if freq_factors.numel() != inv_freq.numel():
+            raise ValueError(f"rope freq_factors has {freq_factors.numel()} entries, expected {inv_freq.numel()}")
+        inv_freq = inv_freq / freq_factors
     return inv_freq
 
 

@@ -84,7 +84,7 @@ def swap_blocks(src_kv: torch.Tensor, dst_kv: torch.Tensor, pairs: Sequence[tupl
     src, dst = _pairs_to_index(pairs)
     if len(set(dst.tolist())) != len(dst):
         raise ValueError("swap_blocks: a destination block appears twice")
-    pools = [(_raw(src_kv), _raw(dst_kv))]
+    pools: list[tuple[torch.Tensor, torch.Tensor | None]] = [(_raw(src_kv), _raw(dst_kv))]
     if src_scales is not None:
         pools.append((src_scales, dst_scales))
     for a, b in pools:
@@ -118,7 +118,7 @@ def load_block_payloads(kv: torch.Tensor, pairs: Sequence[tuple[int, bytes]],
     raw = _raw(kv)
     kv_bytes = raw[:, :, 0].numel() * raw.element_size()
     scale_bytes = 0 if scales is None else scales[:, :, 0].numel() * scales.element_size()
-    for block_id, payload in pairs:
+    for _, payload in pairs:
         if len(payload) != kv_bytes + scale_bytes:
             raise ValueError(f"a KV block payload has {len(payload)} bytes; this pool's blocks take "
                              f"{kv_bytes + scale_bytes}")

@@ -136,8 +136,8 @@ def paged_prefill_attention(
     query_pos = (torch.arange(n) + start_pos).view(n, 1)
     key_pos = torch.arange(ctx).view(1, ctx)
     mask = key_pos <= query_pos  # [n, ctx]
-    if windowed:
-        mask &= key_pos > query_pos - sliding_window
+    if windowed:  # sliding_window is set: not tested again per layer
+        mask &= key_pos > query_pos - sliding_window  # type: ignore[operator]
     if softcap:
         return _capped_attention(q, keys, values, mask, scale if scale is not None else d ** -0.5, softcap)
     out = F.scaled_dot_product_attention(qh, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),

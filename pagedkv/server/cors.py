@@ -14,6 +14,7 @@ import argparse
 import json
 from dataclasses import dataclass
 
+from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
 
 _LISTS = {"allowed_origins": "origins", "allowed_methods": "methods", "allowed_headers": "headers"}
@@ -63,7 +64,7 @@ def _parse_list(name: str, items: list[str]) -> tuple[str, ...]:
     return tuple(v.strip() for v in out)
 
 
-def install_cors(app: object, options: CORSOptions) -> None:
+def install_cors(app: Starlette, options: CORSOptions) -> None:
     """Answer CORS preflights and add CORS headers (before routing and the API-key check, as a
     preflight carries no key)."""
     app.add_middleware(CORSMiddleware, allow_origins=list(options.origins), allow_methods=list(options.methods),

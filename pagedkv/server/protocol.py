@@ -14,7 +14,7 @@ import functools
 import json
 import re
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, model_validator
 
@@ -190,7 +190,8 @@ class _SamplingFields(_Body):
                 n=self.n,
                 max_tokens=max_tokens,
                 **chosen,
-                logit_bias=self.logit_bias,
+                # OpenAI's string keys: SamplingParams reads them as token ids (its error names logit_bias)
+                logit_bias=self.logit_bias,  # type: ignore[arg-type]
                 seed=self.seed,
                 stop=tuple(stop),
                 stop_token_ids=tuple(self.stop_token_ids or ()),
@@ -229,8 +230,8 @@ class CompletionRequest(_SamplingFields):
         if not p:
             raise bad_request("prompt must not be empty", param="prompt")
         if all(isinstance(x, int) for x in p):
-            return [list(p)]  # one token-id prompt
-        return list(p)
+            return [cast(list[int], list(p))]  # one token-id prompt
+        return cast(list[str | list[int]], list(p))
 
     def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """``defaults``: see ``_params`` (its max_tokens replaces 16 when the request has none)."""
@@ -405,7 +406,8 @@ def _messages_in_slices(obj: dict[str, Any], model: type[BaseModel]) -> dict[str
     field = model.model_fields.get("messages")
     if field is None or not isinstance(messages, list) or len(messages) <= _SLICE:
         return obj
-    adapter = _adapter(field.annotation)
+    # the annotation (a type, hashable) keys _adapter's cache; pydantic types it TypeForm | None
+    adapter = _adapter(field.annotation)  # type: ignore[arg-type]
     out: list[Any] = []
     for start in range(0, len(messages), _SLICE):
         try:

@@ -7,6 +7,7 @@ the serving code (``serving.py``) is the same for completions and chat.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -54,10 +55,10 @@ class ResponseFormat(Protocol):
     def full(self, rid: str, model: str, choices: list[Json], usage: Usage) -> Json: ...
     def choice(self, index: int, text: str, logprobs: Json | None, finish_reason: str | None) -> Json: ...
     def chunk(self, rid: str, model: str, choices: list[Json], usage: Usage | None = None) -> Json: ...
-    def delta(self, index: int, text: str, logprobs: Json | None, finish_reason: str | None) -> Json: ...
+    def delta(self, index: int, text: str, logprobs: Json | None, finish_reason: str | None) -> Json | None: ...
     def first_deltas(self, num_choices: int) -> list[Json]: ...
     def logprobs(
-        self, token_ids: list[int], steps: list[dict[int, Logprob] | None], decode: TokenDecoder, offset: int
+        self, token_ids: list[int], steps: Sequence[dict[int, Logprob] | None], decode: TokenDecoder, offset: int
     ) -> Json: ...
 
 
@@ -100,7 +101,7 @@ class CompletionFormat:
         return []
 
     def logprobs(
-        self, token_ids: list[int], steps: list[dict[int, Logprob] | None], decode: TokenDecoder, offset: int
+        self, token_ids: list[int], steps: Sequence[dict[int, Logprob] | None], decode: TokenDecoder, offset: int
     ) -> Json:
         """OpenAI's legacy logprobs object; a step of None (the first echoed prompt token, which
         nothing predicts) gives null logprobs, as OpenAI's does."""
@@ -144,7 +145,7 @@ class ChatFormat:
             body["usage"] = usage.to_json()
         return body
 
-    def delta(self, index: int, text: str, logprobs: Json | None, finish_reason: str | None) -> Json:
+    def delta(self, index: int, text: str, logprobs: Json | None, finish_reason: str | None) -> Json | None:
         delta = {"content": text} if text or finish_reason is None else {}
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
@@ -153,10 +154,11 @@ class ChatFormat:
                  "finish_reason": None} for i in range(num_choices)]
 
     def logprobs(
-        self, token_ids: list[int], steps: list[dict[int, Logprob]], decode: TokenDecoder, offset: int
+        self, token_ids: list[int], steps: Sequence[dict[int, Logprob] | None], decode: TokenDecoder, offset: int
     ) -> Json:
         content = []
         for tid, step in zip(token_ids, steps):
+            step = step or {}  # None (a prompt token nothing predicts) never comes here: chat has no echo
             lp = step.get(tid)
             text = _token_text(tid, lp, decode)
             top = [

@@ -6,10 +6,12 @@ from pagedkv.model_shape import FULL_ATTENTION, SLIDING_ATTENTION, ModelShape
 
 
 def _llama(name: str, model_type: str, layers: int, hidden: int, heads: int, kv_heads: int, inter: int,
-           vocab: int, max_len: int, **extra: bool) -> ModelShape:
+           vocab: int, max_len: int, *, tie_word_embeddings: bool = False, attention_bias: bool = False
+           ) -> ModelShape:
     return ModelShape(name=name, model_type=model_type, num_hidden_layers=layers, num_attention_heads=heads,
                       num_key_value_heads=kv_heads, head_dim=hidden // heads, hidden_size=hidden,
-                      intermediate_size=inter, vocab_size=vocab, max_position_embeddings=max_len, **extra)
+                      intermediate_size=inter, vocab_size=vocab, max_position_embeddings=max_len,
+                      tie_word_embeddings=tie_word_embeddings, attention_bias=attention_bias)
 
 
 def _gemma3(name: str, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int,

@@ -151,7 +151,7 @@ def load_trace(path: str | Path, config: WorkloadConfig) -> list[Request]:
     rng = random.Random(config.seed)
     counter = _TokenCounter()
     requests: list[Request] = []
-    columns = TRACE_COLUMNS
+    columns: tuple[str, ...] = TRACE_COLUMNS
     clock = 0.0
     with open(path, newline="") as handle:
         for line_no, row in enumerate(csv.reader(handle), start=1):
@@ -284,6 +284,7 @@ def parse_tenant_spec(text: str) -> TenantSpec:
             if key in ("prompt", "output"):
                 raise
             raise ValueError(f"--tenant {name}: {key} must be a number, got {value!r}") from exc
+    # each key's value parsed above to its field's type; a dict[str, object] cannot say which is which
     spec = TenantSpec(name, **values)  # type: ignore[arg-type]
     checks = [(spec.requests >= 1, "requests", ">= 1", spec.requests),
               (spec.rate > 0, "rate", "> 0", spec.rate),
@@ -292,9 +293,9 @@ def parse_tenant_spec(text: str) -> TenantSpec:
               (spec.start >= 0, "start", ">= 0", spec.start),
               (spec.prefix >= 0, "prefix", ">= 0", spec.prefix),
               (spec.every is None or "rate" not in values, "every", "given without rate", spec.every)]
-    for ok, key, allowed, value in checks:
+    for ok, key, allowed, got in checks:
         if not ok:
-            raise ValueError(f"--tenant {name}: {key} must be {allowed}, got {value}")
+            raise ValueError(f"--tenant {name}: {key} must be {allowed}, got {got}")
     return spec
 
 

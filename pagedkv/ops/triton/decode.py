@@ -215,12 +215,12 @@ def _decode_merge_kernel(
     s_mask = offs_s < NUM_SPLITS
     base = (row.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + offs_s
     m = tl.load(mid_m_ptr + base, mask=s_mask, other=float("-inf"))
-    l = tl.load(mid_l_ptr + base, mask=s_mask, other=0.0)
+    l_split = tl.load(mid_l_ptr + base, mask=s_mask, other=0.0)  # each split's softmax denominator
     acc = tl.load(mid_acc_ptr + base[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
     m_max = tl.max(m, axis=0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp2(m - m_max)  # empty splits (m = -inf) weigh 0
-    l_sum = tl.sum(w * l, axis=0)
+    l_sum = tl.sum(w * l_split, axis=0)
     o = tl.sum(w[:, None] * acc, axis=0) / tl.where(l_sum > 0.0, l_sum, 1.0)
     d_mask = offs_d < HEAD_DIM
     tl.store(out_ptr + row.to(tl.int64) * o_s0 + head * o_s1 + offs_d * o_s2, o.to(out_ptr.dtype.element_ty),

@@ -256,10 +256,11 @@ def paged_prefill_attention(
     else:
         dot_dtype = torch.float32
     has_softcap = bool(softcap)
-    sc_in = scale / softcap if has_softcap else 1.0
-    sc_out = (softcap if has_softcap else scale) * _LOG2E
-    ks_strides = k_scales.stride() if eight_bit else (0, 0)
-    vs_strides = v_scales.stride() if eight_bit else (0, 0)
+    sc_in = scale / softcap if softcap else 1.0
+    sc_out = (softcap if softcap else scale) * _LOG2E
+    # an 8-bit cache has both scales (checked above)
+    ks_strides = k_scales.stride() if eight_bit and k_scales is not None else (0, 0)
+    vs_strides = v_scales.stride() if eight_bit and v_scales is not None else (0, 0)
     if not eight_bit:
         k_scales = v_scales = out  # never read (HAS_SCALES is off): any pointer will do
 

@@ -78,7 +78,8 @@ class ToolRequest:
     def forced_output(self) -> StructuredOutput | None:
         """The constraint that makes a required or named call parse, or None."""
         if self.choice == "named":
-            return StructuredOutput(json=self.by_name[self.named]["parameters"])  # type: ignore[index]
+            assert self.named is not None, "tool_choice named a function"
+            return StructuredOutput(json=self.by_name[self.named]["parameters"])
         if self.choice != "required":
             return None
         variants = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
@@ -208,9 +209,12 @@ def schema_problem(schema: Any, path: str = "") -> str | None:
     for key in (*_SCHEMA_ONE, "items", "additionalProperties"):
         if key in schema:
             sub = schema[key]
-            subs = sub if key == "items" and isinstance(sub, list) else [sub]
-            for i, one in enumerate(subs):
-                if (problem := schema_problem(one, f"{at}{key}")) is not None:
+            if key == "items" and isinstance(sub, list):  # the older tuple form: one schema per position
+                subs = [(one, f"{at}{key}[{i}]") for i, one in enumerate(sub)]
+            else:
+                subs = [(sub, f"{at}{key}")]
+            for one, where in subs:
+                if (problem := schema_problem(one, where)) is not None:
                     return problem
     required = schema.get("required")
     if required is not None and (not isinstance(required, list) or not all(isinstance(r, str) for r in required)):

@@ -19,11 +19,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Message
 
 from pagedkv.server.errors import APIError, bad_request
 
@@ -94,7 +95,7 @@ def _subrequest(request: Request, body: bytes) -> Request:
     scope["path"] = "/v1/chat/completions"
     sent = False
 
-    async def receive() -> dict[str, Any]:
+    async def receive() -> Message:
         nonlocal sent
         if not sent:
             sent = True
@@ -290,7 +291,7 @@ def output_items(message: Json) -> list[Json]:
     return items
 
 
-async def _events(chunks: AsyncIterator[Any], meta: _ResponseMeta) -> AsyncIterator[str]:
+async def _events(chunks: AsyncIterable[Any], meta: _ResponseMeta) -> AsyncIterator[str]:
     """The chat stream's SSE chunks as Responses events."""
     seq = 0
     output: list[Json] = []

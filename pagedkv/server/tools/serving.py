@@ -4,6 +4,8 @@ server's flags and the chat template (app.py calls :func:`chat_output` once per 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 from pagedkv.sampling_params import SamplingParams
@@ -27,17 +29,16 @@ def chat_output(body: Any, options: ToolOptions | None, tokenizer: Any,
     if params.structured_output is not None:
         # The grammar starts at the first token, so a constrained answer has no thinking to split off.
         reasoning = None
-    new_calls = None
+    new_calls: Callable[[], ToolCallStream | NamedCallStream] | None = None  # one call parser per choice
     strip: tuple[str, ...] = ()
     if req.choice == "named":
-        name = req.named
-        new_calls = lambda: NamedCallStream(name)  # noqa: E731
+        new_calls = functools.partial(NamedCallStream, req.named)
     elif req.choice == "required":
-        new_calls = lambda: ToolCallStream(RequiredCallsParser())  # noqa: E731
+        new_calls = _required_calls
     elif req.choice == "auto":
         probe = options.new_tool_parser()
         assert probe is not None  # check_served: auto needs a parser
-        new_calls = lambda: ToolCallStream(options.new_tool_parser())  # noqa: E731 - one parser per choice
+        new_calls = functools.partial(_auto_calls, options)
         if not probe.skip_special_tokens and "skip_special_tokens" not in body.model_fields_set:
             # The parser's markers are special tokens ([TOOL_CALLS]): decode them; EOS is not content.
             params = dataclasses.replace(params, skip_special_tokens=False)
@@ -45,3 +46,13 @@ def chat_output(body: Any, options: ToolOptions | None, tokenizer: Any,
     if new_calls is None and reasoning is None:
         return params, ChatFormat(body.top_logprobs or 0)
     return params, ToolChatFormat(body.top_logprobs or 0, new_calls=new_calls, reasoning=reasoning, strip=strip)
+
+
+def _required_calls() -> ToolCallStream:
+    return ToolCallStream(RequiredCallsParser())
+
+
+def _auto_calls(options: ToolOptions) -> ToolCallStream:
+    parser = options.new_tool_parser()
+    assert parser is not None  # check_served: auto needs a parser
+    return ToolCallStream(parser)
