@@ -62,8 +62,8 @@ def main() -> None:
         for m in ROWS:
             x = torch.randn(m, k)
             res = torch.empty(m, n)
-            t = timed({"q8_0": lambda: torch.ops.pagedkv.q8_0_linear(res, x, q, d), "f32": lambda: x @ deq.t()},
-                      args.reps)
+            t = timed({"q8_0": lambda: torch.ops.pagedkv.q8_0_linear(res, x, q, d),  # noqa: B023 - timed in this iteration
+                       "f32": lambda: x @ deq.t()}, args.reps)  # noqa: B023 - timed in this iteration
             out[f"speedup_{n}x{k}_m{m}"] = round(t["f32"] / t["q8_0"], 3)
             print(f"{n:5d} x {k:4d}  M={m:2d}  q8_0 {t['q8_0'] * 1e3:7.3f} ms  float32 {t['f32'] * 1e3:7.3f} ms  "
                   f"speedup {t['f32'] / t['q8_0']:.2f}")

@@ -37,7 +37,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from cluster import Cluster  # noqa: E402  (tests/cluster.py: replicas + router on loopback)
+from cluster import Cluster  # tests/cluster.py: replicas + router on loopback
 
 BLOCK = 16
 

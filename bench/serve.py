@@ -78,7 +78,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                     ttft = time.perf_counter() - start
                 if event.get("usage"):
                     tokens = event["usage"]["completion_tokens"]
-    except (httpx.HTTPError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, httpx.HTTPError) as exc:
         return Result(False, error=f"{type(exc).__name__}: {exc}")
     return Result(True, ttft=ttft, e2e=time.perf_counter() - start, output_tokens=tokens)
 
