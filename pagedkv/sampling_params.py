@@ -8,6 +8,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+# generation_config.json keys that become sampling defaults, by SamplingParams' names (vLLM's list:
+# ModelConfig.get_diff_sampling_param; max_new_tokens is max_tokens). Others (do_sample, ...) are
+# ignored. models/hf_loader.py reads them; the server checks --override-generation-config by them.
+GENERATION_DEFAULT_KEYS = {"repetition_penalty": "repetition_penalty", "temperature": "temperature",
+                           "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "max_new_tokens": "max_tokens"}
+
 
 @dataclass(frozen=True, slots=True)
 class StructuredOutput:

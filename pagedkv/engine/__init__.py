@@ -14,8 +14,9 @@ from pagedkv.engine.errors import (
 )
 from pagedkv.engine.input_processor import TokenizedPrompt
 from pagedkv.engine.stats import EngineStats
+from pagedkv.memory import DEFAULT_TENANT  # the tenant of a request that names none (server labels)
 
-__all__ = ["EngineConfig", "EngineDeadError", "EngineStats", "LLMEngine", "RequestFailedError",
+__all__ = ["DEFAULT_TENANT", "EngineConfig", "EngineDeadError", "EngineStats", "LLMEngine", "RequestFailedError",
            "RequestRejectedError", "RequestTooLongError", "TokenizedPrompt"]
 
 

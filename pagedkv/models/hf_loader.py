@@ -18,6 +18,7 @@ from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.tokenizer import Tokenizer
 from pagedkv.models.weights import build_model, quantized_modules
 from pagedkv.progress import interactive, phase, quiet
+from pagedkv.sampling_params import GENERATION_DEFAULT_KEYS
 
 INDEX_FILE = "model.safetensors.index.json"
 LOUD_WEIGHT_BYTES = 1 << 30  # weights from this size on are announced while they load
@@ -106,12 +107,6 @@ def load_hf_tokenizer(folder: Path, config_json: dict[str, Any] | None = None) -
         template = jinja_file.read_text(encoding="utf-8")
     return Tokenizer(tok, bos_token_id=bos, eos_token_ids=eos, chat_template=template,
                      add_bos_token=bool(tcfg.get("add_bos_token", False)))
-
-
-# generation_config.json keys that become sampling defaults, by vLLM's names (vLLM's list:
-# ModelConfig.get_diff_sampling_param; max_new_tokens is max_tokens). Others (do_sample, ...) are ignored.
-GENERATION_DEFAULT_KEYS = {"repetition_penalty": "repetition_penalty", "temperature": "temperature",
-                           "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "max_new_tokens": "max_tokens"}
 
 
 def read_generation_defaults(folder: Path) -> dict[str, Any]:

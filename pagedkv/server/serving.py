@@ -24,12 +24,11 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pagedkv.engine import EngineDeadError, RequestTooLongError, TokenizedPrompt
+from pagedkv.engine import DEFAULT_TENANT, EngineDeadError, RequestTooLongError, TokenizedPrompt
 from pagedkv.engine.grammar_compiler import CompiledGrammar, GrammarError, GrammarLimitError
 from pagedkv.lora.request import LoRAError
 from pagedkv.outputs import CompletionOutput, RequestOutput
 from pagedkv.sampling_params import SamplingParams
-from pagedkv.memory.tenancy import DEFAULT_TENANT
 from pagedkv.server.async_engine import AsyncEngine, OutputStream
 from pagedkv.server.connections import UploadSlots
 from pagedkv.server.heavy_work import HeavyWork, dumps_response

@@ -312,8 +312,7 @@ def generation_overrides(override_json: str | None, max_tokens_default: int | No
     ``--max-tokens-default`` (the same as max_new_tokens, which it overrides), by SamplingParams'
     names. They apply to what a request leaves out: a chat without max_tokens stops after
     max_new_tokens tokens instead of at the end of the context. Raises ValueError naming the flag."""
-    from pagedkv.models.hf_loader import GENERATION_DEFAULT_KEYS
-    from pagedkv.sampling_params import SamplingParams
+    from pagedkv.sampling_params import GENERATION_DEFAULT_KEYS, SamplingParams
 
     out: dict[str, Any] = {}
     if override_json is not None:
