@@ -27,24 +27,24 @@ MODELS = ("gemma-3-1b", "gemma-3-4b", "gemma-3-12b", "gemma-3-27b")
 
 def run_sequence(windows: tuple[int | None, ...], context: int, block_size: int, chunk: int) -> tuple[int, int]:
     """(blocks held at ``context`` tokens, peak blocks held on the way) by the memory core."""
-    mgr = KVCacheManager(len(windows) * (context // block_size + 2), block_size,
-                         enable_prefix_caching=False, kv_group_windows=windows)
+    kv = KVCacheManager(len(windows) * (context // block_size + 2), block_size,
+                        enable_prefix_caching=False, kv_group_windows=windows)
     tokens = [7] * context
     prompt = tokens[:context // 2]  # half prompt (prefilled in chunks), half decoded
     seq: list[int] = list(prompt)
-    mgr.allocate_prompt("s", seq, min(chunk, len(prompt)))
+    kv.allocate_prompt("s", seq, min(chunk, len(prompt)))
     peak = 0
-    while mgr.num_computed("s") < context:
-        done = mgr.num_computed("s")
+    while kv.num_computed("s") < context:
+        done = kv.num_computed("s")
         if done >= len(seq):
             seq.append(7)  # a decoded token
         n = min(chunk, len(seq) - done)
         if done:
-            mgr.allocate_slots("s", n)
-        peak = max(peak, len(mgr.block_ids("s")))
-        mgr.mark_computed("s", n)
-    mgr.check_integrity()
-    return len(mgr.block_ids("s")), peak
+            kv.allocate_slots("s", n)
+        peak = max(peak, len(kv.block_ids("s")))
+        kv.mark_computed("s", n)
+    kv.check_integrity()
+    return len(kv.block_ids("s")), peak
 
 
 def main() -> None:
