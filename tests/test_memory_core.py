@@ -219,7 +219,7 @@ def test_integrity_check_catches_corruption():
     with pytest.raises(IntegrityError):
         mgr.check_integrity()
     mgr.pool.blocks[0].ref_count -= 1
-    mgr.seqs["a"].block_table.append(3)
+    mgr.seqs["a"].tables[0].append(3)
     with pytest.raises(IntegrityError):
         mgr.check_integrity()
 

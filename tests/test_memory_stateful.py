@@ -12,8 +12,14 @@ tenant ledger from the blocks.
 
 Hybrid models (``groups``: KV groups of full and sliding-window layers) keep one table per group;
 the slots store the group too, and a released entry must be out of the window of the next query.
+
+``PAGEDKV_STATEFUL_EXAMPLES`` sets how many random programs hypothesis runs (default 150, what CI
+runs); a refactor of the memory core should pass it at 3000 once:
+
+    PAGEDKV_STATEFUL_EXAMPLES=3000 .venv/bin/python -m pytest tests/test_memory_stateful.py -q
 """
 
+import os
 from dataclasses import replace
 
 from hypothesis import HealthCheck, settings
@@ -204,6 +210,6 @@ class MemoryCoreMachine(RuleBasedStateMachine):
 
 
 MemoryCoreMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None,
+    max_examples=int(os.environ.get("PAGEDKV_STATEFUL_EXAMPLES", "150")), stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestMemoryCore = MemoryCoreMachine.TestCase

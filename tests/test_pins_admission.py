@@ -42,12 +42,12 @@ def test_a_waiting_prompt_takes_pins_while_work_runs_other_tenants_first() -> No
     for i in range(3):  # a's and b's pins, oldest first: a0 b0 a1 b1 a2 b2, 4 blocks each
         assert _pin_turn(kv, "a", f"c{i}", _tokens(i, 4 * B + 1)).blocks == 4
         assert _pin_turn(kv, "b", f"c{i}", _tokens(50 + i, 4 * B + 1)).blocks == 4
-    assert kv.num_free_blocks == 1 and len(kv.pins) == 6
+    assert kv.num_free_blocks == 1 and len(kv.tenancy.pins) == 6
     # b's new prompt needs 14 blocks while b's stream runs: before, it waited for the stream to end
     kv.allocate_prompt("new", _tokens(7, 14 * B - 1), salt="b", tenant="b")
     # a's pins went first (oldest first), then b's oldest: 1 + 12 + 4 blocks free, 14 taken
-    assert sorted(kv.pins.pins) == [("b", "c1"), ("b", "c2")]
-    assert kv.pins.released_under_pressure == 4 and kv.num_free_blocks == 17 - 14
+    assert sorted(kv.tenancy.pins.pins) == [("b", "c1"), ("b", "c2")]
+    assert kv.tenancy.pins.released_under_pressure == 4 and kv.num_free_blocks == 17 - 14
     kv.check_integrity()
 
 
@@ -56,13 +56,13 @@ def test_pins_stay_when_even_all_of_them_would_not_admit_the_prompt() -> None:
     kv.allocate_prompt("stream", _tokens(99, 20 * B), salt="b", tenant="b")
     for i in range(3):
         _pin_turn(kv, "a", f"c{i}", _tokens(i, 4 * B + 1))
-    assert len(kv.pins) == 3 and kv.num_free_blocks == 1
+    assert len(kv.tenancy.pins) == 3 and kv.num_free_blocks == 1
     with pytest.raises(OutOfBlocksError):  # 24 blocks needed; free 1 + pins 12: wait, keep them
         kv.allocate_prompt("big", _tokens(7, 24 * B), salt="c", tenant="c")
-    assert len(kv.pins) == 3 and kv.pins.released_under_pressure == 0
+    assert len(kv.tenancy.pins) == 3 and kv.tenancy.pins.released_under_pressure == 0
     kv.free("stream")
     kv.allocate_prompt("big", _tokens(7, 24 * B), salt="c", tenant="c")  # now they give way
-    assert len(kv.pins) < 3
+    assert len(kv.tenancy.pins) < 3
     kv.check_integrity()
 
 
@@ -75,29 +75,29 @@ def test_a_prompt_never_releases_the_pin_it_hits() -> None:
     assert kv.num_free_blocks == 2
     # the next turn of a's chat: its 4 pinned blocks are hits; b's pin gives way for the rest
     hits = kv.allocate_prompt("turn2", first + _tokens(4, 4 * B), salt="a", tenant="a")
-    assert hits == 4 * B and list(kv.pins.pins) == [("a", "chat")]
+    assert hits == 4 * B and list(kv.tenancy.pins.pins) == [("a", "chat")]
     kv.check_integrity()
 
 
 def test_pins_count_against_the_quota_and_a_share_caps_them() -> None:
     kv = KVCacheManager(40, B, tenant_quotas={"a": 0.5}, max_tenant_pin_fraction=0.25)
-    assert kv.pin_limit == 10
+    assert kv.tenancy.pin_limit == 10
     assert _pin_turn(kv, "a", "c0", _tokens(0, 5 * B + 1)).blocks == 5
     assert _pin_turn(kv, "a", "c1", _tokens(1, 5 * B + 1)).blocks == 5
     refused = _pin_turn(kv, "a", "c2", _tokens(2, 5 * B + 1))
     assert refused.blocks == 0 and "would hold 15 KV blocks" in refused.refused
     assert "max_tenant_pin_fraction" in refused.refused
-    assert kv.pins.blocks_of("a") == 10 and kv.pins.refused == 1
+    assert kv.tenancy.pins.blocks_of("a") == 10 and kv.tenancy.pins.refused == 1
     assert _pin_turn(kv, "a", "c1", _tokens(1, 5 * B + 3)).blocks == 5  # a newer turn replaces its own
     assert _pin_turn(kv, "b", "c0", _tokens(9, 5 * B + 1)).blocks == 5  # another tenant has its own share
     assert kv.stats().tenants["a"][0] >= 10  # a's pinned blocks are held by a, against its quota
     # a holds 10 pinned blocks of its 20-block quota (plus cached-free ones it gives up first): a
     # prompt of 12 fresh blocks fits only once its own pins give way, never b's
     kv.allocate_prompt("a-new", _tokens(20, 12 * B), salt="a", tenant="a")
-    assert kv.pins.blocks_of("a") == 5 and kv.pins.blocks_of("b") == 5
+    assert kv.tenancy.pins.blocks_of("a") == 5 and kv.tenancy.pins.blocks_of("b") == 5
     with pytest.raises(TenantQuotaError):  # the rest of its quota is in use: its last pin went, b's stays
         kv.allocate_prompt("a-more", _tokens(21, 12 * B), salt="a", tenant="a")
-    assert kv.pins.blocks_of("a") == 0 and kv.pins.blocks_of("b") == 5
+    assert kv.tenancy.pins.blocks_of("a") == 0 and kv.tenancy.pins.blocks_of("b") == 5
     kv.check_integrity()
     with pytest.raises(ValueError, match="max_tenant_pin_fraction"):
         KVCacheManager(40, B, max_tenant_pin_fraction=1.5)
@@ -193,13 +193,13 @@ def test_random_pins_turns_and_prompts_keep_integrity(seed) -> None:
         elif op < 0.6:  # a new prompt (no prefix hits), left running
             seq_id = f"s{step}"
             tokens = _tokens(1000 + step, rng.randrange(2, 60))
-            free, releasable = kv.num_free_blocks, kv.pins.releasable()
+            free, releasable = kv.num_free_blocks, kv.tenancy.pins.releasable()
             try:
                 kv.allocate_prompt(seq_id, tokens, salt=tenant, tenant=tenant)
                 running.append(seq_id)
             except OutOfBlocksError:
                 need = -(-len(tokens) // B)
-                assert free + releasable < need or not kv.pins, (free, releasable, need)
+                assert free + releasable < need or not kv.tenancy.pins, (free, releasable, need)
         elif op < 0.75 and running:  # a running sequence grows
             seq_id = rng.choice(running)
             try:
@@ -211,5 +211,5 @@ def test_random_pins_turns_and_prompts_keep_integrity(seed) -> None:
         else:
             kv.expire_pins(clock)
         kv.check_integrity()
-        assert all(kv.pins.blocks_of(t) <= kv.pin_limit for t in "abc")
-    assert kv.pins.refused and kv.pins.released_under_pressure and kv.pins.expired  # each path taken
+        assert all(kv.tenancy.pins.blocks_of(t) <= kv.tenancy.pin_limit for t in "abc")
+    assert kv.tenancy.pins.refused and kv.tenancy.pins.released_under_pressure and kv.tenancy.pins.expired  # each path taken

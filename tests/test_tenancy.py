@@ -43,7 +43,7 @@ def test_new_prompts_wait_over_the_quota_but_one_alone_always_runs() -> None:
     mgr.allocate_prompt("b0", list(range(200, 300)), tenant="b")  # 25 blocks, over its 10, but alone
     mgr.check_integrity()
     assert mgr.stats().tenants["a"] == (8, 0, 10) and mgr.stats().tenants["b"] == (25, 0, 10)
-    assert mgr.pool.tenants.quota_waits == {"a": 1}
+    assert mgr.tenancy.ledger.quota_waits == {"a": 1}
 
 
 def test_growth_past_the_quota_never_takes_another_tenants_cache() -> None:

@@ -116,8 +116,7 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        if self.kv.pins:
-            self.kv.expire_pins(time.monotonic())
+        self.kv.expire_pins(time.monotonic())
         scheduled: list[ScheduledSeq] = []
         copies: list[CopyPair] = []
         swap_out: list[CopyPair] = []
@@ -323,7 +322,7 @@ class Scheduler:
             if victim.preemption_guarded:
                 self.thrash_guarded += 1
                 continue
-            if own_tenant or kv.pool.tenants is None or kv.tenant_over_quota(victim.tenant):
+            if own_tenant or not kv.quotas_on or kv.tenant_over_quota(victim.tenant):
                 return victim
             fallback = fallback or victim
         return fallback
@@ -372,9 +371,7 @@ class Scheduler:
         resident = [s.seq_id for s in group.live_seqs if s.seq_id in kv]
         blocks = len({b for sid in resident for b in kv.block_ids(sid)})
         tokens = sum(kv.num_computed(sid) for sid in resident)
-        if blocks > kv.host_pool.num_free:
-            return "recompute"
-        return "swap" if kv.costs.swap_cheaper(blocks, tokens) else "recompute"
+        return "swap" if kv.swap_cheaper(blocks, tokens) else "recompute"
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq], seconds: StepBudget,
                        first: SequenceGroup | None = None) -> None:

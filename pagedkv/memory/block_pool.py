@@ -10,23 +10,65 @@ Allocation takes the eviction policy's victim from the free queue; if that block
 hash leaves the index (an eviction). A prefix hit on a cached-free block pulls it out of the
 middle of the queue in O(1). With per-tenant quotas (``tenants``, a ``TenantLedger``) each held
 block has an owner, and the ledger chooses whose cached blocks go first (``memory/tenancy.py``).
+
+Who hears of an eviction is fixed when the pool is built: ``listeners``, in order (the device
+pool's: the radix index, the prefix cache's miss history, the lower tiers, the tenant ledger, the
+KV event log), each told ``on_evict(block, cause)`` before the block's hash is dropped. ``cause``
+says why it goes: the eviction policy's name, ``quota`` (a tenant over its quota gives it up),
+``cleared`` (``evict_cached``) or ``dropped`` (``evict_cached(keep_contents=False)``: its KV is not
+to be trusted, so no tier copies it down).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
+from pagedkv.kv_events import MEDIUMS, KVEventLog
 from pagedkv.memory.block import Block
 from pagedkv.memory.errors import IntegrityError, OutOfBlocksError
 from pagedkv.memory.eviction import EvictionPolicy, LRUPolicy
 from pagedkv.memory.free_queue import FreeBlockQueue
-from pagedkv.memory.kv_events import MEDIUMS, KVEventLog
 from pagedkv.memory.tenancy import DEFAULT_TENANT, TenantLedger
+
+CLEARED = "cleared"  # evict_cached: forgotten on purpose (copied down to the lower tiers first)
+DROPPED = "dropped"  # evict_cached(keep_contents=False): its KV is not to be trusted, not copied down
+QUOTA = "quota"  # given up by a tenant over its quota
+
+
+class EvictionListener(Protocol):
+    """Told of every cached block the pool is about to forget (its hash still set)."""
+
+    def on_evict(self, block: Block, cause: str) -> None:
+        """``cause``: the eviction policy's name, ``QUOTA``, ``CLEARED`` or ``DROPPED``."""
+        ...
+
+
+class EvictionEvents:
+    """Eviction listener: a ``BlockRemoved`` KV event for each KV group 0 block a pool forgets."""
+
+    def __init__(self, log: KVEventLog, medium: str) -> None:
+        self.log = log
+        self.medium = medium
+
+    def on_evict(self, block: Block, cause: str) -> None:
+        if block.kv_group == 0:
+            self.log.removed(block.block_hash, self.medium)  # type: ignore[arg-type]
 
 
 class BlockPool:
+    """Args:
+        num_blocks: blocks in the pool.
+        name: the tier it is ("device", "host"): in errors and KV event mediums.
+        eviction_policy: which cached-free block to reuse (default LRU).
+        tenants: the per-tenant quota ledger (``memory/tenancy.py``), None with quotas off; it
+            decides whose cached blocks go first and counts each block's owner.
+        listeners: told of each eviction, in this order (see the module docstring).
+    """
+
     def __init__(self, num_blocks: int, *, name: str = "device",
-                 eviction_policy: EvictionPolicy | None = None) -> None:
+                 eviction_policy: EvictionPolicy | None = None, tenants: TenantLedger | None = None,
+                 listeners: Sequence[EvictionListener] = ()) -> None:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.name = name
@@ -37,10 +79,8 @@ class BlockPool:
         self._lru = isinstance(self.policy, LRUPolicy)
         self.clock = 0
         self.evictions = 0
-        self.on_evict: Callable[[Block], None] | None = None  # told before a hash is dropped
-        self.tenants: TenantLedger | None = None  # per-tenant quotas (memory/tenancy.py), when on
-        self.evict_cause = self.policy.name  # why the block on_evict hears of goes (miss reasons)
-        self.events: KVEventLog | None = None  # KV cache events (memory/kv_events.py), when on
+        self.tenants = tenants
+        self.listeners = tuple(listeners)
         self.medium = MEDIUMS.get(name, name)
 
     @property
@@ -65,19 +105,14 @@ class BlockPool:
             if error is not None:
                 ledger.quota_waits[tenant] += 1
                 raise error
-            self.evict_cause = "quota"
             for block in ledger.victims(tenant, n, len(self.free_queue)):
-                self._evict(block)  # emptied: to the head of the queue, taken below
-            self.evict_cause = self.policy.name
+                self._evict(block, QUOTA)  # emptied: to the head of the queue, taken below
         out = self.free_queue.popleft_n(n) if self._lru else [self._pop_victim() for _ in range(n)]
+        cause = self.policy.name
         for block in out:
             if block.block_hash is not None:
-                if self.on_evict is not None:
-                    self.on_evict(block)
-                if ledger is not None:
-                    ledger.evicted(block)
-                if self.events is not None and block.kv_group == 0:
-                    self.events.removed(block.block_hash, self.medium)
+                for listener in self.listeners:
+                    listener.on_evict(block, cause)
                 del self.cached[block.block_hash]
                 block.block_hash = None
                 self.evictions += 1
@@ -148,25 +183,22 @@ class BlockPool:
                 new.append(i)
         return new
 
-    def evict_cached(self, max_blocks: int | None = None) -> int:
-        """Drop cached-free blocks' hashes (their KV is forgotten); returns how many."""
+    def evict_cached(self, max_blocks: int | None = None, *, keep_contents: bool = True) -> int:
+        """Drop cached-free blocks' hashes (their KV is forgotten); returns how many. With
+        ``keep_contents`` the lower tiers may copy them down first (cause ``CLEARED``); pass
+        False when their contents are not to be trusted, after a failed step (``DROPPED``)."""
         victims = [b for b in self.free_queue if b.block_hash is not None]
         if max_blocks is not None:
             victims = victims[:max_blocks]
-        self.evict_cause = "cleared"
+        cause = CLEARED if keep_contents else DROPPED
         for block in victims:
-            self._evict(block)
-        self.evict_cause = self.policy.name
+            self._evict(block, cause)
         return len(victims)
 
-    def _evict(self, block: Block) -> None:
+    def _evict(self, block: Block, cause: str) -> None:
         """Forget a cached-free block's prefix; it moves to the head of the queue, empty."""
-        if self.on_evict is not None:
-            self.on_evict(block)
-        if self.tenants is not None:
-            self.tenants.evicted(block)
-        if self.events is not None and block.kv_group == 0:
-            self.events.removed(block.block_hash, self.medium)  # type: ignore[arg-type]
+        for listener in self.listeners:
+            listener.on_evict(block, cause)
         del self.cached[block.block_hash]  # type: ignore[arg-type]
         block.block_hash = None
         self.free_queue.remove(block)

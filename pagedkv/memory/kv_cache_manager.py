@@ -27,29 +27,31 @@ Every allocation is transactional: it raises ``OutOfBlocksError`` before changin
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Hashable, Iterable
 
-from pagedkv.memory.admission import allocate_groups, allocate_single, blocks_to_admit
+from pagedkv.kv_events import MEDIUMS, KVEventLog
 from pagedkv.memory.block import Block
-from pagedkv.memory.block_pool import BlockPool
-from pagedkv.memory.disk_lookup import DiskLookup
-from pagedkv.memory.disk_prefix import DiskPrefixTier
-from pagedkv.memory.errors import OutOfBlocksError
+from pagedkv.memory.block_pool import BlockPool, EvictionEvents, EvictionListener
+from pagedkv.memory.errors import IntegrityError, OutOfBlocksError
 from pagedkv.memory.eviction import make_eviction_policy
-from pagedkv.memory.host_tier import HostPrefixTier
-from pagedkv.memory.inspection import check_integrity, kv_stats, pretty_print
-from pagedkv.memory.kv_events import KVEventLog
-from pagedkv.memory.kv_groups import RELEASED, disk_reads, release_out_of_window
-from pagedkv.memory.miss_reasons import CacheDetails, CacheHistory
-from pagedkv.memory.pins import ConversationPins, PinOutcome
-from pagedkv.memory.prefix_caching import cache_full_blocks
-from pagedkv.memory.prefix_hash import chain_hashes, root_hash
+from pagedkv.memory.kv_groups import make_kv_groups, release_out_of_window
+from pagedkv.memory.miss_reasons import CacheDetails, CacheHistory, EvictionHistory
+from pagedkv.memory.pins import PinOutcome
+from pagedkv.memory.prefix_cache import PrefixCache
+from pagedkv.memory.prefix_hash import root_hash
 from pagedkv.memory.prefix_index import make_prefix_index
-from pagedkv.memory.seq_state import SeqState, cdiv
+from pagedkv.memory.seq_state import RELEASED, AdmissionOutcome, SeqState, cdiv
 from pagedkv.memory.stats import KVStats
+from pagedkv.memory.swap import move_sequences
 from pagedkv.memory.tenancy import DEFAULT_TENANT, TenantLedger
-from pagedkv.memory.tier_costs import TierCosts
-from pagedkv.memory.tiers import DEVICE, HOST, TierCopies, move_sequences
+from pagedkv.memory.tenants import Tenancy
+from pagedkv.memory.tiers.base import DEVICE, HOST, TierCopies
+from pagedkv.memory.tiers.costs import TierCosts
+from pagedkv.memory.tiers.disk import DiskTier
+from pagedkv.memory.tiers.disk_store import DiskStore
+from pagedkv.memory.tiers.host import HostTier
+from pagedkv.memory.tiers.stack import TierStack
 from pagedkv.model_shape import check_block_size
 
 CopyPair = tuple[int, int]  # (source block id, destination block id)
@@ -67,16 +69,17 @@ class KVCacheManager:
         watermark: fraction of device blocks a new prompt must leave free, so running
             sequences can keep growing without immediate preemption (avoids thrash).
         offload_to_host: keep cached blocks evicted from the device in the host pool and reload
-            them on a hit (``memory/host_tier.py``); the scheduler takes the step's copies with
-            ``take_tier_copies()`` and calls ``finish_step()`` once they are done.
-        disk: the disk tier below the host tier (``memory/disk_prefix.py``; needs
-            ``offload_to_host``): evicted device blocks are written through to it, and
+            them on a hit (the host tier, ``memory/tiers/host.py``); the scheduler takes the
+            step's copies with ``take_tier_copies()`` and calls ``finish_step()`` once they are done.
+        disk: the opened block store of the disk tier below the host tier (``memory/tiers/disk.py``;
+            needs ``offload_to_host``): evicted device blocks are written through to it, and
             ``prefetch()`` reads a waiting prompt's blocks from it into the host tier.
-        costs: the measured costs that decide reload against recompute (``memory/tier_costs.py``).
+        disk_write_queue: evicted blocks waiting to be written to disk, at most (more are dropped).
+        costs: the measured costs that decide reload against recompute (``memory/tiers/costs.py``).
         tenant_quotas, default_tenant_quota: per-tenant limits on device blocks held (used plus
             cached), as fractions of the pool, by tenant name and for the others; either turns
             tenancy on (``memory/tenancy.py``): a sequence's tenant is ``allocate_prompt``'s.
-        kv_events: record KV cache events (``memory/kv_events.py``) in ``events``: prefix blocks
+        kv_events: record KV cache events (``pagedkv/kv_events.py``) in ``events``: prefix blocks
             entering and leaving the device and host tiers' caches, for KV-aware routers.
         max_tenant_pin_fraction: the largest share of the device pool one tenant's conversation
             pins may hold (``pin_prefix`` refuses a pin past it); None: no limit but the pool.
@@ -90,14 +93,11 @@ class KVCacheManager:
                  enable_prefix_caching: bool = True, eviction_policy: str = "lru",
                  watermark: float = 0.0, lrc_alpha: float = 0.7, lrc_beta: float = 0.3,
                  prefix_index: str = "hash", offload_to_host: bool = False,
-                 disk: DiskPrefixTier | None = None, costs: TierCosts | None = None,
+                 disk: DiskStore | None = None, disk_write_queue: int = 64, costs: TierCosts | None = None,
                  kv_group_windows: tuple[int | None, ...] = (None,),
                  tenant_quotas: dict[str, float] | None = None, default_tenant_quota: float | None = None,
                  kv_events: bool = False, max_tenant_pin_fraction: float | None = None) -> None:
         check_block_size(block_size)
-        if not kv_group_windows or kv_group_windows[0] is not None:
-            raise ValueError(f"kv_group_windows must start with None (group 0 keeps every block), "
-                             f"got {kv_group_windows!r}")
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
         if num_host_blocks < 0:
@@ -109,74 +109,71 @@ class KVCacheManager:
         kwargs = {"alpha": lrc_alpha, "beta": lrc_beta} if eviction_policy == "lrc" else {}
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.groups = make_kv_groups(kv_group_windows)
         self.group_windows = tuple(kv_group_windows)
-        self.released_blocks = 0  # sliding-window blocks released as sequences advanced
-        self.pool = BlockPool(num_blocks, name=DEVICE,
-                              eviction_policy=make_eviction_policy(eviction_policy, **kwargs))
-        self.host_pool = BlockPool(num_host_blocks, name=HOST)
-        if tenant_quotas or default_tenant_quota is not None:
-            self.pool.tenants = TenantLedger(num_blocks, tenant_quotas, default_tenant_quota)
-        self.tiers = {DEVICE: self.pool, HOST: self.host_pool}
+        self._sliding = any(group.window is not None for group in self.groups)  # blocks to release
         self.watermark_blocks = int(watermark * num_blocks)
-        # The pool's hash map always names cached blocks; the index finds a prompt's hits in it
-        # (hash chain) or in a radix tree kept in step (check_integrity proves they agree).
-        self.index = make_prefix_index(prefix_index, self.pool, block_size)
+        # KV cache events (pagedkv/kv_events.py): prefix blocks entering and leaving each tier
+        self.events = KVEventLog(block_size) if kv_events else None
         # Why prompts miss (memory/miss_reasons.py): a bounded history of evictions and cached blocks.
         # (about 300 bytes an entry and map: twice the pools' blocks, at least 4096)
-        self.history = CacheHistory(block_size, capacity=max(4096, 2 * (num_blocks + num_host_blocks)))
-        self.first_misses: dict[tuple[str, str | None], int] = {}  # (reason, tenant) -> requests
-        self.pins = ConversationPins(self.pool)  # conversations' prefixes held until a TTL (memory/pins.py)
-        # the most device blocks one tenant's pins may hold (None: no limit but the pool)
-        self.pin_limit = None if max_tenant_pin_fraction is None else max(1, int(max_tenant_pin_fraction * num_blocks))
-        history, index_evict = self.history, self.pool.on_evict
-
-        def on_device_evict(block: Block) -> None:
-            if index_evict is not None:
-                index_evict(block)
-            history.on_evicted(block.block_hash, DEVICE, self.pool.evict_cause)  # type: ignore[arg-type]
-        self.pool.on_evict = on_device_evict
-        self.host_pool.on_evict = lambda block: history.on_evicted(block.block_hash, HOST, "lru")
-        self.seqs: dict[Hashable, SeqState] = {}
-        self.prefix_query_tokens = 0
-        self.prefix_hit_tokens = 0
-        self.cow_copies = 0
-        self.rolled_back_blocks = 0  # blocks released by rollback() (rejected speculative tokens)
-        # KV cache events (memory/kv_events.py): prefix blocks entering and leaving each tier
-        self.events = KVEventLog(block_size) if kv_events else None
-        self.pool.events = self.host_pool.events = self.events
-        self.swapped_out_blocks = 0
-        self.swapped_in_blocks = 0
-        # The host tier of the prefix cache (memory/host_tier.py), below the device pool.
-        self.host_tier: HostPrefixTier | None = None
+        history = CacheHistory(block_size, capacity=max(4096, 2 * (num_blocks + num_host_blocks)))
+        host_listeners: list[EvictionListener] = [EvictionHistory(history, HOST)]
+        if self.events is not None:
+            host_listeners.append(EvictionEvents(self.events, MEDIUMS[HOST]))
+        self.host_pool = BlockPool(num_host_blocks, name=HOST, listeners=host_listeners)
+        # The lower tiers of the prefix cache (memory/tiers/), below the device pool: the host tier,
+        # then the disk tier. self.lower_tiers hears the device pool's evictions (a listener).
         self.costs = costs or TierCosts(block_size)
-        self.disk_lookup: DiskLookup | None = None  # memory/disk_lookup.py
-        self._offloading = True
+        host_tier = disk_tier = None
         if offload_to_host and enable_prefix_caching and num_host_blocks > 0:
-            self.host_tier = tier = HostPrefixTier(self.host_pool)
-            lookup = None
+            host_tier = HostTier(self.host_pool, self.events)
             if disk is not None:
-                self.disk_lookup = lookup = DiskLookup(disk, self.pool, tier, self.costs, block_size)
-                self.history.fingerprint_discarded = disk.disk.discarded_keys
-                if self.events is not None and self.num_groups == 1:  # (a hybrid's disk keys mix groups)
-                    lookup.report_to(self.events)
-            index_on_evict = self.pool.on_evict
-
-            def on_evict(block: Block) -> None:
-                if index_on_evict is not None:
-                    index_on_evict(block)
-                if self._offloading:
-                    tier.offload(block)
-                    if lookup is not None:
-                        lookup.on_evict(block)
-            self.pool.on_evict = on_evict
+                disk_tier = DiskTier(disk, host=host_tier, costs=self.costs, block_size=block_size,
+                                     max_queued_writes=disk_write_queue,
+                                     events=self.events if self.num_groups == 1 else None)  # (a hybrid's keys mix groups)
+                history.fingerprint_discarded = disk.discarded_keys
         elif disk is not None:
             raise ValueError("the disk tier needs the host tier: offload_to_host, prefix caching and host blocks")
+        self.lower_tiers = TierStack(host_tier, disk_tier)
+        # The device pool, built with everything that hears of its evictions, in order. The pool's
+        # hash map always names cached blocks; the index finds a prompt's hits in it (hash chain)
+        # or in a radix tree kept in step (check_integrity proves they agree).
+        index = make_prefix_index(prefix_index, block_size)
+        ledger = (TenantLedger(num_blocks, tenant_quotas, default_tenant_quota)
+                  if tenant_quotas or default_tenant_quota is not None else None)
+        listeners: list[EvictionListener] = [index] if index.listens else []
+        listeners.append(EvictionHistory(history, DEVICE))
+        if self.lower_tiers:
+            listeners.append(self.lower_tiers)
+        if ledger is not None:
+            listeners.append(ledger)
+        if self.events is not None:
+            listeners.append(EvictionEvents(self.events, MEDIUMS[DEVICE]))
+        self.pool = BlockPool(num_blocks, name=DEVICE, eviction_policy=make_eviction_policy(eviction_policy, **kwargs),
+                              tenants=ledger, listeners=listeners)
+        self.pools = {DEVICE: self.pool, HOST: self.host_pool}  # where a sequence's tables point (SeqState.tier)
+        self.prefix = PrefixCache(self.pool, self.groups, block_size, index, history, self.events)
+        # quotas and conversation pins (memory/tenants.py)
+        pin_limit = None if max_tenant_pin_fraction is None else max(1, int(max_tenant_pin_fraction * num_blocks))
+        self.tenancy = Tenancy(self.pool, ledger, pin_limit)
+        self.seqs: dict[Hashable, SeqState] = {}  # the sequence registry
+        self.cow_copies = 0
+        self.released_blocks = 0  # sliding-window blocks released as sequences advanced
+        self.rolled_back_blocks = 0  # blocks released by rollback() (rejected speculative tokens)
+        self.swapped_out_blocks = 0
+        self.swapped_in_blocks = 0
 
     # ------------------------------------------------------------------ queries
     @property
-    def disk(self) -> DiskPrefixTier | None:
+    def host_tier(self) -> HostTier | None:
+        """The host tier of the prefix cache, right below the device pool, or None."""
+        return self.lower_tiers.host
+
+    @property
+    def disk(self) -> DiskTier | None:
         """The disk tier below the host tier, or None."""
-        return self.disk_lookup.disk if self.disk_lookup is not None else None
+        return self.lower_tiers.disk
 
     @property
     def num_blocks(self) -> int:
@@ -198,29 +195,27 @@ class KVCacheManager:
 
     @property
     def num_groups(self) -> int:
-        return len(self.group_windows)
+        return len(self.groups)
 
     def blocks_for(self, num_tokens: int, chunk: int | None = None) -> int:
         """Blocks a sequence of ``num_tokens`` holds at most, every KV group's: a sliding group
         keeps its window plus the chunk being computed (``chunk``: the most tokens one step
         computes; None: the whole sequence at once)."""
         B = self.block_size
-        total = 0
-        for window in self.group_windows:
-            if window is None:
-                total += cdiv(num_tokens, B)
-            else:
-                total += min(cdiv(num_tokens, B), cdiv(window + (chunk or num_tokens), B) + 1)
-        return total
+        return sum(group.max_blocks(num_tokens, chunk, B) for group in self.groups)
+
+    def tables(self, seq_id: Hashable) -> list[list[int]]:
+        """The sequence's block tables, one per KV group (RELEASED = -1 entries are out of a
+        sliding group's window); live lists: do not modify."""
+        return self.seqs[seq_id].tables
 
     def block_table(self, seq_id: Hashable) -> list[int]:
-        """The sequence's block table (KV group 0's; live list: do not modify)."""
-        return self.seqs[seq_id].block_table
+        """KV group 0's block table (the runner's ``SeqChunk.block_table``); live list."""
+        return self.seqs[seq_id].tables[0]
 
     def group_tables(self, seq_id: Hashable) -> tuple[list[int], ...]:
-        """The block tables of KV groups 1.. (a hybrid model's; RELEASED = -1 entries are out of
-        the window), live lists: do not modify."""
-        return tuple(self.seqs[seq_id].group_tables)
+        """The block tables of KV groups 1.. (the runner's ``SeqChunk.group_tables``); live lists."""
+        return tuple(self.seqs[seq_id].tables[1:])
 
     def block_ids(self, seq_id: Hashable) -> list[int]:
         """Every block the sequence holds, in every KV group."""
@@ -259,49 +254,120 @@ class KVCacheManager:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
         if not token_ids:
             raise ValueError("cannot allocate an empty prompt")
-        seq = SeqState(seq_id, token_ids, root_hash(salt, adapter_id),
-                       tenant=(tenant or DEFAULT_TENANT) if self.pool.tenants is not None else None)
-        seq.adapter = adapter_id
+        B, G, prefix = self.block_size, len(self.groups), self.prefix
+        seq = SeqState(seq_id, token_ids, root_hash(salt, adapter_id), self.tenancy.holder(tenant),
+                       [[] for _ in range(G)], released=[0] * G, adapter=adapter_id)
+        hit, reload, max_hits = prefix.no_hit, None, 0  # reload: the reload-or-recompute decision, when made
         if self.enable_prefix_caching:
-            self.history.on_root(seq.root, salt, adapter_id)  # (miss reasons: different_adapter)
-        owner = tenant or DEFAULT_TENANT  # (whose pins give way last: memory/pins.py)
-        if self.num_groups > 1:
-            num_cached = allocate_groups(self, seq, num_new_tokens, owner)
-        else:
-            num_cached = allocate_single(self, seq, num_new_tokens, owner)
+            prefix.admitted(seq, salt, adapter_id)
+            prefix.hash_full_blocks(seq, len(token_ids) // B)
+            max_hits = prefix.max_hits(len(token_ids), B)
+            host = self.host_tier
+            hit = prefix.longest_hit(seq.root, token_ids, seq.block_hashes, max_hits,
+                                     host.pool if host is not None else None)
+            if hit.num_host:  # (per block: a hybrid block holds fewer layers, so a cheaper copy)
+                reload = self.costs.reload_cheaper("host", hit.num_host, record=False)
+                if not reload:  # recomputing is cheaper here: what only the host holds is a miss
+                    hit = prefix.longest_hit(seq.root, token_ids, seq.block_hashes, max_hits, None)
+        k = hit.k
+        num_cached = k * B
+        remaining = len(token_ids) - num_cached
+        num_new = remaining if num_new_tokens is None else max(1, min(num_new_tokens, remaining))
+        per_group = cdiv(num_cached + num_new, B) - k  # new blocks in each group
+        on_device = [b for blocks, flags in zip(hit.blocks, hit.on_host) for b, h in zip(blocks, flags) if not h]
+        on_host = [b for blocks, flags in zip(hit.blocks, hit.on_host) for b, h in zip(blocks, flags) if h]
+        fresh = iter(self._take_blocks(seq, per_group * G + len(on_host), on_device, on_host,
+                                       tenant or DEFAULT_TENANT))
+        for g, (blocks, flags) in enumerate(zip(hit.blocks, hit.on_host)):
+            table = seq.tables[g]
+            seq.released[g] = released = k - len(blocks)  # before the window of the first uncached token
+            table += [RELEASED] * released
+            reloads: list[tuple[Block, Block]] = []
+            for block, from_host in zip(blocks, flags):
+                if from_host:
+                    reloads.append((block, next(fresh)))
+                    table.append(reloads[-1][1].block_id)
+                else:
+                    table.append(block.block_id)
+            table += [next(fresh).block_id for _ in range(per_group)]
+            if reloads:  # (hit tokens counted once, by group 0)
+                self.host_tier.reload([s for s, _ in reloads], [d for _, d in reloads],  # type: ignore[union-attr]
+                                      B if g == 0 else 0)
+        seq.num_computed = num_cached
+        host0 = [b for b, h in zip(hit.blocks[0], hit.on_host[0]) if h]
+        seq.hits = AdmissionOutcome(k - len(host0), len(host0), self._from_disk(host0), max_hits, reload is False)
+        seq.num_cached_blocks = hit.first_reload()  # reloaded blocks are cached again, below
+        self.seqs[seq_id] = seq
+        if on_host:
+            prefix.cache_full_blocks(seq)
+        if reload is not None:
+            self.costs.record("host", reload=reload)
         self.forget(seq_id)
         if self.enable_prefix_caching:
-            self.prefix_query_tokens += len(token_ids)
-            self.prefix_hit_tokens += num_cached
+            prefix.count(len(token_ids), num_cached)
         return num_cached
+
+    def _take_blocks(self, seq: SeqState, need: int, device_hits: list[Block], host_hits: list[Block],
+                     owner: str) -> list[Block]:
+        """Touch the device hits, hold the host hits and allocate ``need`` fresh blocks; or raise,
+        changing nothing: TenantQuotaError first (a tenant at its quota waits, not the line), then
+        OutOfBlocksError. Pins give way first (other tenants' before ``owner``'s; never those
+        holding the prompt's own hits), when that admits it; the watermark stays free."""
+        pool = self.pool
+        revived = sum(1 for b in device_hits if b.ref_count == 0)
+        self.tenancy.make_room(need + revived + self.watermark_blocks, admission=True, tenant=owner,
+                               keep=device_hits)
+        self.tenancy.check_admission(seq.tenant, need, device_hits)
+        available = pool.num_free - revived - self.watermark_blocks
+        if need > available:
+            raise OutOfBlocksError(need, max(available, 0))
+        for block in device_hits:
+            pool.touch(block)
+        if host_hits:  # held until the reload is done, before any allocation could evict them
+            self.host_tier.hold(host_hits)  # type: ignore[union-attr]
+        return pool.allocate(need, seq.tenant, quota=False)  # (check_admission decided)
+
+    def _from_disk(self, host_hits: list[Block]) -> int:
+        """Of these host blocks about to be reloaded, how many came from the disk tier."""
+        from_disk = self.host_tier.from_disk if self.host_tier is not None else None
+        if not from_disk:
+            return 0
+        keys = [b.block_hash for b in host_hits if b.block_hash in from_disk]
+        from_disk.difference_update(keys)
+        return len(keys)
 
     def blocks_to_admit(self, token_ids: list[int], num_new_tokens: int | None = None, *,
                         salt: str | None = None, adapter_id: str | None = None) -> int:
         """Free-queue blocks ``allocate_prompt`` would take for this prompt now: fresh ones plus the
         cached-free device hits it revives (a hybrid model: every group's, at most). Host and disk
         hits are not counted (they need fresh blocks too). Changes nothing."""
-        return blocks_to_admit(self, token_ids, num_new_tokens, root_hash(salt, adapter_id))
+        B = self.block_size
+        hits = revived = 0
+        if self.enable_prefix_caching:
+            hits, revived = self.prefix.device_hits(root_hash(salt, adapter_id), token_ids)
+        remaining = len(token_ids) - hits * B
+        num_new = remaining if num_new_tokens is None else max(1, min(num_new_tokens, remaining))
+        return (cdiv(hits * B + num_new, B) - hits) * len(self.groups) + revived
+
+    # ------------------------------------------------------------------ tenancy (memory/tenants.py)
+    @property
+    def quotas_on(self) -> bool:
+        """Whether per-tenant quotas are on."""
+        return self.tenancy.quotas_on
 
     def tenant_over_quota(self, tenant: str | None) -> bool:
         """Whether ``tenant`` holds more device blocks than its quota (False with quotas off)."""
-        ledger = self.pool.tenants
-        return ledger is not None and ledger.is_over(tenant or DEFAULT_TENANT)
+        return self.tenancy.over_quota(tenant)
 
     def quota_admits(self, tenant: str | None, need: int) -> bool:
         """Whether ``tenant``'s quota lets a new prompt take ``need`` fresh blocks now (True with
         quotas off); changes nothing."""
-        ledger = self.pool.tenants
-        return ledger is None or ledger.allocation_error(tenant or DEFAULT_TENANT, need, self.pool.num_free,
-                                                         admit=True) is None
+        return self.tenancy.quota_admits(tenant, need)
 
     def tenant_under_quota(self, tenant: str | None) -> bool:
         """Whether ``tenant`` holds fewer device blocks than its quota (False with quotas off or
         without a quota for it)."""
-        ledger = self.pool.tenants
-        if ledger is None:
-            return False
-        limit = ledger.limit(tenant or DEFAULT_TENANT)
-        return limit is not None and ledger.held[tenant or DEFAULT_TENANT] < limit
+        return self.tenancy.under_quota(tenant)
 
     # ------------------------------------------------------------------ conversation pins
     def pin_prefix(self, seq_id: Hashable, key: Hashable, expires_at: float) -> PinOutcome:
@@ -314,34 +380,13 @@ class KVCacheManager:
         if not self.enable_prefix_caching or not seq.on_device:
             return PinOutcome(0)
         blocks = self.pool.blocks
-        ids = [table[i] for table in seq.tables() for i in range(min(seq.num_cached_blocks, len(table)))
+        ids = [table[i] for table in seq.tables for i in range(min(seq.num_cached_blocks, len(table)))
                if table[i] != RELEASED and blocks[table[i]].block_hash is not None]
-        if not ids:
-            return PinOutcome(0)
-        if self.pin_limit is not None and (held := self.pins.blocks_after(key, ids)) > self.pin_limit:
-            self.pins.refused += 1
-            return PinOutcome(0, f"conversation not pinned: its tenant's pins would hold {held} KV blocks, "
-                                 f"more than the {self.pin_limit} (max_tenant_pin_fraction of the pool) one "
-                                 f"tenant may pin; end or shorten other conversations' pins (pin_ttl_s)")
-        self.pins.pin(key, ids, expires_at)
-        return PinOutcome(len(ids))
+        return self.tenancy.pin(key, ids, expires_at)
 
     def expire_pins(self, now: float) -> int:
         """Release the pins whose TTL has passed (``now`` on the clock the pins were given)."""
-        return self.pins.expire(now) if self.pins else 0
-
-    def unstarve(self, need: int, admission: bool = False, tenant: str | None = None,
-                 keep: frozenset[int] = frozenset()) -> None:
-        """Pins never starve work: let go of the oldest (other tenants' before ``tenant``'s own)
-        until ``need`` blocks are free, whether or not anything runs. For a new prompt
-        (``admission``) only when that admits it: while even every pin would not free enough, they
-        stay (running work frees blocks as it finishes, and the prompt is tried again). Pins
-        holding a block of ``keep`` (the prompt's own prefix hits) stay."""
-        if not self.pins or self.pool.num_free >= need:
-            return
-        if admission and self.pool.num_free + self.pins.releasable(keep) < need:
-            return
-        self.pins.release_for(need, tenant, keep)
+        return self.tenancy.expire_pins(now)
 
     def cache_details(self, seq_id: Hashable, tenant: str | None = None) -> CacheDetails | None:
         """The prefix-cache outcome of the sequence's last ``allocate_prompt``: hit tokens per tier
@@ -350,33 +395,7 @@ class KVCacheManager:
         seq = self.seqs.get(seq_id)
         if seq is None or not self.enable_prefix_caching:
             return None
-        B = self.block_size
-        device, host, disk, max_hits, skipped = seq.hits
-        hits = device + host
-        reason, caller_reason, extra = self.history.explain(seq.root, seq.token_ids, seq.block_hashes, hits,
-                                                            max_hits, in_host=skipped)
-        details = CacheDetails(len(seq.token_ids), hits * B, {"device": device * B, "host": (host - disk) * B,
-                                                             "disk": disk * B},
-                               reason, caller_reason, None if reason == "none" else hits, **extra)
-        key = (reason, tenant)
-        self.first_misses[key] = self.first_misses.get(key, 0) + 1
-        return details
-
-    def check_quota(self, tenant: str | None, need: int, hits: list[Block]) -> None:
-        """Raise TenantQuotaError, changing nothing, when a new prompt of ``tenant`` needing
-        ``need`` fresh blocks (after touching ``hits``) would go over its quota."""
-        ledger = self.pool.tenants
-        if ledger is None or tenant is None:
-            return
-        revived = sum(1 for b in hits if b.ref_count == 0 and b.tenant == tenant)
-        while True:
-            error = ledger.allocation_error(tenant, need, self.pool.num_free, admit=True, revived=revived)
-            if error is None:
-                return
-            # its own conversation pins fill its quota: they give way rather than block it for ever
-            if not self.pins.release_oldest_of(tenant):
-                ledger.quota_waits[tenant] += 1
-                raise error
+        return self.prefix.details(seq, tenant)
 
     def prefetch(self, seq_id: Hashable, token_ids: list[int], *, salt: str | None = None,
                  adapter_id: str | None = None, count: bool = True) -> bool:
@@ -386,18 +405,18 @@ class KVCacheManager:
         taken into the host tier here, so call it while planning a step. Cheap when there is no
         disk tier (returns False). ``count``: the sequence is next in line, and its first lookup
         counts in ``disk_query_tokens`` (a lookahead for a later one passes False)."""
-        lookup = self.disk_lookup
-        if lookup is None:
+        disk = self.lower_tiers.disk
+        if disk is None:
             return False
-        max_hits = (len(token_ids) - 1) // self.block_size
-        hashes = chain_hashes(root_hash(salt, adapter_id), token_ids, self.block_size, 0, max(max_hits, 0))
+        root = root_hash(salt, adapter_id)
+        max_hits = max(self.prefix.max_hits(len(token_ids), self.block_size), 0)
+        hashes = self.prefix.hashes(root, token_ids, max_hits)
         if self.num_groups == 1:
-            return lookup.prefetch(seq_id, hashes, count)
-        lookup.take_reads()  # a hybrid model: every group's window before the hit (memory/kv_groups.py)
-        disk = lookup.disk
-        query, keys, tokens_of = disk_reads(self.pool, self.host_pool, disk.disk.__contains__, self.group_windows,
-                                            hashes, max(max_hits, 0), self.block_size)
-        return lookup.request(seq_id, keys, query, count, tokens_of)
+            return disk.prefetch(seq_id, hashes, count, self.pool)
+        self.lower_tiers.complete_loads(self.pool)  # a hybrid model: every group's window before the hit
+        query, keys, tokens_of = self.prefix.reads_below(root, token_ids, hashes, max_hits, self.host_pool,
+                                                         disk.store.__contains__)
+        return disk.prepare_load(seq_id, keys, query, count, tokens_of)
 
     def prefix_in_flight(self, token_ids: list[int], *, salt: str | None = None,
                          adapter_id: str | None = None) -> bool:
@@ -407,39 +426,27 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return False
         B = self.block_size
-        max_hits = (len(token_ids) - 1) // B
         device, host = self.pool.cached, self.host_pool.cached
-        parent = root_hash(salt, adapter_id)
-        for i in range(max_hits):
-            block_hash = chain_hashes(parent, token_ids, B, i, i + 1)[0]
-            if block_hash in device or block_hash in host:
-                parent = block_hash
-                continue
-            return any(block_hash in seq.block_hashes[seq.num_computed // B:]
-                       for seq in self.seqs.values() if seq.on_device)
-        return False
+        block_hash = self.prefix.first_uncached(root_hash(salt, adapter_id), token_ids,
+                                                lambda h: h in device or h in host)
+        return block_hash is not None and any(block_hash in seq.block_hashes[seq.num_computed // B:]
+                                              for seq in self.seqs.values() if seq.on_device)
 
     def take_tier_copies(self) -> TierCopies:
         """This step's copies between the tiers, handed over once (see ``TierCopies``): the
         runner makes them before the forward pass."""
-        to_disk = self.disk_lookup.take_to_disk() if self.disk_lookup is not None else []
-        if self.host_tier is None:
-            return TierCopies(to_disk=tuple(to_disk))
-        out, into, loads = self.host_tier.take_copies()
-        return TierCopies(tuple(out), tuple(into), tuple(to_disk), tuple(loads))
+        return self.lower_tiers.take_copies()
 
     def persistable_blocks(self) -> list[tuple[str, int, bytes]]:
         """``(tier, block id, key)`` of every cached block, host then device, not yet on disk
         (what a clean shutdown writes down); empty without a disk tier."""
-        return self.disk_lookup.persistable_blocks() if self.disk_lookup is not None else []
+        disk = self.lower_tiers.disk
+        return disk.persistable_blocks(self.pool) if disk is not None else []
 
     def finish_step(self, copied: bool = True) -> None:
         """The step's copies are over: release the host blocks they held (``copied=False``: the
         step's shared work failed, and what it offloaded is forgotten)."""
-        if self.host_tier is not None:
-            self.host_tier.finish_step(copied)
-        if not copied and self.disk_lookup is not None:
-            self.disk_lookup.step_failed()
+        self.lower_tiers.finish_step(copied)
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached-free prefix block, on the device and in the host tier, without
@@ -465,13 +472,13 @@ class KVCacheManager:
         last = cdiv(start + num_new_tokens, B)  # exclusive
         blocks = self.pool.blocks
         plans = []  # per group table: (table, shared indices, missing blocks)
-        for table in seq.tables():
+        for table in seq.tables:
             shared = [i for i in range(first, min(last, len(table))) if blocks[table[i]].ref_count > 1]
             plans.append((table, shared, max(last - len(table), 0)))
         total = sum(len(shared) + missing for _, shared, missing in plans)
         if total == 0:
             return []
-        self.unstarve(total)
+        self.tenancy.make_room(total)
         if total > self.pool.num_free:
             raise OutOfBlocksError(total, self.pool.num_free)
         fresh = iter(self.pool.allocate(total, seq.tenant, quota=quota))
@@ -494,15 +501,15 @@ class KVCacheManager:
         """
         seq = self.seqs[seq_id]
         n = seq.num_computed + num_tokens
-        if num_tokens < 0 or n > len(seq.token_ids) or n > len(seq.block_table) * self.block_size:
+        slots = len(seq.tables[0]) * self.block_size
+        if num_tokens < 0 or n > len(seq.token_ids) or n > slots:
             raise ValueError(f"sequence {seq_id!r}: cannot mark {num_tokens} more tokens computed "
-                             f"({seq.num_computed} computed, {len(seq.token_ids)} known, "
-                             f"{len(seq.block_table) * self.block_size} slots)")
+                             f"({seq.num_computed} computed, {len(seq.token_ids)} known, {slots} slots)")
         seq.num_computed = n
         if self.enable_prefix_caching and n // self.block_size > seq.num_cached_blocks:
-            cache_full_blocks(self, seq)
-        if seq.group_tables:  # cached first: a released block stays cached-free
-            self.released_blocks += release_out_of_window(self.pool, seq, self.group_windows, self.block_size)
+            self.prefix.cache_full_blocks(seq)
+        if self._sliding:  # cached first: a released block stays cached-free
+            self.released_blocks += release_out_of_window(self.pool, seq, self.groups, self.block_size)
 
     def rollback(self, seq_id: Hashable) -> int:
         """Release the blocks past the sequence's computed tokens, in every KV group: slots that
@@ -514,8 +521,8 @@ class KVCacheManager:
             raise ValueError(f"sequence {seq_id!r} is swapped out; nothing to roll back on the device")
         keep = cdiv(seq.num_computed, self.block_size)
         blocks = self.pool.blocks
-        extra = [table[i] for table in seq.tables() for i in range(len(table) - 1, keep - 1, -1)]
-        for table in seq.tables():
+        extra = [table[i] for table in seq.tables for i in range(len(table) - 1, keep - 1, -1)]
+        for table in seq.tables:
             del table[keep:]
         self.pool.free(blocks[i] for i in extra)
         self.rolled_back_blocks += len(extra)
@@ -537,10 +544,10 @@ class KVCacheManager:
         if token_ids is parent.token_ids or token_ids[:n] != parent.token_ids[:n]:
             raise ValueError(f"fork {child_id!r}: the child needs its own token list starting with "
                              f"the first {n} tokens of {parent_id!r}")
-        child = SeqState(child_id, token_ids, parent.root, parent.tenant, list(parent.block_table),
+        child = SeqState(child_id, token_ids, parent.root, parent.tenant, [list(t) for t in parent.tables],
                          parent.num_computed, list(parent.block_hashes), parent.num_cached_blocks,
-                         group_tables=[list(t) for t in parent.group_tables], released=list(parent.released),
-                         content_hashes=list(parent.content_hashes), adapter=parent.adapter)
+                         released=list(parent.released), content_hashes=list(parent.content_hashes),
+                         adapter=parent.adapter)
         blocks = self.pool.blocks
         for block_id in child.block_ids():
             self.pool.touch(blocks[block_id])
@@ -548,14 +555,13 @@ class KVCacheManager:
 
     def forget(self, seq_id: Hashable) -> None:
         """Drop what ``prefetch`` remembers of a sequence that left the queue without blocks."""
-        if self.disk_lookup is not None:
-            self.disk_lookup.forget(seq_id)
+        self.lower_tiers.forget(seq_id)
 
     def free(self, seq_id: Hashable) -> None:
         """Release a sequence's blocks. Its last block is freed first, so under LRU a cached
         prefix chain is evicted from its tail and its shared head survives longest."""
         seq = self.seqs.pop(seq_id)
-        pool = self.tiers[seq.tier]
+        pool = self.pools[seq.tier]
         blocks = pool.blocks
         pool.free(blocks[i] for i in reversed(seq.block_ids()))
 
@@ -563,11 +569,7 @@ class KVCacheManager:
         """Forget cached-free device prefix blocks (all, or up to ``max_blocks``); returns the
         count. With ``offload`` (and a host tier) they are copied down first; pass False when
         their contents are not to be trusted (after a failed forward pass)."""
-        self._offloading = offload
-        try:
-            return self.pool.evict_cached(max_blocks)
-        finally:
-            self._offloading = True
+        return self.pool.evict_cached(max_blocks, keep_contents=offload)
 
     def pin(self, block_id: int) -> None:
         """Keep a used block (e.g. a system prompt's cached prefix) from ever being evicted."""
@@ -608,7 +610,7 @@ class KVCacheManager:
             # them so that an offload later in the step cannot take one and write it first.
             host = self.host_pool
             sources = [host.blocks[i] for i in dict.fromkeys(i for seq in seqs for i in seq.block_ids())]
-            self.unstarve(len(sources))
+            self.tenancy.make_room(len(sources))
             if len(sources) > self.pool.num_free:
                 raise OutOfBlocksError(len(sources), self.pool.num_free, self.pool.name)
             self.host_tier.hold(sources)
@@ -617,8 +619,14 @@ class KVCacheManager:
         for seq in seqs:
             seq.num_cached_blocks = 0
             if self.enable_prefix_caching:
-                cache_full_blocks(self, seq)
+                self.prefix.cache_full_blocks(seq)
         return list(mapping.items())
+
+    def swap_cheaper(self, blocks: int, tokens: int) -> bool:
+        """Whether preempting work that holds ``blocks`` device blocks with ``tokens`` computed is
+        better done by swapping it out than by recomputing it later: the host pool has room and
+        the measured copy costs beat the prefill (``memory/tiers/costs.py``)."""
+        return blocks <= self.host_pool.num_free and self.costs.swap_cheaper(blocks, tokens)
 
     def _in_tier(self, seq_ids: Iterable[Hashable], tier: str) -> list[SeqState]:
         seqs = [self.seqs[s] for s in dict.fromkeys(seq_ids)]
@@ -630,14 +638,101 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ inspection
     def stats(self) -> KVStats:
-        """A snapshot of the pools and counters (see ``memory/inspection.py``)."""
-        return kv_stats(self)
+        """A snapshot of the pools and counters: fill and fragmentation over the device blocks
+        the sequences hold, then each part's own figures (prefix cache, lower tiers, tenancy)."""
+        B = self.block_size
+        filled: dict[int, int] = {}
+        table_blocks = 0
+        for seq in self.seqs.values():
+            if not seq.on_device:
+                continue
+            for table in seq.tables:  # every KV group's (a hybrid model's released entries skipped)
+                n = min(len(seq.token_ids), len(table) * B)
+                for i, block_id in enumerate(table):
+                    fill = min(B, n - i * B)
+                    if fill <= 0:
+                        break
+                    if block_id == RELEASED:
+                        continue
+                    table_blocks += 1
+                    if fill > filled.get(block_id, 0):
+                        filled[block_id] = fill
+        pool, host, prefix = self.pool, self.host_pool, self.prefix
+        used = pool.num_blocks - pool.num_free
+        evictable = sum(1 for b in pool.free_queue if b.block_hash is not None)
+        return KVStats(
+            num_blocks=pool.num_blocks, block_size=B, used_blocks=used, free_blocks=pool.num_free,
+            cached_blocks=len(pool.cached), evictable_blocks=evictable, num_seqs=len(self.seqs),
+            table_blocks=table_blocks, filled_slots=sum(filled.values()), allocated_slots=used * B,
+            prefix_query_tokens=prefix.query_tokens, prefix_hit_tokens=prefix.hit_tokens,
+            evictions=pool.evictions, cow_copies=self.cow_copies, window_released_blocks=self.released_blocks,
+            rolled_back_blocks=self.rolled_back_blocks,
+            swapped_out_blocks=self.swapped_out_blocks, swapped_in_blocks=self.swapped_in_blocks,
+            host_blocks=host.num_blocks, host_used_blocks=host.num_blocks - host.num_free,
+            host_cached_blocks=len(host.cached), first_misses=prefix.first_misses_by_reason(),
+            **self.lower_tiers.stats(),  # each lower tier's own fields (memory/tiers/)
+            **self.tenancy.stats())
 
     def check_integrity(self) -> None:
-        """Raise IntegrityError unless every structure agrees with every other (see
-        ``memory/inspection.py``)."""
-        check_integrity(self)
+        """Raise IntegrityError unless every structure agrees with every other.
+
+        Each part checks itself (the pools: free queue, ref counts, hash map and the tenant
+        ledger; the lower tiers; the prefix cache: sequences' cached blocks carry their prefix's
+        hash, and the index agrees with the hash map); then each block's ref count must equal the
+        references to it: block tables, conversation pins, a ``pin``, tier copies in flight.
+        """
+        for pool in self.pools.values():
+            pool.check_integrity()
+        self.lower_tiers.check_integrity()
+        refs = {tier: Counter[int]() for tier in self.pools}
+        refs[HOST].update(self.lower_tiers.held_blocks())  # held for this step's tier copies
+        refs[DEVICE].update(self.tenancy.refs())  # conversation pins (memory/pins.py)
+        for seq in self.seqs.values():
+            self._check_seq(seq)
+            refs[seq.tier].update(seq.block_ids())
+        self.prefix.check(self.seqs.values())
+        for tier, pool in self.pools.items():
+            counts = refs[tier]
+            for block in pool.blocks:
+                expected = counts[block.block_id] + block.pinned
+                if block.ref_count != expected:
+                    raise IntegrityError(f"{pool.name} {block}: ref count {block.ref_count} but "
+                                         f"{expected} references")
+
+    def _check_seq(self, seq: SeqState) -> None:
+        """One sequence's tables (one per group, all as long, released entries exactly the leading
+        ones out of the window of the next query) and counters."""
+        B, sid, tables = self.block_size, seq.seq_id, seq.tables
+        held = seq.block_ids()
+        if len(set(held)) != len(held):
+            raise IntegrityError(f"sequence {sid!r} maps one block twice: {tables}")
+        if len(tables) != len(self.groups) or len(seq.released) != len(tables):
+            raise IntegrityError(f"sequence {sid!r} has {len(tables)} block tables for {len(self.groups)} KV groups")
+        for g, (table, group) in enumerate(zip(tables, self.groups)):
+            lo = seq.released[g]
+            if len(table) != len(tables[0]):
+                raise IntegrityError(f"sequence {sid!r} group {g} table has {len(table)} blocks, "
+                                     f"group 0 {len(tables[0])}")
+            if any(b != RELEASED for b in table[:lo]) or RELEASED in table[lo:]:
+                raise IntegrityError(f"sequence {sid!r} group {g} released entries are not the first {lo}")
+            if lo > group.first_visible(seq.num_computed, B):
+                raise IntegrityError(f"sequence {sid!r} group {g} released a block still in the window")
+        if not seq.num_computed <= len(seq.token_ids):
+            raise IntegrityError(f"sequence {sid!r} computed more tokens than it has")
+        if seq.num_computed > len(tables[0]) * B:
+            raise IntegrityError(f"sequence {sid!r} computed tokens have no slots")
+        if len(seq.block_hashes) * B > len(seq.token_ids):
+            raise IntegrityError(f"sequence {sid!r} hashed blocks past its tokens")
+        if seq.num_cached_blocks > seq.num_computed // B:
+            raise IntegrityError(f"sequence {sid!r} cached a block before computing it")
 
     def pretty_print(self) -> str:
-        """A readable dump of every sequence's block table and the cached blocks."""
-        return pretty_print(self)
+        """A readable dump of every sequence's block tables and the cached blocks."""
+        lines = [f"KVCacheManager: {self.num_blocks} blocks x {self.block_size} slots, "
+                 f"{self.pool.num_free} free, {len(self.pool.cached)} cached"]
+        for seq in self.seqs.values():
+            lines.append(f"  seq {seq.seq_id!r} [{seq.tier}] tokens={len(seq.token_ids)} "
+                         f"computed={seq.num_computed} table={seq.tables[0]}")
+            for g, table in enumerate(seq.tables[1:], start=1):
+                lines.append(f"    group {g} (window {self.groups[g].window}) table={table}")
+        return "\n".join(lines)

@@ -30,6 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedkv.memory.block import Block
 from pagedkv.memory.prefix_hash import chain_hashes, root_hash
 
 REASONS = ("none", "reload_skipped", "evicted", "partial_block", "different_adapter", "different_tenant",
@@ -80,6 +81,18 @@ class _Bounded(OrderedDict):
         self.move_to_end(key)
         if len(self) > self.capacity:
             self.popitem(last=False)
+
+
+class EvictionHistory:
+    """A pool's eviction listener: records each forgotten block's tier and cause in ``history``
+    (a block dropped after a failed step is recorded as ``cleared``)."""
+
+    def __init__(self, history: CacheHistory, tier: str) -> None:
+        self.history = history
+        self.tier = tier
+
+    def on_evict(self, block: Block, cause: str) -> None:
+        self.history.evicted.put(block.block_hash, (self.tier, "cleared" if cause == "dropped" else cause))
 
 
 class CacheHistory:

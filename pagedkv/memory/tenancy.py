@@ -174,6 +174,10 @@ class TenantLedger:
         else:
             self._release(block)
 
+    def on_evict(self, block: Block, cause: str) -> None:
+        """The pool's eviction listener: ``block`` loses its prefix (``evicted``)."""
+        self.evicted(block)
+
     def evicted(self, block: Block) -> None:
         """A cached-free block lost its prefix (evicted for reuse or forgotten)."""
         tenant = block.tenant

@@ -28,7 +28,7 @@ empty tails of the live sequences' last blocks, each physical block once: the sa
 
 from __future__ import annotations
 
-from pagedkv.memory import DEFAULT_TENANT, IntegrityError, KVCacheManager, OutOfBlocksError, TenantQuotaError
+from pagedkv.memory import IntegrityError, KVCacheManager, OutOfBlocksError, TenantQuotaError
 from pagedkv.sim.memory_policy import MemoryUsage, SimSeq
 from pagedkv.sim.workload import Request
 
@@ -149,11 +149,10 @@ class PagedPolicy:
         return 0  # any free block can hold any token
 
     def quota_status(self, tenant: str | None) -> int | None:
-        ledger = self.manager.pool.tenants
-        name = tenant or DEFAULT_TENANT
-        if ledger is None or (limit := ledger.limit(name)) is None:
+        tenancy = self.manager.tenancy
+        if (limit := tenancy.limit(tenant)) is None:
             return None
-        held = ledger.held[name]
+        held = tenancy.held(tenant)
         return (held > limit) - (held < limit)
 
     def fits(self, request: Request, seqs: list[SimSeq]) -> bool:
@@ -168,11 +167,9 @@ class PagedPolicy:
         every sequence's blocks, each counted as if alone (at least what ``admit`` takes: shared
         prompt blocks count once per sequence), within its quota."""
         mgr = self.manager
-        ledger = mgr.pool.tenants
-        name = request.tenant or DEFAULT_TENANT
-        if ledger is None or (limit := ledger.limit(name)) is None:
+        if (limit := mgr.tenancy.limit(request.tenant)) is None:
             return False
-        in_use = ledger.held[name] - ledger.own_cached(name)
+        in_use = mgr.tenancy.in_use(request.tenant)
         need = sum(mgr.blocks_to_admit(seq.tokens, salt=request.tenant) for seq in seqs)
         return in_use + need <= limit
 
@@ -194,8 +191,8 @@ class PagedPolicy:
     def counters(self) -> dict[str, int]:
         mgr = self.manager
         return {
-            "prefix_query_tokens": mgr.prefix_query_tokens,
-            "prefix_hit_tokens": mgr.prefix_hit_tokens,
+            "prefix_query_tokens": mgr.prefix.query_tokens,
+            "prefix_hit_tokens": mgr.prefix.hit_tokens,
             "evictions": mgr.evictions,
             "cow_copies": mgr.cow_copies,
         }
