@@ -65,7 +65,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], new_tokens: list[int],
         loras: list[LoRARequest | None]) -> tuple[float, float]:
     """(wall, CPU) seconds to run every request to completion (all added at once; prefix cache
     emptied first). On one thread the CPU time is the figure least moved by other load."""
-    engine.kv.clear_prefix_cache()
+    engine.reset_prefix_cache()
     for i, (prompt, n, lora) in enumerate(zip(prompts, new_tokens, loras)):
         engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
                            lora_request=lora)

@@ -82,7 +82,7 @@ def run_pagedkv(engine, workload: Workload, *, progress: bool = False) -> RunRes
 
     The prefix cache (device and host tier) is emptied first, so a workload run again
     (``--repeat``) hits only what it shares within itself, as it would on a fresh engine."""
-    engine.kv.clear_prefix_cache()
+    engine.reset_prefix_cache()
     for i, (prompt, n) in enumerate(zip(workload.prompts, workload.new_tokens)):
         engine.add_request(f"{workload.name}-{i}", prompt,
                            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))

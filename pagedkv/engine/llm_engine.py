@@ -35,9 +35,9 @@ from pagedkv.engine.stats import EngineStats
 from pagedkv.engine.step_cost import StepCostModel
 from pagedkv.engine.step_update import StepUpdater, new_sequence, prompt_logprob_window
 from pagedkv.engine.structured_output import GrammarError, GrammarState, StructuredOutputs
+from pagedkv.kv_events import KVEvent
 from pagedkv.lora.request import LoRARequest
 from pagedkv.memory import KVCacheManager
-from pagedkv.memory.kv_events import KVEvent
 from pagedkv.models.tokenizer import Tokenizer
 from pagedkv.outputs import RequestOutput
 from pagedkv.runner.batch import SeqChunk

@@ -73,7 +73,7 @@ def create_app(
     names = served_model_names or [engine.engine.model_name]
     keys = {**({api_key: None} if api_key else {}), **(api_keys or {})}
     config = getattr(engine.engine, "config", None)
-    named = {t for t in keys.values() if t} | set(getattr(config, "tenant_quotas", None) or {})
+    named = {t for t in keys.values() if t} | engine.engine.tenant_names()
     state = ServerState(
         engine=engine,
         metrics=ServerMetrics(names[0], frozenset(named), getattr(config, "max_model_len", None)),

@@ -286,9 +286,8 @@ class AsyncEngine:
             return
         if self.step_observer is not None and self.engine.last_step_tokens:
             self.step_observer(self.engine.last_step_tokens)
-        events = getattr(getattr(self.engine, "kv", None), "events", None)
-        if events is not None and events.events and self.kv_event_sink is not None:
-            self.kv_event_sink(events.take())
+        if self.kv_event_sink is not None and (events := self.engine.take_kv_events()):
+            self.kv_event_sink(events)
         # One wake-up of each event loop per step, however many requests progressed.
         batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         for out in outputs:
