@@ -100,7 +100,7 @@ def add_kv_cache_parser(subparsers) -> None:
 
 
 def run_kv_cache_clear(args: argparse.Namespace) -> int:
-    from pagedkv.memory.disk_tier import clear_directory
+    from pagedkv.memory.tiers.disk_store import clear_directory
 
     if not os.path.isdir(args.directory):
         raise FileNotFoundError(f"{args.directory} is not a directory")
@@ -112,7 +112,7 @@ def run_kv_cache_clear(args: argparse.Namespace) -> int:
 def run_kv_cache_info(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pagedkv.memory.disk_files import BLOCK_SUFFIX, BLOCKS_DIR, FINGERPRINT_FILE, real_directory
+    from pagedkv.memory.tiers.disk_files import BLOCK_SUFFIX, BLOCKS_DIR, FINGERPRINT_FILE, real_directory
     from pagedkv.units import format_bytes
 
     root = Path(args.directory)

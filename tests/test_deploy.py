@@ -253,7 +253,7 @@ def test_chart_flags_parse_with_pagedkv_serve_into_a_valid_engine_config(name: s
     assert args.kv_offload_dir == values["kvDiskTier"]["dir"]
     assert args.served_model_name == (values["model"]["servedModelNames"] or None)
     config = EngineConfig(**engine_options(args))  # raises ValueError naming a bad field
-    assert config.host_tier_gib > 0 and config.disk_tier_bytes > 0
+    assert config.kv_offloading_size > 0 and config.disk_tier_bytes > 0
 
 
 def test_service_monitor_scrapes_the_service_metrics_port() -> None:

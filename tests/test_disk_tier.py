@@ -15,16 +15,16 @@ from collections import OrderedDict
 
 import pytest
 
-from pagedkv.memory import disk_tier as dt
-from pagedkv.memory.disk_tier import (
+from pagedkv.memory.errors import IntegrityError
+from pagedkv.memory.tiers import disk_store as dt
+from pagedkv.memory.tiers.disk_store import (
     HEADER_SIZE,
     LAYOUT_VERSION,
-    DiskTier,
+    DiskStore,
     DiskTierError,
     block_file_size,
     clear_directory,
 )
-from pagedkv.memory.errors import IntegrityError
 
 FP = {"model": "tiny-llama@3f2a", "tokenizer": "tiny-tok@91bc", "block_size": "16", "kv_dtype": "bfloat16"}
 
@@ -52,12 +52,12 @@ def kv_dir(tmp_path):
 
 @pytest.fixture
 def tier(kv_dir):
-    with DiskTier(kv_dir, 1 << 20, FP) as t:
+    with DiskStore(kv_dir, 1 << 20, FP) as t:
         yield t
 
 
 def test_imports_nothing_heavy():
-    code = "import sys, pagedkv.memory.disk_tier; print('torch' in sys.modules, 'numpy' in sys.modules)"
+    code = "import sys, pagedkv.memory.tiers.disk_store; print('torch' in sys.modules, 'numpy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
 
@@ -75,11 +75,11 @@ def test_layout_fingerprint_and_fanout(tier, kv_dir):
 
 
 def test_changed_fingerprint_drops_old_blocks_and_names_the_fields(kv_dir, caplog):
-    with DiskTier(kv_dir, 1 << 20, FP) as t:
+    with DiskStore(kv_dir, 1 << 20, FP) as t:
         assert t.put(key(1), payload(1)) and t.put(key(2), payload(2))
     new_fp = {**FP, "kv_dtype": "fp8_e4m3"}
-    with caplog.at_level(logging.WARNING, logger="pagedkv.memory.disk_tier"):
-        with DiskTier(kv_dir, 1 << 20, new_fp) as t:
+    with caplog.at_level(logging.WARNING, logger="pagedkv.memory.tiers.disk_store"):
+        with DiskStore(kv_dir, 1 << 20, new_fp) as t:
             assert len(t) == 0 and key(1) not in t and t.get(key(1)) is None
     [record] = caplog.records
     assert "kv_dtype 'bfloat16' -> 'fp8_e4m3'" in record.message and "2 block files" in record.message
@@ -87,8 +87,8 @@ def test_changed_fingerprint_drops_old_blocks_and_names_the_fields(kv_dir, caplo
     assert not block_path(kv_dir, key(1)).exists()
     assert json.loads((kv_dir / "fingerprint.json").read_text())["fingerprint"] == new_fp
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="pagedkv.memory.disk_tier"):
-        DiskTier(kv_dir, 1 << 20, new_fp).close()  # same fingerprint again: nothing to say
+    with caplog.at_level(logging.WARNING, logger="pagedkv.memory.tiers.disk_store"):
+        DiskStore(kv_dir, 1 << 20, new_fp).close()  # same fingerprint again: nothing to say
     assert caplog.records == []
 
 
@@ -97,11 +97,11 @@ def test_changed_fingerprint_drops_old_blocks_and_names_the_fields(kv_dir, caplo
     ("{not json", "unreadable"),
 ])
 def test_other_layout_or_unreadable_fingerprint_drops_blocks(kv_dir, caplog, content, expected):
-    with DiskTier(kv_dir, 1 << 20, FP) as t:
+    with DiskStore(kv_dir, 1 << 20, FP) as t:
         assert t.put(key(1), payload(1))
     (kv_dir / "fingerprint.json").write_text(content)
-    with caplog.at_level(logging.WARNING, logger="pagedkv.memory.disk_tier"):
-        with DiskTier(kv_dir, 1 << 20, FP) as t:
+    with caplog.at_level(logging.WARNING, logger="pagedkv.memory.tiers.disk_store"):
+        with DiskStore(kv_dir, 1 << 20, FP) as t:
             assert len(t) == 0
     assert expected in caplog.text
     assert not block_path(kv_dir, key(1)).exists()
@@ -110,18 +110,18 @@ def test_other_layout_or_unreadable_fingerprint_drops_blocks(kv_dir, caplog, con
 # ------------------------------------------------------------------ 2. restart
 def test_restart_serves_the_same_bytes_in_mtime_order(kv_dir):
     keys = [key(i) for i in range(4)]
-    with DiskTier(kv_dir, 1 << 20, FP) as t:
+    with DiskStore(kv_dir, 1 << 20, FP) as t:
         for i, k in enumerate(keys):
             assert t.put(k, payload(i, 50 + i))
         used = t.stats().bytes_used
     for age, k in zip([10, 40, 20, 30], keys):  # seconds ago: order by age is 1, 3, 2, 0
         os.utime(block_path(kv_dir, k), ns=(0, (1_700_000_000 - age) * 10**9))
-    with DiskTier(kv_dir, 1 << 20, FP) as t:
+    with DiskStore(kv_dir, 1 << 20, FP) as t:
         assert t.keys_lru() == [keys[1], keys[3], keys[2], keys[0]]
         assert t.stats().bytes_used == used
         assert t.get(keys[1]) == payload(1, 51)  # a hit is remembered on disk too (mtime)
         t.check_integrity()
-    with DiskTier(kv_dir, 1 << 20, FP) as t:
+    with DiskStore(kv_dir, 1 << 20, FP) as t:
         assert t.keys_lru() == [keys[3], keys[2], keys[0], keys[1]]
         assert [t.get(k) for k in keys] == [payload(i, 50 + i) for i in range(4)]
 
@@ -170,12 +170,12 @@ def test_bad_file_is_deleted_counted_and_missed(tier, kv_dir, damage):
 
 
 def test_file_too_short_for_a_header_is_dropped_at_open(kv_dir):
-    with DiskTier(kv_dir, 1 << 20, FP) as t:
+    with DiskStore(kv_dir, 1 << 20, FP) as t:
         assert t.put(key(1), payload(1)) and t.put(key(2), payload(2))
     block_path(kv_dir, key(1)).write_bytes(b"PKVB")
     (kv_dir / "blocks" / "zz").mkdir()
     (kv_dir / "blocks" / "zz" / "notes.txt").write_text("not ours")  # ignored, not deleted
-    with DiskTier(kv_dir, 1 << 20, FP) as t:
+    with DiskStore(kv_dir, 1 << 20, FP) as t:
         assert t.keys_lru() == [key(2)] and t.stats().corrupt_discarded == 1
     assert not block_path(kv_dir, key(1)).exists() and (kv_dir / "blocks" / "zz" / "notes.txt").exists()
 
@@ -202,14 +202,14 @@ def test_block_appears_only_complete_after_fsync(tier, kv_dir, monkeypatch):
 
 
 def test_crash_before_rename_leaves_no_block_and_temp_files_go_at_open(kv_dir, monkeypatch):
-    with DiskTier(kv_dir, 1 << 20, FP) as t:
+    with DiskStore(kv_dir, 1 << 20, FP) as t:
         assert t.put(key(1), payload(1))
     # What a crash mid-write leaves: temporary files next to the final names, and one for the fingerprint.
     fan = block_path(kv_dir, key(2)).parent
     fan.mkdir(exist_ok=True)
     (fan / f"{key(2).hex()}.kvb.4242-0.tmp").write_bytes(b"PKVB half a bl")
     (kv_dir / "fingerprint.json.4242.tmp").write_text("{")
-    with DiskTier(kv_dir, 1 << 20, FP) as t:
+    with DiskStore(kv_dir, 1 << 20, FP) as t:
         assert t.keys_lru() == [key(1)]
         assert not any(name.endswith(".tmp") for name in files_under(kv_dir))
         # A write interrupted before its rename leaves neither the block nor its temporary file.
@@ -227,7 +227,7 @@ def test_crash_before_rename_leaves_no_block_and_temp_files_go_at_open(kv_dir, m
 # ------------------------------------------------------------------ 5. capacity and LRU
 def test_lru_eviction_order_and_capacity(kv_dir):
     size = block_file_size(key(0), payload(0))
-    with DiskTier(kv_dir, 3 * size, FP) as t:
+    with DiskStore(kv_dir, 3 * size, FP) as t:
         a, b, c, d, e = (key(i) for i in range(5))
         for k in (a, b, c):
             assert t.put(k, payload(0))
@@ -249,17 +249,17 @@ def test_lru_eviction_order_and_capacity(kv_dir):
         t.discard(e)
         assert t.keys_lru() == [d] and not block_path(kv_dir, e).exists()
         t.check_integrity()
-    with DiskTier(kv_dir, 1, FP) as t:  # capacity shrank since the last run: the oldest go
+    with DiskStore(kv_dir, 1, FP) as t:  # capacity shrank since the last run: the oldest go
         assert len(t) == 0 and t.stats().evictions == 1
     assert list((kv_dir / "blocks").rglob("*.kvb")) == []
 
 
 def test_bad_arguments(kv_dir):
     with pytest.raises(ValueError, match="capacity_bytes"):
-        DiskTier(kv_dir, -1, FP)
+        DiskStore(kv_dir, -1, FP)
     with pytest.raises(ValueError, match="fingerprint"):
-        DiskTier(kv_dir, 100, {"block_size": 16})
-    with DiskTier(kv_dir, 1000, FP) as t:
+        DiskStore(kv_dir, 100, {"block_size": 16})
+    with DiskStore(kv_dir, 1000, FP) as t:
         for bad in (b"", b"x" * 65, "abc"):
             with pytest.raises(ValueError, match="key"):
                 t.put(bad, b"")
@@ -275,9 +275,9 @@ def test_check_integrity_catches_a_broken_count(tier):
 
 # ------------------------------------------------------------------ 6. lock
 def test_lock_excludes_a_second_engine_until_close(kv_dir):
-    t = DiskTier(kv_dir, 1000, FP)
+    t = DiskStore(kv_dir, 1000, FP)
     with pytest.raises(DiskTierError, match="another pagedkv engine") as info:
-        DiskTier(kv_dir, 1000, FP)
+        DiskStore(kv_dir, 1000, FP)
     assert str(kv_dir) in str(info.value)
     with pytest.raises(DiskTierError, match="another pagedkv engine"):
         clear_directory(kv_dir)
@@ -285,16 +285,16 @@ def test_lock_excludes_a_second_engine_until_close(kv_dir):
     t.close()
     assert not t.stats().enabled and t.stats().disabled_reason == "closed"
     assert not t.put(key(1), b"x") and t.get(key(1)) is None
-    with DiskTier(kv_dir, 1000, FP):
+    with DiskStore(kv_dir, 1000, FP):
         pass
-    DiskTier(kv_dir, 1000, FP).close()
+    DiskStore(kv_dir, 1000, FP).close()
 
 
 # ------------------------------------------------------------------ 7. permissions
 def test_new_directory_and_files_are_private_whatever_the_umask(tmp_path):
     old = os.umask(0)
     try:
-        with DiskTier(tmp_path / "a" / "kv", 1000, FP) as t:
+        with DiskStore(tmp_path / "a" / "kv", 1000, FP) as t:
             assert t.put(key(1), payload(1))
     finally:
         os.umask(old)
@@ -309,20 +309,20 @@ def test_directory_writable_by_others_is_refused(kv_dir, mode):
     kv_dir.mkdir()
     kv_dir.chmod(mode)
     with pytest.raises(DiskTierError, match=f"chmod 700 {kv_dir}"):
-        DiskTier(kv_dir, 1000, FP)
+        DiskStore(kv_dir, 1000, FP)
     kv_dir.chmod(0o750)  # readable by the group is fine
-    DiskTier(kv_dir, 1000, FP).close()
+    DiskStore(kv_dir, 1000, FP).close()
 
 
 def test_directory_of_another_user_or_not_a_directory_is_refused(kv_dir, monkeypatch, tmp_path):
     kv_dir.mkdir(mode=0o700)
     monkeypatch.setattr(dt.os, "getuid", lambda: kv_dir.stat().st_uid + 1)
     with pytest.raises(DiskTierError, match="not by the current user"):
-        DiskTier(kv_dir, 1000, FP)
+        DiskStore(kv_dir, 1000, FP)
     monkeypatch.undo()
     (tmp_path / "file").write_text("")
     with pytest.raises(DiskTierError, match="not a directory"):
-        DiskTier(tmp_path / "file", 1000, FP)
+        DiskStore(tmp_path / "file", 1000, FP)
 
 
 # ------------------------------------------------------------------ 8. failures never stop serving
@@ -332,7 +332,7 @@ def test_disk_full_disables_writes_but_keeps_serving(tier, kv_dir, monkeypatch, 
     def enospc(fd, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    with caplog.at_level(logging.WARNING, logger="pagedkv.memory.disk_tier"):
+    with caplog.at_level(logging.WARNING, logger="pagedkv.memory.tiers.disk_store"):
         with monkeypatch.context() as m:
             m.setattr(os, "write", enospc)
             assert not tier.put(key(2), payload(2))
@@ -363,7 +363,7 @@ def test_directory_deleted_underneath(tier, kv_dir):
 def test_worker_thread_and_engine_thread(kv_dir):
     size = block_file_size(key(0), payload(0))
     errors = []
-    with DiskTier(kv_dir, 8 * size, FP) as t:
+    with DiskStore(kv_dir, 8 * size, FP) as t:
         def worker():
             try:
                 rng = random.Random(1)
@@ -418,7 +418,7 @@ def test_discard_during_a_write_wins_and_the_key_is_invisible_until_written(tier
 # ------------------------------------------------------------------ 10. clear_directory
 def test_clear_directory_removes_only_what_pagedkv_wrote(kv_dir, tmp_path):
     assert clear_directory(tmp_path / "missing") == 0
-    with DiskTier(kv_dir, 1 << 20, FP) as t:
+    with DiskStore(kv_dir, 1 << 20, FP) as t:
         for i in range(5):
             assert t.put(key(i), payload(i))
     leftover = block_path(kv_dir, key(9)).with_name(f"{key(9).hex()}.kvb.1-0.tmp")  # a crashed write
@@ -427,7 +427,7 @@ def test_clear_directory_removes_only_what_pagedkv_wrote(kv_dir, tmp_path):
     (kv_dir / "fingerprint.json.7.tmp").write_text("{")
     assert clear_directory(kv_dir) == 5
     assert os.listdir(kv_dir) == []
-    with DiskTier(kv_dir, 1 << 20, FP) as t:  # usable again
+    with DiskStore(kv_dir, 1 << 20, FP) as t:  # usable again
         assert len(t) == 0 and t.put(key(1), payload(1))
 
 
@@ -476,7 +476,7 @@ def test_random_operations_match_a_naive_model(tmp_path, monkeypatch, seed):
     capacity = rng.randrange(200, 1500)
     model = NaiveDiskTier(capacity)
     keys = [key(i) for i in range(12)]
-    with DiskTier(tmp_path / "kv", capacity, FP) as t:
+    with DiskStore(tmp_path / "kv", capacity, FP) as t:
         for step in range(250):
             op, k = rng.choice(["put", "put", "get", "get", "touch", "discard"]), rng.choice(keys)
             if op == "put":

@@ -17,8 +17,8 @@ from conftest_models import make_hf_checkpoint
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.cli import main as cli_main
-from pagedkv.memory.disk_files import HEADER, HEADER_SIZE
-from pagedkv.memory.disk_tier import DiskTier, DiskTierError, clear_directory
+from pagedkv.memory.tiers.disk_files import HEADER, HEADER_SIZE
+from pagedkv.memory.tiers.disk_store import DiskStore, DiskTierError, clear_directory
 
 FP = {"model": "tiny@1", "block_size": "4"}
 
@@ -79,7 +79,7 @@ def test_symlinked_blocks_folder_is_never_followed(tmp_path, capsys):
     foreign = tmp_path / "foreign"
     before = foreign_tree(foreign)
     kv_dir = tmp_path / "kv"
-    with DiskTier(kv_dir, 1 << 20, FP) as tier:
+    with DiskStore(kv_dir, 1 << 20, FP) as tier:
         assert tier.put(key(1), b"payload")
     block_path(kv_dir, key(1)).unlink()
     (kv_dir / "blocks" / key(1).hex()[:2]).rmdir()
@@ -92,14 +92,14 @@ def test_symlinked_blocks_folder_is_never_followed(tmp_path, capsys):
     assert cli_main(["kv-cache", "info", str(kv_dir)]) == 0
     assert "0 KV block file(s)" in capsys.readouterr().out  # (the linked folder's are not counted)
     with pytest.raises(DiskTierError, match="link"):  # nor does the tier at start (a changed fingerprint too)
-        DiskTier(kv_dir, 1 << 20, {**FP, "model": "other"})
+        DiskStore(kv_dir, 1 << 20, {**FP, "model": "other"})
     assert snapshot(foreign) == before
     assert (kv_dir / "fingerprint.json").exists()
 
 
 def test_clear_removes_what_pagedkv_wrote_and_keeps_the_rest(tmp_path):
     kv_dir = tmp_path / "kv"
-    with DiskTier(kv_dir, 1 << 20, FP) as tier:
+    with DiskStore(kv_dir, 1 << 20, FP) as tier:
         for i in range(3):
             assert tier.put(key(i), bytes(16))
     fan = block_path(kv_dir, key(0)).parent
@@ -119,7 +119,7 @@ def test_clear_removes_what_pagedkv_wrote_and_keeps_the_rest(tmp_path):
 # ------------------------------------------------------------------ a directory at a block path
 def test_a_directory_or_link_at_a_block_path_never_stops_writing(tmp_path):
     kv_dir = tmp_path / "kv"
-    with DiskTier(kv_dir, 1 << 20, FP) as tier:
+    with DiskStore(kv_dir, 1 << 20, FP) as tier:
         empty = block_path(kv_dir, key(1))
         empty.mkdir(parents=True)  # an empty directory: removed, the block written
         assert tier.put(key(1), b"one") and tier.get(key(1)) == b"one"

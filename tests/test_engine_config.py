@@ -29,10 +29,10 @@ def test_engine_config_rejects_unknown_and_conflicting_options():
 
 
 def test_host_tier_size_is_kv_offloading_size_or_its_alias_swap_space():
-    assert EngineConfig().host_tier_gib == 0.5
-    assert EngineConfig(kv_offloading_size=2).host_tier_gib == 2.0
-    assert EngineConfig(swap_space=0.25).host_tier_gib == 0.25
-    assert EngineConfig(kv_offloading_size=0).host_tier_gib == 0.0
+    assert EngineConfig().kv_offloading_size == 0.5
+    assert EngineConfig(kv_offloading_size=2).kv_offloading_size == 2.0
+    assert EngineConfig(swap_space=0.25).kv_offloading_size == 0.25
+    assert EngineConfig(kv_offloading_size=0).kv_offloading_size == 0.0
 
 
 @pytest.mark.parametrize("field,value", [

@@ -23,11 +23,14 @@ from pagedkv.engine import LLMEngine
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
 from pagedkv.engine.sequence import Sequence, SequenceGroup
 from pagedkv.memory import KVCacheManager
-from pagedkv.memory.disk_files import DiskTierError
-from pagedkv.memory.disk_prefix import DiskPrefixTier
-from pagedkv.memory.disk_tier import DiskTier
+from pagedkv.memory.block_pool import BlockPool
+from pagedkv.memory.errors import OutOfBlocksError
 from pagedkv.memory.prefix_hash import chain_hashes, root_hash
-from pagedkv.memory.tier_costs import DISK_READ, HOST_READ, HOST_WRITE, TierCosts
+from pagedkv.memory.tiers.costs import DISK_READ, HOST_READ, HOST_WRITE, TierCosts
+from pagedkv.memory.tiers.disk import DiskTier
+from pagedkv.memory.tiers.disk_files import DiskTierError
+from pagedkv.memory.tiers.disk_store import DiskStore
+from pagedkv.memory.tiers.host import HostTier
 
 B = 4
 PREFIX = [(7 * i + 3) % 97 + 5 for i in range(48)]  # 12 blocks
@@ -242,11 +245,11 @@ class _Runner:
 
     def step(self) -> None:
         copies = self.kv.take_tier_copies()
-        for block_id, key in copies.to_disk:
+        for _, key in copies.to_disk:
             self.kv.disk.offer_write(key, b"kv:" + key)
         for host_id, payload in copies.from_disk:
             self.host[host_id] = payload
-        for host_id, device_id in copies.reloads:
+        for host_id, _ in copies.reloads:
             key = self.kv.host_pool.blocks[host_id].block_hash
             assert self.host.get(host_id, b"kv:" + key) == b"kv:" + key
         self.kv.finish_step()
@@ -256,8 +259,8 @@ class _Runner:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_operations_over_three_tiers_keep_integrity(tmp_path, seed):
     rng = random.Random(seed)
-    disk = DiskPrefixTier(DiskTier(tmp_path / "kv", 40 * 80, {"m": "x"}), max_queued_writes=8)
-    kv = KVCacheManager(8, B, num_host_blocks=4, offload_to_host=True, disk=disk)
+    store = DiskStore(tmp_path / "kv", 40 * 80, {"m": "x"})
+    kv = KVCacheManager(8, B, num_host_blocks=4, offload_to_host=True, disk=store, disk_write_queue=8)
     runner = _Runner(kv)
     live: list[str] = []
     for step in range(300):
@@ -272,7 +275,7 @@ def test_random_operations_over_three_tiers_keep_integrity(tmp_path, seed):
                 time.sleep(0.002)
             try:
                 cached = kv.allocate_prompt(sid, tokens)
-            except Exception:
+            except OutOfBlocksError:
                 kv.forget(sid)
             else:
                 kv.mark_computed(sid, len(tokens) - cached)
@@ -282,21 +285,22 @@ def test_random_operations_over_three_tiers_keep_integrity(tmp_path, seed):
         else:
             kv.evict_cached(rng.choice([None, 1, 3]))
         runner.step()
-        assert kv.disk.disk.stats().bytes_used <= 40 * 80
-    disk.close()
+        assert kv.disk.store.stats().bytes_used <= 40 * 80
+    kv.disk.close()
 
 
 def test_full_offload_queue_drops_and_never_stalls(tmp_path):
-    tier = DiskTier(tmp_path / "kv", 1 << 20, {"m": "x"})
+    store = DiskStore(tmp_path / "kv", 1 << 20, {"m": "x"})
     gate = threading.Event()
-    real_put = tier.put
+    real_put = store.put
 
     def slow_put(key, payload):
         gate.wait(30)
         return real_put(key, payload)
 
-    tier.put = slow_put
-    disk = DiskPrefixTier(tier, max_queued_writes=2)
+    store.put = slow_put
+    disk = DiskTier(store, host=HostTier(BlockPool(4, name="host")), costs=TierCosts(B), block_size=B,
+                    max_queued_writes=2)
     results: list[bool] = []
     offers = threading.Thread(target=lambda: results.extend(disk.offer_write(bytes([i]) * 8, b"x" * 100)
                                                             for i in range(10)))
@@ -431,7 +435,7 @@ def test_disk_reads_happen_before_admission_while_others_keep_decoding(model, re
     kv_dir = tmp_path / "kv"
     _warm(model, kv_dir)
     engine = LLMEngine.from_options(model, **_options(kv_offload_dir=str(kv_dir)))
-    disk = engine.kv.disk.disk
+    disk = engine.kv.disk.store
     real_get = disk.get
 
     def slow_get(key):

@@ -6,8 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pagedkv.memory import KVCacheManager
-from pagedkv.memory.disk_prefix import DiskPrefixTier
-from pagedkv.memory.disk_tier import DiskTier
+from pagedkv.memory.tiers.disk_store import DiskStore
 from pagedkv.memory.prefix_hash import chain_hashes, root_hash
 
 B = 4
@@ -88,15 +87,14 @@ def test_another_tenants_cache_is_never_revealed() -> None:
 def test_fingerprint_mismatch_on_disk(tmp_path: Path) -> None:
     prompt = list(range(1, 14))
     keys = chain_hashes(root_hash(None, None), prompt, B, 0, 3)
-    with DiskTier(tmp_path, 1 << 20, {"model": "old"}) as disk:
+    with DiskStore(tmp_path, 1 << 20, {"model": "old"}) as disk:
         for key in keys:
             assert disk.put(key, b"x" * 64)
-    disk = DiskTier(tmp_path, 1 << 20, {"model": "new"})  # another model: its blocks are removed
+    disk = DiskStore(tmp_path, 1 << 20, {"model": "new"})  # another model: its blocks are removed
     assert disk.discarded_keys == set(keys)
-    tier = DiskPrefixTier(disk)
+    mgr = KVCacheManager(32, B, num_host_blocks=8, offload_to_host=True, disk=disk)
     try:
-        mgr = KVCacheManager(32, B, num_host_blocks=8, offload_to_host=True, disk=tier)
         d = _run(mgr, "a", prompt)
         assert (d.reason, d.miss_block) == ("fingerprint_mismatch", 0)
     finally:
-        tier.close()
+        mgr.disk.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 
 from pagedkv import envs
@@ -22,6 +23,8 @@ DEFAULT_KV_CACHE_MEMORY = "1GiB"
 DEFAULT_HOST_TIER_GIB = 0.5
 DEFAULT_DISK_TIER_SIZE = "20GiB"
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -31,7 +34,7 @@ class EngineConfig:
     Each field is documented once, in its ``metadata["help"]``: the command-line flags are made
     from the fields (``engine/flags.py``: a field's name with dashes, vLLM's names, and that help)
     and so is the table of options in docs/configuration.md (``python -m pagedkv.engine.flags``).
-    Derived values are properties (``host_tier_gib``, ``disk_tier_bytes``, ``tenant_quotas``).
+    Derived values are properties (``disk_tier_bytes``, ``tenant_quotas``).
     """
 
     model: str | None = field(default=None, metadata={"help": (
@@ -55,7 +58,7 @@ class EngineConfig:
         "1GiB)")})
     num_kv_blocks: int | None = field(default=None, metadata={"help": (
         "number of device KV blocks (instead of kv_cache_memory)")})
-    kv_offloading_size: float | None = field(default=None, metadata={"help": (
+    kv_offloading_size: float = field(default=DEFAULT_HOST_TIER_GIB, metadata={"help": (
         "the host tier in GiB (vLLM's name): the one host pool, holding swapped-out sequences and the "
         "cached prefix blocks evicted from the device; swap_space is its deprecated alias (give one of "
         "the two) (default 0.5)")})
@@ -206,9 +209,14 @@ class EngineConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not value >= 0):
                 raise ValueError(f"{name} must be a number of GiB >= 0, got {value!r}")
-        if self.kv_offloading_size is not None and self.swap_space is not None:
-            raise ValueError("give kv_offloading_size (the host tier, GiB) or its deprecated alias "
-                             "swap_space, not both")
+        if self.swap_space is not None:  # the deprecated alias: read as kv_offloading_size from here on
+            if self.kv_offloading_size != DEFAULT_HOST_TIER_GIB:
+                raise ValueError("give kv_offloading_size (the host tier, GiB) or its deprecated alias "
+                                 "swap_space, not both")
+            logger.warning("swap_space is deprecated: it is an alias of kv_offloading_size (--kv-offloading-size), "
+                           "the size of the host tier in GiB")
+            object.__setattr__(self, "kv_offloading_size", float(self.swap_space))
+            object.__setattr__(self, "swap_space", None)
         if self.kv_offload_disk_size is not None:
             if self.kv_offload_dir is None:
                 raise ValueError("kv_offload_disk_size sizes the disk tier: give kv_offload_dir (the directory) too")
@@ -217,7 +225,7 @@ class EngineConfig:
         if self.kv_offload_dir is not None:
             if not isinstance(self.kv_offload_dir, str) or not self.kv_offload_dir.strip():
                 raise ValueError(f"kv_offload_dir must be a directory path, got {self.kv_offload_dir!r}")
-            if self.host_tier_gib <= 0:
+            if self.kv_offloading_size <= 0:
                 raise ValueError("the disk tier (kv_offload_dir) reads blocks back through the host tier: "
                                  "give kv_offloading_size > 0 (GiB)")
             if not self.enable_prefix_caching:
@@ -254,15 +262,6 @@ class EngineConfig:
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:
         """The config with ``max_model_len`` resolved (done once, when the model is known)."""
         return dataclasses.replace(self, max_model_len=max_model_len)
-
-    @property
-    def host_tier_gib(self) -> float:
-        """GiB of host memory for the host tier (``kv_offloading_size``, or ``swap_space``)."""
-        if self.kv_offloading_size is not None:
-            return float(self.kv_offloading_size)
-        if self.swap_space is not None:
-            return float(self.swap_space)
-        return DEFAULT_HOST_TIER_GIB
 
     @property
     def tenant_quotas(self) -> dict[str, float]:

@@ -160,7 +160,7 @@ class FaultInjectingScheduler(Scheduler):
 
 
 def install_disk_faults(disk: Any, injector: FaultInjector) -> None:
-    """Make a :class:`~pagedkv.memory.disk_tier.DiskTier`'s reads and writes fail as the spec's
+    """Make a :class:`~pagedkv.memory.tiers.disk_store.DiskStore`'s reads and writes fail as the spec's
     tier kinds say (see the module docstring), by wrapping the instance's ``get`` and its file
     write; the tier's own error handling then runs as it would for a real fault."""
     spec = injector.spec

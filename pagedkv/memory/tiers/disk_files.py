@@ -1,13 +1,13 @@
 """The disk tier's files: the block file format, its checks, crash-safe writes, the directory's
-permissions and lock (see ``pagedkv.memory.disk_tier`` for the layout and why).
+permissions and lock (see ``pagedkv.memory.tiers.disk_store`` for the layout and why).
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
-import logging
 import json
+import logging
 import os
 import re
 import stat
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pagedkv.errors import PagedKVError
 
-logger = logging.getLogger("pagedkv.memory.disk_tier")
+logger = logging.getLogger("pagedkv.memory.tiers.disk_store")
 
 LAYOUT_VERSION = 1
 MAGIC = b"PKVB"

@@ -1,6 +1,7 @@
-"""The disk tier: a persistent, crash-safe, content-addressed store of KV blocks on local disk.
+"""The disk store: a persistent, crash-safe, content-addressed store of KV blocks on local disk.
 
-The bottom tier, below the device and host pools. Pure Python (standard library only). A block is
+What the disk tier (``tiers/disk.py``: the I/O worker, the write queue, read-ahead) keeps its
+blocks in; the bottom tier, below the device and host pools. Pure Python (standard library only). A block is
 an opaque ``bytes`` payload (the caller serializes its K/V and scales) stored under its key, the
 block's chained content hash (tenant salt already mixed in by the caller). One directory belongs
 to one engine at a time::
@@ -60,7 +61,8 @@ from dataclasses import asdict, dataclass
 from itertools import count
 from pathlib import Path
 
-from pagedkv.memory.disk_files import (
+from pagedkv.memory.errors import IntegrityError
+from pagedkv.memory.tiers.disk_files import (
     BLOCK_SUFFIX,
     BLOCKS_DIR,
     FINGERPRINT_FILE,
@@ -90,13 +92,12 @@ from pagedkv.memory.disk_files import (
     unlock,
     write_durably,
 )
-from pagedkv.memory.errors import IntegrityError
 
 logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
-class DiskTierStats:
-    """The disk tier at one instant. ``enabled`` is False once the tier stopped writing (after a
+class DiskStoreStats:
+    """The disk store at one instant. ``enabled`` is False once the tier stopped writing (after a
     write error, or closed); ``disabled_reason`` says why. Sizes are whole files, header included."""
 
     blocks: int
@@ -126,7 +127,7 @@ class _Counters:
     blocked_writes: int = 0  # blocks not written: their path was taken (the tier goes on writing)
 
 
-class DiskTier:
+class DiskStore:
     """KV blocks on local disk, least recently used evicted first (see the module docstring).
 
     Opening creates ``directory`` (mode 0700) if needed, takes its lock, drops blocks written
@@ -335,17 +336,17 @@ class DiskTier:
         if self._lock_fd is not None:
             unlock(self._lock_fd)
 
-    def __enter__(self) -> DiskTier:
+    def __enter__(self) -> DiskStore:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     # ------------------------------------------------------------------ inspection
-    def stats(self) -> DiskTierStats:
+    def stats(self) -> DiskStoreStats:
         """A snapshot of the index and counters."""
         with self._mutex:
-            return DiskTierStats(
+            return DiskStoreStats(
                 blocks=len(self._index), bytes_used=self._bytes_used, capacity_bytes=self.capacity_bytes,
                 enabled=self._disabled_reason is None, disabled_reason=self._disabled_reason,
                 **asdict(self._counters))
@@ -370,7 +371,7 @@ class DiskTier:
 
     def __repr__(self) -> str:
         s = self.stats()
-        return f"DiskTier({str(self.directory)!r}, {s.blocks} blocks, {s.bytes_used}/{s.capacity_bytes} bytes)"
+        return f"DiskStore({str(self.directory)!r}, {s.blocks} blocks, {s.bytes_used}/{s.capacity_bytes} bytes)"
 
     # ------------------------------------------------------------------ internals
     def _block_path(self, key: bytes) -> Path:
