@@ -8,12 +8,12 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
 
+from pagedkv import envs
 from pagedkv.lora.adapter import LoRAWeights
 from pagedkv.lora.layers import LoRAStack, apply_lora
 from pagedkv.model_shape import KVGroup
@@ -163,7 +163,7 @@ def choose_backend(device: torch.device, requested: str | None) -> str:
     its interpreter only (``TRITON_INTERPRET=1``: the tests' way of running the GPU kernels here)."""
     from pagedkv.ops import triton as triton_ops
 
-    backend = requested or os.environ.get("PAGEDKV_ATTENTION") or (
+    backend = requested or envs.ATTENTION.get() or (
         "triton" if device.type == "cuda" else ("native" if native.available() else "plain"))
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
