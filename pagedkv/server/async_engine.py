@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pagedkv.engine import EngineDeadError, RequestFailedError
+from pagedkv.engine import EngineDeadError, RequestFailedError, TokenizedPrompt
 from pagedkv.outputs import RequestOutput
 from pagedkv.sampling_params import SamplingParams
 
@@ -143,7 +143,7 @@ class AsyncEngine:
     # ----------------------------------------------------------------- handler side
     async def add_requests(
         self,
-        prompts: list[tuple[str, str | list[int]]],
+        prompts: list[tuple[str, str | list[int] | TokenizedPrompt]],
         params: SamplingParams,
         *,
         cache_salt: str | None = None,
@@ -229,7 +229,7 @@ class AsyncEngine:
                 if self._has_work():
                     self._step()
                 self._refresh_stats(force=not self._has_work())
-        except BaseException as exc:  # noqa: BLE001 - the thread must report, not vanish
+        except BaseException as exc:  # the thread must report, not vanish
             logger.exception("engine thread failed")
             self._die(exc)
         self._close_engine()
@@ -242,7 +242,7 @@ class AsyncEngine:
             return
         try:
             close()
-        except Exception:  # noqa: BLE001 - shutting down: say it, do not hide the exit
+        except Exception:  # shutting down: say it, do not hide the exit
             logger.exception("closing the engine failed")
 
     def _has_work(self) -> bool:
@@ -258,13 +258,13 @@ class AsyncEngine:
         if force or now - self._stats_at >= STATS_INTERVAL_S:
             try:
                 self._stats, self._stats_at = self.engine.stats(), now
-            except Exception:  # noqa: BLE001 - a metrics snapshot must never stop the engine
+            except Exception:  # a metrics snapshot must never stop the engine
                 logger.exception("engine stats failed")
 
     def _execute(self, command: _Command) -> None:
         try:
             result = command.fn()
-        except Exception as exc:  # noqa: BLE001 - a failed command fails its caller only
+        except Exception as exc:  # a failed command fails its caller only
             if command.future is not None:
                 command.future.set_exception(exc)
             else:
@@ -278,7 +278,7 @@ class AsyncEngine:
             outputs = self.engine.step()
         except EngineDeadError:
             raise
-        except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving if the engine recovers
+        except Exception as exc:  # fail the batch, keep serving if the engine recovers
             logger.exception("engine step failed; failing the %d request(s) in flight", len(self._streams))
             self._fail_all(RuntimeError(f"engine step failed: {exc!r}"))
             if self.engine.has_unfinished_requests():
@@ -309,7 +309,7 @@ class AsyncEngine:
         for rid, stream in self._streams.items():
             try:
                 self.engine.abort_request(rid)
-            except Exception:  # noqa: BLE001 - best effort, the error is reported below
+            except Exception:  # best effort, the error is reported below
                 logger.exception("abort of %s failed", rid)
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
         self._num_in_flight -= len(self._streams)

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from pagedkv.memory.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pagedkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class KVEventsConfig:
             raise ValueError("--kv-events-config turns KV cache events off; leave the flag out instead")
         if data.pop("publisher", "zmq") != "zmq":
             raise ValueError('--kv-events-config: the only publisher is "zmq"')
-        known = set(cls.__dataclass_fields__)  # type: ignore[attr-defined]
+        known = set(cls.__dataclass_fields__)
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"--kv-events-config: unknown field(s) {unknown}; known: {sorted(known)}")
@@ -205,11 +205,13 @@ class KVEventPublisher:
                 self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
                 self._buffer.append((seq, payload))
                 self.published += 1
-            except Exception:  # noqa: BLE001 - a publishing failure must not stop the thread
+            except Exception:  # a publishing failure must not stop the thread
                 logger.exception("publishing a KV event batch failed")
 
     def _serve_replay(self) -> None:
-        frames = self._replay.recv_multipart()  # type: ignore[union-attr]
+        replay = self._replay
+        assert replay is not None, "polled only while the replay socket is open"
+        frames = replay.recv_multipart()
         if len(frames) != 3:
             logger.warning("KV events replay: a request of %d frames ignored (want 3)", len(frames))
             return
@@ -225,9 +227,8 @@ class KVEventPublisher:
                 if count == REPLAY_HWM - 1 or (size and size + len(payload) > REPLAY_MAX_BYTES):
                     break  # the rest in the next reply
                 size, count = size + len(payload), count + 1
-                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload),  # type: ignore[union-attr]
-                                            flags=zmq.NOBLOCK)
-            self._replay.send_multipart((client, b"", END_SEQ, b""), flags=zmq.NOBLOCK)  # type: ignore[union-attr]
+                replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+            replay.send_multipart((client, b"", END_SEQ, b""), flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # Again: REPLAY_HWM messages already wait for it; or it is gone
             self.replays_cut += 1
             if self.replays_cut == 1 or self.replays_cut % 1000 == 0:

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pagedkv.memory.tenancy import DEFAULT_TENANT
+from pagedkv.engine import DEFAULT_TENANT
 from pagedkv.server.vllm_metrics import VLLMRequestMetrics, snapshot_families
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -246,7 +246,7 @@ class EngineStatsCollector(Collector):
             row[2] += limit or 0
         for tenant, waits in kv.tenant_quota_waits.items():
             rows.setdefault(self._label(tenant), [0, 0, 0, 0])[3] += waits
-        families = [
+        families: list[GaugeMetricFamily | CounterMetricFamily] = [
             GaugeMetricFamily("pagedkv_tenant_kv_blocks", "Device KV blocks a tenant holds (in use plus cached).",
                               labels=["model_name", "tenant"]),
             GaugeMetricFamily("pagedkv_tenant_kv_blocks_cached", "Of those, blocks only caching a prefix.",

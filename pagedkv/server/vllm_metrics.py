@@ -31,7 +31,8 @@ FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")  # vLLM's Fi
 
 def request_tokens_buckets(max_model_len: int) -> tuple[int, ...]:
     """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to max_model_len."""
-    out, scale = [], 1
+    out: list[int] = []
+    scale = 1
     while True:
         for m in (1, 2, 5):
             if m * scale > max_model_len:
