@@ -26,7 +26,7 @@ from pagedkv.engine.faults import FaultInjectingScheduler, FaultInjector, instal
 from pagedkv.engine.grammar_compiler import CompiledGrammar, GrammarLimits
 from pagedkv.engine.input_processor import InputProcessor, PromptInput, TokenizedPrompt
 from pagedkv.engine.kv_quality import KVQuantGuard, max_quant_error
-from pagedkv.engine.kv_tiers import TierMover, disk_write_queue, open_disk_store
+from pagedkv.engine.kv_tiers import TierMover, open_disk_tier
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
 from pagedkv.engine.scheduler_output import ScheduledSeq, SchedulerOutput, StepResult
@@ -79,12 +79,11 @@ class LLMEngine:
         if config.kv_offload_dir is not None and runner.num_host_blocks == 0:
             raise ValueError("the disk tier (kv_offload_dir) reads blocks back through the host tier, "
                              "which has no blocks: give a larger kv_offloading_size")
-        disk = open_disk_store(config, runner, self.model_name, model_identity)
+        disk = open_disk_tier(config, runner, self.model_name, model_identity)
         self.kv = KVCacheManager(runner.num_blocks, B, num_host_blocks=runner.num_host_blocks,
                                  enable_prefix_caching=config.enable_prefix_caching,
                                  eviction_policy=config.eviction_policy, watermark=config.watermark,
                                  prefix_index=config.prefix_index, offload_to_host=True, disk=disk,
-                                 disk_write_queue=disk_write_queue(runner),
                                  kv_group_windows=kv_group_windows(runner),
                                  tenant_quotas=config.tenant_quotas,
                                  default_tenant_quota=config.default_tenant_kv_quota,
@@ -95,7 +94,7 @@ class LLMEngine:
         spec = config.faults
         self.faults = FaultInjector(spec) if spec else None
         if self.faults is not None and disk is not None:
-            install_disk_faults(disk, self.faults)
+            install_disk_faults(disk.disk, self.faults)
         self.lora = build_lora_manager(config, runner)
         sched = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode,
                                 max_loras=config.max_loras if self.lora is not None else 0)
@@ -107,15 +106,15 @@ class LLMEngine:
         self.kv_guard = KVQuantGuard(runner) if runner.write_error is not None else None
         self.outputs = OutputProcessor(tokenizer, model_len)
         vocab_size = runner.config.vocab_size
-        self.inputs = InputProcessor(tokenizer, self.config.max_model_len, self.kv, vocab_size,
+        self.inputs = InputProcessor(tokenizer, model_len, self.kv, vocab_size,
                                      chunk=config.max_num_batched_tokens)
         # Structured output: grammars compile in a worker process, under limits (grammar_compiler.py)
         self.structured = StructuredOutputs(tokenizer, vocab_size, self.outputs.eos_token_ids,
                                             limits=GrammarLimits.of(config))
-        self.speculative = build_speculative_decoder(config, runner, tokenizer, self.config.max_model_len)
+        self.speculative = build_speculative_decoder(config, runner, tokenizer, model_len)
         # the step's post-processing: logits -> tokens, forks, stop checks, into the requests
         self.updater = StepUpdater(Sampler(config.seed), self.outputs, self.structured, self.speculative,
-                                   BeamSearch(self.outputs.eos_token_ids, self.config.max_model_len,
+                                   BeamSearch(self.outputs.eos_token_ids, model_len,
                                               self.kv.num_computed),
                                    self.scheduler)
         self._arrivals = 0
@@ -268,7 +267,7 @@ class LLMEngine:
                 s.group.metrics["first_scheduled_time"] = now
         try:
             logits = self._execute(out, chunks)
-        except Exception as exc:  # noqa: BLE001 - the shared work: fail this plan's requests, keep the engine
+        except Exception as exc:  # the shared work failed: fail this plan's requests, keep the engine
             self.updater.fail_plan(out, exc, step)
         else:
             if logits is not None:
