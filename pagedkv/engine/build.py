@@ -61,11 +61,8 @@ def build_runner(config: EngineConfig) -> RunnerParts:
     per_block = bytes_per_block(loaded.config, config.block_size, kv_dtype)  # scales included
     device_blocks = config.num_kv_blocks or num_blocks_for_memory(
         loaded.config, config.block_size, config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, kv_dtype)
-    if config.swap_space is not None:
-        logger.warning("swap_space is deprecated: it is an alias of kv_offloading_size (--kv-offloading-size), "
-                       "the size of the host tier in GiB")
     # More host blocks than 4x the device pool buy nothing.
-    host_blocks = min(int(config.host_tier_gib * (1 << 30)) // per_block, 4 * device_blocks)
+    host_blocks = min(int(config.kv_offloading_size * (1 << 30)) // per_block, 4 * device_blocks)
     runner = ModelRunner(loaded, block_size=config.block_size, num_blocks=device_blocks,
                          num_host_blocks=host_blocks, kv_cache_dtype=kv_dtype, device=device,
                          max_loras=config.max_loras if config.enable_lora else 0,

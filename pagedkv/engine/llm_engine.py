@@ -26,7 +26,7 @@ from pagedkv.engine.faults import FaultInjectingScheduler, FaultInjector, instal
 from pagedkv.engine.grammar_compiler import CompiledGrammar, GrammarLimits
 from pagedkv.engine.input_processor import InputProcessor, PromptInput, TokenizedPrompt
 from pagedkv.engine.kv_quality import KVQuantGuard, max_quant_error
-from pagedkv.engine.kv_tiers import TierMover, open_disk_tier
+from pagedkv.engine.kv_tiers import TierMover, disk_write_queue, open_disk_store
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
 from pagedkv.engine.scheduler_output import ScheduledSeq, SchedulerOutput, StepResult
@@ -79,11 +79,12 @@ class LLMEngine:
         if config.kv_offload_dir is not None and runner.num_host_blocks == 0:
             raise ValueError("the disk tier (kv_offload_dir) reads blocks back through the host tier, "
                              "which has no blocks: give a larger kv_offloading_size")
-        disk = open_disk_tier(config, runner, self.model_name, model_identity)
+        disk = open_disk_store(config, runner, self.model_name, model_identity)
         self.kv = KVCacheManager(runner.num_blocks, B, num_host_blocks=runner.num_host_blocks,
                                  enable_prefix_caching=config.enable_prefix_caching,
                                  eviction_policy=config.eviction_policy, watermark=config.watermark,
                                  prefix_index=config.prefix_index, offload_to_host=True, disk=disk,
+                                 disk_write_queue=disk_write_queue(runner),
                                  kv_group_windows=kv_group_windows(runner),
                                  tenant_quotas=config.tenant_quotas,
                                  default_tenant_quota=config.default_tenant_kv_quota,
@@ -94,7 +95,7 @@ class LLMEngine:
         spec = config.faults
         self.faults = FaultInjector(spec) if spec else None
         if self.faults is not None and disk is not None:
-            install_disk_faults(disk.disk, self.faults)
+            install_disk_faults(disk, self.faults)
         self.lora = build_lora_manager(config, runner)
         sched = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode,
                                 max_loras=config.max_loras if self.lora is not None else 0)
