@@ -1,4 +1,4 @@
-"""KV cache events (memory/kv_events.py and server/kv_events.py): a model of each tier's prefix
+"""KV cache events (pagedkv/kv_events.py and server/kv_events.py): a model of each tier's prefix
 cache rebuilt from the events alone equals the cache the memory core holds, after every step,
 across allocations, prefix hits, evictions, forks, preemption by swap and recompute, host-tier
 offloads and reloads, speculative rollback and fault injection; and the wire format is vLLM's."""

@@ -1,6 +1,6 @@
 """Publishing KV cache events in vLLM's wire format over ZMQ, off the engine's step.
 
-After each step the engine thread hands the memory core's events (``memory/kv_events.py``) to
+After each step the engine thread hands the memory core's events (``pagedkv/kv_events.py``) to
 :meth:`KVEventPublisher.publish`: a queue put, nothing more. A publisher thread numbers each
 batch and sends it on a PUB socket as vLLM's ``ZmqEventPublisher`` does, three frames::
 
