@@ -47,17 +47,17 @@ class PagedPolicy:
         self.block_size: int | None = block_size
         self.capacity = capacity // block_size * block_size
         self.cow = cow
-        self.manager = KVCacheManager(capacity // block_size, block_size,
-                                      enable_prefix_caching=prefix_caching,
-                                      eviction_policy=eviction_policy, watermark=watermark,
-                                      kv_group_windows=kv_group_windows,
-                                      tenant_quotas=tenant_quotas or None,
-                                      default_tenant_quota=default_tenant_quota)
+        self.kv = KVCacheManager(capacity // block_size, block_size,
+                                 enable_prefix_caching=prefix_caching,
+                                 eviction_policy=eviction_policy, watermark=watermark,
+                                 kv_group_windows=kv_group_windows,
+                                 tenant_quotas=tenant_quotas or None,
+                                 default_tenant_quota=default_tenant_quota)
         self.live: dict[int, SimSeq] = {}
         self.last_hit_tokens = 0
 
     def admit(self, request: Request, seqs: list[SimSeq]) -> bool:
-        mgr = self.manager
+        kv = self.kv
         done: list[SimSeq] = []
         root = ("prompt", seqs[0].seq_id)  # the CoW path's shared prompt, freed once forked
         tenant = request.tenant
@@ -66,28 +66,28 @@ class PagedPolicy:
             if self.cow and len(seqs) > 1:
                 # The prompt is computed once, as a sequence of its own that every sample forks.
                 prompt = request.prompt
-                cached = hits = mgr.allocate_prompt(root, prompt, salt=tenant, tenant=tenant)
-                mgr.mark_computed(root, len(prompt) - cached)
+                cached = hits = kv.allocate_prompt(root, prompt, salt=tenant, tenant=tenant)
+                kv.mark_computed(root, len(prompt) - cached)
                 for seq in seqs:
-                    mgr.fork(root, seq.seq_id, seq.tokens)
+                    kv.fork(root, seq.seq_id, seq.tokens)
                     done.append(seq)
-                mgr.free(root)
+                kv.free(root)
                 for seq in seqs:
                     generated = len(seq.tokens) - len(prompt)
                     if generated:
-                        mgr.allocate_slots(seq.seq_id, generated)
-                        mgr.mark_computed(seq.seq_id, generated)
+                        kv.allocate_slots(seq.seq_id, generated)
+                        kv.mark_computed(seq.seq_id, generated)
             else:
                 for seq in seqs:
-                    cached = mgr.allocate_prompt(seq.seq_id, seq.tokens, salt=tenant, tenant=tenant)
+                    cached = kv.allocate_prompt(seq.seq_id, seq.tokens, salt=tenant, tenant=tenant)
                     if not done:
                         hits = cached
                     done.append(seq)
-                    mgr.mark_computed(seq.seq_id, len(seq.tokens) - cached)
+                    kv.mark_computed(seq.seq_id, len(seq.tokens) - cached)
         except OutOfBlocksError as exc:
             for seq_id in [s.seq_id for s in done] + [root]:
-                if seq_id in mgr:
-                    mgr.free(seq_id)
+                if seq_id in kv:
+                    kv.free(seq_id)
             if isinstance(exc, TenantQuotaError):
                 raise
             return False
@@ -97,39 +97,39 @@ class PagedPolicy:
         return True
 
     def grow(self, seq: SimSeq) -> bool:
-        mgr = self.manager
+        kv = self.kv
         try:
-            mgr.allocate_slots(seq.seq_id, 1)
+            kv.allocate_slots(seq.seq_id, 1)
         except TenantQuotaError:
             raise  # its tenant is at its quota: the simulator preempts that tenant's own work
         except OutOfBlocksError:
             return False
-        mgr.mark_computed(seq.seq_id, 1)
+        kv.mark_computed(seq.seq_id, 1)
         return True
 
     def replace(self, loser: SimSeq, winner: SimSeq, new: SimSeq) -> bool:
-        mgr = self.manager
+        kv = self.kv
         self.release([loser])
         if self.cow:
-            mgr.fork(winner.seq_id, new.seq_id, new.tokens)
+            kv.fork(winner.seq_id, new.seq_id, new.tokens)
         else:
             try:
-                cached = mgr.allocate_prompt(new.seq_id, new.tokens, salt=new.tenant, tenant=new.tenant)
+                cached = kv.allocate_prompt(new.seq_id, new.tokens, salt=new.tenant, tenant=new.tenant)
             except OutOfBlocksError:
                 return False
-            mgr.mark_computed(new.seq_id, len(new.tokens) - cached)
+            kv.mark_computed(new.seq_id, len(new.tokens) - cached)
         self.live[new.seq_id] = new
         return True
 
     def release(self, seqs: list[SimSeq]) -> None:
         for seq in seqs:
             if self.live.pop(seq.seq_id, None) is not None:
-                self.manager.free(seq.seq_id)
+                self.kv.free(seq.seq_id)
 
     def usage(self) -> MemoryUsage:
-        mgr = self.manager
-        B = mgr.block_size
-        allocated = (mgr.num_blocks - mgr.num_free_blocks) * B
+        kv = self.kv
+        B = kv.block_size
+        allocated = (kv.num_blocks - kv.num_free_blocks) * B
         # Only a sequence's last block can be partly filled (prefix hits are full blocks; forks
         # share a partial last block until copy-on-write), so the empty slots are the last
         # blocks' tails, each physical block counted once.
@@ -138,7 +138,7 @@ class PagedPolicy:
         for seq in self.live.values():
             n = len(seq.tokens)
             end = -(-n // B) * B
-            for table in (mgr.block_table(seq.seq_id), *mgr.group_tables(seq.seq_id)):
+            for table in (kv.block_table(seq.seq_id), *kv.group_tables(seq.seq_id)):
                 empty[table[-1]] = end - n
             if end > seq.final_len:
                 never += end - seq.final_len
@@ -149,7 +149,7 @@ class PagedPolicy:
         return 0  # any free block can hold any token
 
     def quota_status(self, tenant: str | None) -> int | None:
-        tenancy = self.manager.tenancy
+        tenancy = self.kv.tenancy
         if (limit := tenancy.limit(tenant)) is None:
             return None
         held = tenancy.held(tenant)
@@ -158,41 +158,41 @@ class PagedPolicy:
     def fits(self, request: Request, seqs: list[SimSeq]) -> bool:
         """The engine's check before it preempts for a waiting request: the first sequence's
         blocks (its prefix hits revived, fresh ones) within the free blocks above the watermark."""
-        mgr = self.manager
-        need = mgr.blocks_to_admit(seqs[0].tokens, salt=request.tenant)
-        return need <= mgr.num_free_blocks - mgr.watermark_blocks
+        kv = self.kv
+        need = kv.blocks_to_admit(seqs[0].tokens, salt=request.tenant)
+        return need <= kv.num_free_blocks - kv.watermark_blocks
 
     def within_quota(self, request: Request, seqs: list[SimSeq]) -> bool:
         """The tenant's blocks in use (held minus its cached-free ones, which it gives up first) plus
         every sequence's blocks, each counted as if alone (at least what ``admit`` takes: shared
         prompt blocks count once per sequence), within its quota."""
-        mgr = self.manager
-        if (limit := mgr.tenancy.limit(request.tenant)) is None:
+        kv = self.kv
+        if (limit := kv.tenancy.limit(request.tenant)) is None:
             return False
-        in_use = mgr.tenancy.in_use(request.tenant)
-        need = sum(mgr.blocks_to_admit(seq.tokens, salt=request.tenant) for seq in seqs)
+        in_use = kv.tenancy.in_use(request.tenant)
+        need = sum(kv.blocks_to_admit(seq.tokens, salt=request.tenant) for seq in seqs)
         return in_use + need <= limit
 
     def check_integrity(self) -> None:
         """The manager's own checks, plus: this adapter's usage equals ``stats()`` and it holds
         exactly the sequences the manager knows. Raises ``IntegrityError``."""
-        mgr = self.manager
-        mgr.check_integrity()
-        stats, usage = mgr.stats(), self.usage()
+        kv = self.kv
+        kv.check_integrity()
+        stats, usage = kv.stats(), self.usage()
         if (usage.allocated_slots, usage.filled_slots) != (stats.allocated_slots, stats.filled_slots):
             raise IntegrityError(f"{self.name}: usage {usage} disagrees with the manager's "
                                  f"allocated {stats.allocated_slots} / filled {stats.filled_slots}")
-        if set(self.live) != set(mgr.seqs):
+        if set(self.live) != set(kv.seqs):
             raise IntegrityError(f"{self.name}: live sequences differ from the manager's")
         for seq in self.live.values():
-            if mgr.seqs[seq.seq_id].token_ids is not seq.tokens:
+            if kv.seqs[seq.seq_id].token_ids is not seq.tokens:
                 raise IntegrityError(f"{self.name}: sequence {seq.seq_id} is read from another list")
 
     def counters(self) -> dict[str, int]:
-        mgr = self.manager
+        kv = self.kv
         return {
-            "prefix_query_tokens": mgr.prefix.query_tokens,
-            "prefix_hit_tokens": mgr.prefix.hit_tokens,
-            "evictions": mgr.evictions,
-            "cow_copies": mgr.cow_copies,
+            "prefix_query_tokens": kv.prefix.query_tokens,
+            "prefix_hit_tokens": kv.prefix.hit_tokens,
+            "evictions": kv.evictions,
+            "cow_copies": kv.cow_copies,
         }
