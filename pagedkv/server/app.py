@@ -162,7 +162,7 @@ def _tokenizer_router(state: ServerState) -> APIRouter:
                     ids = tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens is not False)
             except APIError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - the text or template is the request's fault
+            except Exception as exc:  # the text or template is the request's fault
                 raise bad_request(f"cannot tokenize: {exc}", param=param) from exc
             out: dict[str, Any] = {"count": len(ids), "max_model_len": state.engine.engine.config.max_model_len,
                                    "tokens": ids, "token_strs": None}
@@ -240,7 +240,7 @@ def _api_router(state: ServerState) -> APIRouter:
                 return tokenizer.encode(text, add_special_tokens=False)  # (encode_chat's rule)
             except APIError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
+            except Exception as exc:  # a template error is the request's fault
                 raise bad_request(f"cannot apply the chat template: {exc}", param="messages") from exc
 
         gen = Generation(
@@ -344,7 +344,7 @@ class _UnexpectedErrors:
 
         try:
             await self.app(scope, receive, tracking_send)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             if started:
                 raise
             logger.exception("unexpected error in %s %s", scope.get("method"), scope.get("path"))

@@ -21,9 +21,9 @@ from pagedkv import envs
 from pagedkv.engine.flags import add_engine_arguments, engine_options
 from pagedkv.server.cors import add_cors_arguments
 from pagedkv.server.limits import CONNECTION_HELP, LIMIT_HELP, ConnectionLimits, RequestLimits
+from pagedkv.server.logs import LOG_FORMATS
 from pagedkv.server.tools.parsers import TOOL_PARSERS
 from pagedkv.server.tools.reasoning import REASONING_PARSERS
-from pagedkv.server.logs import LOG_FORMATS
 from pagedkv.server.vllm_flags import add_vllm_flags
 
 
@@ -63,8 +63,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="let the model choose when to call tools (tool_choice \"auto\", the default when tools are "
                         "given); needs --tool-call-parser (docs/tools.md)")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                   help="how the model writes tool calls: hermes (Qwen, Hermes; examples/tool_chat_template_hermes.jinja), "
-                        "llama3_json, mistral, pythonic, deepseek_v3")
+                   help="how the model writes tool calls: hermes (Qwen, Hermes; "
+                        "examples/tool_chat_template_hermes.jinja), llama3_json, mistral, pythonic, deepseek_v3")
     p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split <think>...</think> into the reasoning_content field (deepseek_r1, qwen3)")
     p.add_argument("--max-queue", type=int, default=None,
@@ -132,10 +132,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedkv.engine import LLMEngine
     from pagedkv.server.app import create_app
     from pagedkv.server.async_engine import AsyncEngine
-    from pagedkv.server.tools.request import ToolOptions
-    from pagedkv.server.http_server import DrainingServer, server_config
     from pagedkv.server.cors import cors_options, install_cors
+    from pagedkv.server.http_server import DrainingServer, server_config
     from pagedkv.server.logs import configure_logging, install_server_logs, log_startup_summary
+    from pagedkv.server.tools.request import ToolOptions
     from pagedkv.server.vllm_flags import check_max_model_len, generation_overrides, model_context_length
 
     configure_logging(args.log_level, args.log_format)
@@ -233,8 +233,8 @@ def run_serve(args: argparse.Namespace) -> int:
     async_engine = AsyncEngine(engine)
     if publisher is not None:
         async_engine.kv_event_sink = publisher.publish
-    app = create_app(async_engine, tool_options=tool_options, served_model_names=args.served_model_name, api_keys=api_keys,
-                     max_queue=args.max_queue, limits=limits, connection_limits=connection_limits,
+    app = create_app(async_engine, tool_options=tool_options, served_model_names=args.served_model_name,
+                     api_keys=api_keys, max_queue=args.max_queue, limits=limits, connection_limits=connection_limits,
                      metrics_api_key=metrics_api_key,
                      allow_lora_updates=args.allow_runtime_lora_updating)
     if cors is not None:

@@ -17,7 +17,6 @@ import signal
 import socket
 import sys
 from types import FrameType
-
 from typing import Any
 
 import uvicorn

@@ -54,7 +54,7 @@ def parse_lora_modules(items: list[str]) -> list[tuple[str, str, str | None]]:
                 obj = json.loads(item)
             except ValueError as exc:
                 raise ValueError(f"--lora-modules: {item!r} is not valid JSON: {exc}") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("path"), str):
+            if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get("path"), str)):
                 raise ValueError(f"--lora-modules: {item!r} needs string fields \"name\" and \"path\"")
             out.append((obj["name"], obj["path"], obj.get("base_model_name")))
         else:

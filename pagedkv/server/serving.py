@@ -432,7 +432,7 @@ class _Rendering:
                     event = self._event(out, usage_field)
                 if event:
                     yield event
-        except Exception as exc:  # the engine failed this request; headers are sent, so report in-band
+        except Exception as exc:  # noqa: BLE001 - the engine failed this request; headers are sent: report in-band
             yield _sse(APIError(500, str(exc), type="internal_error", code="engine_error").body())
             yield "data: [DONE]\n\n"
             return

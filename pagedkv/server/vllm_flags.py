@@ -16,7 +16,7 @@ import argparse
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from pagedkv import envs
 
@@ -282,7 +282,7 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     for alias, name in ALIASES.items():  # vLLM's short spellings of flags pagedkv has
         action = p._option_string_actions.get(name)
         if action is not None and alias not in p._option_string_actions:
-            action.option_strings.append(alias)
+            cast(list[str], action.option_strings).append(alias)  # typed a Sequence; argparse keeps a list
             p._option_string_actions[alias] = action
 
 
