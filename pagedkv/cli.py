@@ -132,10 +132,9 @@ def run_kv_cache_info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pagedkv import __version__
     from pagedkv.server.cli import add_serve_parser
     from pagedkv.sim.cli import add_simulate_parser, add_size_parser
-
-    from pagedkv import __version__
 
     parser = argparse.ArgumentParser(prog="pagedkv", description=__doc__)
     parser.add_argument("--version", action="version", version=f"pagedkv {__version__}")
