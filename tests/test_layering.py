@@ -245,22 +245,20 @@ def torch_imports(root: Path, package: str, units: Iterable[str]) -> list[str]:
 
 # -- the checks on pagedkv ----------------------------------------------------------------------
 
-# Until the memory core, tier and engine restructuring (issue 28) is committed, HEAD still has the
-# cycles it removes; the working tree has none. Removed once those commits land.
-PENDING = pytest.mark.xfail(strict=False, reason="issue 28 in progress: cycles and reaches being removed")
+# Until the server's start-up summary reads the weights' size from the runner, server/logs.py imports
+# models/quant_linear.py. Removed with that edit.
+PENDING = pytest.mark.xfail(strict=False, reason="issue 28 in progress: server/logs.py -> models.quant_linear")
 
 @pytest.fixture(scope="module")
 def graph() -> dict[str, set[str]]:
     return module_graph(ROOT, PACKAGE)
 
 
-@PENDING
 def test_no_module_cycles(graph: dict[str, set[str]]) -> None:
     found = cycles(graph)
     assert not found, f"import cycles between modules (every import counts, TYPE_CHECKING too): {found}"
 
 
-@PENDING
 def test_no_package_cycles(graph: dict[str, set[str]]) -> None:
     units = unit_graph(graph)
     found = cycles({a: set(bs) for a, bs in units.items()})
@@ -274,7 +272,6 @@ def test_imports_between_packages_follow_the_layers(graph: dict[str, set[str]]) 
     assert not problems, "imports outside the layers of docs/architecture.md:\n" + "\n".join(problems)
 
 
-@PENDING  # (the sampling package lands with the engine's commit)
 def test_the_table_has_no_stale_rows(graph: dict[str, set[str]]) -> None:
     units = set(unit_graph(graph))
     assert set(ALLOWED) <= units, f"rows for units that no longer exist: {sorted(set(ALLOWED) - units)}"
