@@ -125,7 +125,7 @@ def main() -> int:
         "lora_tok_s": round(statistics.median(r["lora_tok_s"] for r in rows), 2),
         "base_tok_s": round(statistics.median(r["base_tok_s"] for r in rows), 2),
         "adapters": args.adapters, "rank": args.rank, "requests": n, "output_tokens": out_tokens,
-        "threads": args.threads, "slot_loads": lora.stats().lora.slot_loads,  # type: ignore[union-attr]
+        "threads": args.threads, "slot_loads": lora.stats().lora.slot_loads,
         "repeats": rows,
     }
     print(json.dumps(result))

@@ -43,7 +43,7 @@ def main() -> None:
     out: dict[str, object] = {}
     for name, (workload, capacity, policies) in SCENARIOS.items():
         reqs = generate_workload(WorkloadConfig(num_requests=args.num_requests, seed=args.seed,
-                                                **workload))  # type: ignore[arg-type]
+                                                **workload))
         config = SimConfig(capacity=capacity, max_model_len=2048, seed=args.seed)
         results, tokens, seconds = [], 0, 0.0
         for spec in parse_policies(policies, (16,)):

@@ -228,7 +228,7 @@ def profile_decode(engine: LLMEngine, workload: Workload, steps: int = 12) -> di
     prof.disable()
     for rid in list(engine.scheduler.groups):
         engine.abort_request(rid)
-    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    stats = pstats.Stats(prof).stats
 
     def cum(*names: str, file: str = "") -> float:
         return sum(v[3] for (f, _, fn), v in stats.items() if fn in names and file in f)
