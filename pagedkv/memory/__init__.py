@@ -6,6 +6,7 @@ from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.errors import IntegrityError, OutOfBlocksError
 from pagedkv.memory.eviction import EVICTION_POLICIES, make_eviction_policy
 from pagedkv.memory.free_queue import FreeBlockQueue
+from pagedkv.memory.kv_cache_config import KVCacheConfig
 from pagedkv.memory.kv_cache_manager import CopyPair, KVCacheManager
 from pagedkv.memory.prefix_hash import chain_hashes, root_hash
 from pagedkv.memory.prefix_index import PREFIX_INDEXES, HashChainIndex, PrefixIndex, RadixIndex
@@ -17,6 +18,6 @@ __all__ = [
     "DEFAULT_TENANT",
     "TenantQuotaError",
     "Block", "BlockPool", "CopyPair", "EVICTION_POLICIES", "FreeBlockQueue", "HashChainIndex", "IntegrityError",
-    "KVCacheManager", "KVStats", "OutOfBlocksError", "PREFIX_INDEXES", "PrefixIndex", "RadixIndex",
+    "KVCacheConfig", "KVCacheManager", "KVStats", "OutOfBlocksError", "PREFIX_INDEXES", "PrefixIndex", "RadixIndex",
     "RadixPrefixIndex", "chain_hashes", "make_eviction_policy", "root_hash",
 ]

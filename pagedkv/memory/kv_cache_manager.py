@@ -29,12 +29,15 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable, Iterable
+from dataclasses import replace
+from typing import Any
 
 from pagedkv.kv_events import MEDIUMS, KVEventLog
 from pagedkv.memory.block import Block
 from pagedkv.memory.block_pool import BlockPool, EvictionEvents, EvictionListener
 from pagedkv.memory.errors import IntegrityError, OutOfBlocksError
 from pagedkv.memory.eviction import make_eviction_policy
+from pagedkv.memory.kv_cache_config import KVCacheConfig
 from pagedkv.memory.kv_groups import make_kv_groups, release_out_of_window
 from pagedkv.memory.miss_reasons import CacheDetails, CacheHistory, EvictionHistory
 from pagedkv.memory.pins import PinOutcome
@@ -63,58 +66,32 @@ class KVCacheManager:
     Args:
         num_blocks: device blocks in the pool.
         block_size: token slots per block.
-        num_host_blocks: blocks in the host (swap) pool; 0 disables swapping.
-        enable_prefix_caching: reuse full computed blocks across sequences by hash.
-        eviction_policy: "lru" (default), "fifo" or "lrc"; see ``pagedkv.memory.eviction``.
-        watermark: fraction of device blocks a new prompt must leave free, so running
-            sequences can keep growing without immediate preemption (avoids thrash).
-        offload_to_host: keep cached blocks evicted from the device in the host pool and reload
-            them on a hit (the host tier, ``memory/tiers/host.py``); the scheduler takes the
-            step's copies with ``take_tier_copies()`` and calls ``finish_step()`` once they are done.
+        config: the options (``memory/kv_cache_config.py``); ``options``: its fields by name,
+            overriding ``config``'s (``KVCacheManager(64, 16, num_host_blocks=32)``).
         disk: the opened block store of the disk tier below the host tier (``memory/tiers/disk.py``;
             needs ``offload_to_host``): evicted device blocks are written through to it, and
             ``prefetch()`` reads a waiting prompt's blocks from it into the host tier.
-        disk_write_queue: evicted blocks waiting to be written to disk, at most (more are dropped).
         costs: the measured costs that decide reload against recompute (``memory/tiers/costs.py``).
-        tenant_quotas, default_tenant_quota: per-tenant limits on device blocks held (used plus
-            cached), as fractions of the pool, by tenant name and for the others; either turns
-            tenancy on (``memory/tenancy.py``): a sequence's tenant is ``allocate_prompt``'s.
-        kv_events: record KV cache events (``pagedkv/kv_events.py``) in ``events``: prefix blocks
-            entering and leaving the device and host tiers' caches, for KV-aware routers.
-        max_tenant_pin_fraction: the largest share of the device pool one tenant's conversation
-            pins may hold (``pin_prefix`` refuses a pin past it); None: no limit but the pool.
-        kv_group_windows: one entry per KV group of a hybrid model (``model_shape.kv_groups``):
-            its attention window, or None for a group that keeps every block. Group 0 must be
-            None (the prefix cache's anchor; the radix index holds group 0's blocks). The host
-            and disk tiers keep every group's blocks under the group's own keys.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, *, num_host_blocks: int = 0,
-                 enable_prefix_caching: bool = True, eviction_policy: str = "lru",
-                 watermark: float = 0.0, lrc_alpha: float = 0.7, lrc_beta: float = 0.3,
-                 prefix_index: str = "hash", offload_to_host: bool = False,
-                 disk: DiskStore | None = None, disk_write_queue: int = 64, costs: TierCosts | None = None,
-                 kv_group_windows: tuple[int | None, ...] = (None,),
-                 tenant_quotas: dict[str, float] | None = None, default_tenant_quota: float | None = None,
-                 kv_events: bool = False, max_tenant_pin_fraction: float | None = None) -> None:
+    def __init__(self, num_blocks: int, block_size: int, config: KVCacheConfig | None = None, *,
+                 disk: DiskStore | None = None, costs: TierCosts | None = None, **options: Any) -> None:
+        config = replace(config or KVCacheConfig(), **options) if options else config or KVCacheConfig()
         check_block_size(block_size)
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
-        if num_host_blocks < 0:
-            raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
-        if not 0.0 <= watermark < 1.0:
-            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
-        if max_tenant_pin_fraction is not None and not 0.0 < max_tenant_pin_fraction <= 1.0:
-            raise ValueError(f"max_tenant_pin_fraction must be in (0, 1] or None, got {max_tenant_pin_fraction!r}")
-        kwargs = {"alpha": lrc_alpha, "beta": lrc_beta} if eviction_policy == "lrc" else {}
+        self.config = config
+        num_host_blocks, enable_prefix_caching = config.num_host_blocks, config.enable_prefix_caching
+        eviction_policy, kv_group_windows = config.eviction_policy, config.kv_group_windows
+        kwargs = {"alpha": config.lrc_alpha, "beta": config.lrc_beta} if eviction_policy == "lrc" else {}
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.groups = make_kv_groups(kv_group_windows)
         self.group_windows = tuple(kv_group_windows)
         self._sliding = any(group.window is not None for group in self.groups)  # blocks to release
-        self.watermark_blocks = int(watermark * num_blocks)
+        self.watermark_blocks = int(config.watermark * num_blocks)
         # KV cache events (pagedkv/kv_events.py): prefix blocks entering and leaving each tier
-        self.events = KVEventLog(block_size) if kv_events else None
+        self.events = KVEventLog(block_size) if config.kv_events else None
         # Why prompts miss (memory/miss_reasons.py): a bounded history of evictions and cached blocks.
         # (about 300 bytes an entry and map: twice the pools' blocks, at least 4096)
         history = CacheHistory(block_size, capacity=max(4096, 2 * (num_blocks + num_host_blocks)))
@@ -126,12 +103,12 @@ class KVCacheManager:
         # then the disk tier. self.lower_tiers hears the device pool's evictions (a listener).
         self.costs = costs or TierCosts(block_size)
         host_tier = disk_tier = None
-        if offload_to_host and enable_prefix_caching and num_host_blocks > 0:
+        if config.offload_to_host and enable_prefix_caching and num_host_blocks > 0:
             host_tier = HostTier(self.host_pool, self.events)
             if disk is not None:
                 disk_tier = DiskTier(disk, host=host_tier, costs=self.costs, block_size=block_size,
-                                     max_queued_writes=disk_write_queue,
-                                     events=self.events if self.num_groups == 1 else None)  # (a hybrid's keys mix groups)
+                                     max_queued_writes=config.disk_write_queue,  # (a hybrid's keys mix groups:)
+                                     events=self.events if self.num_groups == 1 else None)
                 history.fingerprint_discarded = disk.discarded_keys
         elif disk is not None:
             raise ValueError("the disk tier needs the host tier: offload_to_host, prefix caching and host blocks")
@@ -139,9 +116,9 @@ class KVCacheManager:
         # The device pool, built with everything that hears of its evictions, in order. The pool's
         # hash map always names cached blocks; the index finds a prompt's hits in it (hash chain)
         # or in a radix tree kept in step (check_integrity proves they agree).
-        index = make_prefix_index(prefix_index, block_size)
-        ledger = (TenantLedger(num_blocks, tenant_quotas, default_tenant_quota)
-                  if tenant_quotas or default_tenant_quota is not None else None)
+        index = make_prefix_index(config.prefix_index, block_size)
+        ledger = (TenantLedger(num_blocks, config.tenant_quotas, config.default_tenant_quota)
+                  if config.quotas_on else None)
         listeners: list[EvictionListener] = [index] if index.listens else []
         listeners.append(EvictionHistory(history, DEVICE))
         if self.lower_tiers:
@@ -155,7 +132,8 @@ class KVCacheManager:
         self.pools = {DEVICE: self.pool, HOST: self.host_pool}  # where a sequence's tables point (SeqState.tier)
         self.prefix = PrefixCache(self.pool, self.groups, block_size, index, history, self.events)
         # quotas and conversation pins (memory/tenants.py)
-        pin_limit = None if max_tenant_pin_fraction is None else max(1, int(max_tenant_pin_fraction * num_blocks))
+        fraction = config.max_tenant_pin_fraction
+        pin_limit = None if fraction is None else max(1, int(fraction * num_blocks))
         self.tenancy = Tenancy(self.pool, ledger, pin_limit)
         self.seqs: dict[Hashable, SeqState] = {}  # the sequence registry
         self.cow_copies = 0
@@ -274,14 +252,21 @@ class KVCacheManager:
         remaining = len(token_ids) - num_cached
         num_new = remaining if num_new_tokens is None else max(1, min(num_new_tokens, remaining))
         per_group = cdiv(num_cached + num_new, B) - k  # new blocks in each group
-        on_device = [b for blocks, flags in zip(hit.blocks, hit.on_host) for b, h in zip(blocks, flags) if not h]
-        on_host = [b for blocks, flags in zip(hit.blocks, hit.on_host) for b, h in zip(blocks, flags) if h]
+        if hit.num_host:
+            on_device = [b for blocks, flags in zip(hit.blocks, hit.on_host) for b, h in zip(blocks, flags) if not h]
+            on_host = [b for blocks, flags in zip(hit.blocks, hit.on_host) for b, h in zip(blocks, flags) if h]
+        else:
+            on_device, on_host = hit.blocks[0] if G == 1 else [b for blocks in hit.blocks for b in blocks], []
         fresh = iter(self._take_blocks(seq, per_group * G + len(on_host), on_device, on_host,
                                        tenant or DEFAULT_TENANT))
         for g, (blocks, flags) in enumerate(zip(hit.blocks, hit.on_host)):
             table = seq.tables[g]
             seq.released[g] = released = k - len(blocks)  # before the window of the first uncached token
             table += [RELEASED] * released
+            if not on_host:
+                table += [b.block_id for b in blocks]
+                table += [next(fresh).block_id for _ in range(per_group)]
+                continue
             reloads: list[tuple[Block, Block]] = []
             for block, from_host in zip(blocks, flags):
                 if from_host:
@@ -294,9 +279,10 @@ class KVCacheManager:
                 self.host_tier.reload([s for s, _ in reloads], [d for _, d in reloads],  # type: ignore[union-attr]
                                       B if g == 0 else 0)
         seq.num_computed = num_cached
-        host0 = [b for b, h in zip(hit.blocks[0], hit.on_host[0]) if h]
-        seq.hits = AdmissionOutcome(k - len(host0), len(host0), self._from_disk(host0), max_hits, reload is False)
-        seq.num_cached_blocks = hit.first_reload()  # reloaded blocks are cached again, below
+        host0 = [b for b, h in zip(hit.blocks[0], hit.on_host[0]) if h] if on_host else []
+        seq.hits = AdmissionOutcome(k - len(host0), len(host0), self._from_disk(host0) if host0 else 0, max_hits,
+                                    reload is False)
+        seq.num_cached_blocks = hit.first_reload() if on_host else k  # reloaded blocks are cached again, below
         self.seqs[seq_id] = seq
         if on_host:
             prefix.cache_full_blocks(seq)
@@ -405,18 +391,21 @@ class KVCacheManager:
         taken into the host tier here, so call it while planning a step. Cheap when there is no
         disk tier (returns False). ``count``: the sequence is next in line, and its first lookup
         counts in ``disk_query_tokens`` (a lookahead for a later one passes False)."""
-        disk = self.lower_tiers.disk
-        if disk is None:
+        tiers = self.lower_tiers
+        if not tiers.below_host:
             return False
         root = root_hash(salt, adapter_id)
         max_hits = max(self.prefix.max_hits(len(token_ids), self.block_size), 0)
         hashes = self.prefix.hashes(root, token_ids, max_hits)
         if self.num_groups == 1:
-            return disk.prefetch(seq_id, hashes, count, self.pool)
-        self.lower_tiers.complete_loads(self.pool)  # a hybrid model: every group's window before the hit
-        query, keys, tokens_of = self.prefix.reads_below(root, token_ids, hashes, max_hits, self.host_pool,
-                                                         disk.store.__contains__)
-        return disk.prepare_load(seq_id, keys, query, count, tokens_of)
+            return tiers.prefetch(seq_id, hashes, count, self.pool, self.block_size)
+        tiers.complete_loads(self.pool)  # a hybrid model: every group's window before the hit
+        waiting = False
+        for tier in tiers.below_host:
+            query, keys, tokens_of = self.prefix.reads_below(root, token_ids, hashes, max_hits, self.host_pool,
+                                                             tier.holds)
+            waiting |= tier.prepare_load(seq_id, keys, query, count, tokens_of)
+        return waiting
 
     def prefix_in_flight(self, token_ids: list[int], *, salt: str | None = None,
                          adapter_id: str | None = None) -> bool:

@@ -27,6 +27,8 @@ is never revealed; the true reason goes only to aggregate counters. Pure Python.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
+from itertools import repeat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +74,8 @@ class CacheDetails:
 
 
 class _Bounded(OrderedDict):
+    """The ``capacity`` keys put last, oldest first."""
+
     def __init__(self, capacity: int) -> None:
         super().__init__()
         self.capacity = capacity
@@ -80,6 +84,16 @@ class _Bounded(OrderedDict):
         self[key] = value
         self.move_to_end(key)
         if len(self) > self.capacity:
+            self.popitem(last=False)
+
+    def put_many(self, keys: list[Any], values: Iterable[Any]) -> None:
+        """``put`` each of ``keys`` (distinct) in order, in bulk: the keys already here leave
+        first, so all of them end up newest, in order (a block run's entries in C loops: this is
+        on every cached block's path)."""
+        for key in self.keys() & keys:
+            del self[key]
+        self.update(zip(keys, values))
+        for _ in range(len(self) - self.capacity):
             self.popitem(last=False)
 
 
@@ -116,10 +130,13 @@ class CacheHistory:
                   content_hashes: list[bytes] | None) -> None:
         """Blocks ``start .. end-1`` of a sequence were cached (``block_hashes``: its chain from
         ``root``); ``content_hashes``: the same tokens' unsalted chain when ``root`` is salted."""
+        if end <= start:
+            return
         B = self.block_size
-        for i in range(start, end):
-            self.children.put(block_hashes[i - 1] if i else root, tuple(token_ids[i * B:(i + 1) * B]))
-            self.content.put(content_hashes[i] if content_hashes is not None else block_hashes[i], root)
+        parents = block_hashes[start - 1:end - 1] if start else [root, *block_hashes[:end - 1]]
+        self.children.put_many(parents, zip(*[iter(token_ids[start * B:end * B])] * B))  # a tuple per block
+        self.content.put_many((content_hashes if content_hashes is not None else block_hashes)[start:end],
+                              repeat(root))
 
     # ------------------------------------------------------------------ the question
     def explain(self, root: bytes, token_ids: list[int], block_hashes: list[bytes], hits: int, max_hits: int,

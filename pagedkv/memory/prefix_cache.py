@@ -46,10 +46,7 @@ class PrefixHit:
     k: int
     blocks: list[list[Block]]
     on_host: list[list[bool]]
-
-    @property
-    def num_host(self) -> int:
-        return sum(sum(flags) for flags in self.on_host)
+    num_host: int = 0  # host-tier blocks among them, every group's
 
     def first_reload(self) -> int:
         """The first block position any group reloads from the host tier (``k``: none)."""
@@ -121,17 +118,21 @@ class PrefixCache:
         continued by the host tier's run (given ``host``), each other group the blocks of its
         ``hit_start`` span, from the device or the host tier."""
         device = self.index.match(self.pool, root, token_ids, hashes, max_hits)
-        chain: list[tuple[Block, bool]] = [(b, False) for b in device]
+        chain = device
+        flags = [False] * len(device)
         if host is not None:
             cached = host.cached
             for h in hashes[len(device):max_hits]:
                 block = cached.get(h)
                 if block is None:
                     break
-                chain.append((block, True))
+                if chain is device:
+                    chain = list(device)
+                chain.append(block)
+                flags.append(True)
         k = len(chain)
         if len(self.groups) == 1:
-            return PrefixHit(k, [[b for b, _ in chain]], [[h for _, h in chain]])
+            return PrefixHit(k, [chain], [flags], k - len(device))
         found: dict[tuple[int, int], tuple[Block, bool] | None] = {}
 
         def find(g: int, i: int) -> tuple[Block, bool] | None:
@@ -149,9 +150,10 @@ class PrefixCache:
         while k > 0:
             spans = [range(group.hit_start(k, B), k) for group in self.groups[1:]]
             if all(find(g, i) is not None for g, span in enumerate(spans, start=1) for i in span):
-                parts = [chain[:k]] + [[find(g, i) for i in span] for g, span in enumerate(spans, start=1)]
-                return PrefixHit(k, [[e[0] for e in part] for part in parts],  # type: ignore[index]
-                                 [[e[1] for e in part] for part in parts])  # type: ignore[index]
+                parts = [[find(g, i) for i in span] for g, span in enumerate(spans, start=1)]
+                blocks = [chain[:k]] + [[e[0] for e in part] for part in parts]  # type: ignore[index]
+                on_host = [flags[:k]] + [[e[1] for e in part] for part in parts]  # type: ignore[index]
+                return PrefixHit(k, blocks, on_host, sum(sum(f) for f in on_host))
             k -= 1
         return self.no_hit
 
@@ -224,7 +226,7 @@ class PrefixCache:
             content = seq.content_hashes
         self.history.on_cached(seq.root, seq.block_hashes, seq.token_ids, start, full, content)
         table = seq.tables[0]
-        new = self.pool.cache((blocks[i] for i in table[start:full]), seq.block_hashes[start:full])
+        new = self.pool.cache([blocks[i] for i in table[start:full]], seq.block_hashes[start:full])
         if new and self.events is not None:
             self._stored_events(seq, [start + i for i in new])
         self.index.on_cached(self.pool, seq.root, seq.token_ids, table, seq.block_hashes, full)
