@@ -115,16 +115,30 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def options_table() -> str:
-    """docs/configuration.md's table of engine options, made from EngineConfig (a test keeps the
-    document equal to it)."""
-    rows = ["| option | flag | default | what it does |", "|---|---|---|---|"]
+    """docs/configuration.md's table of engine options, made from EngineConfig and the argparse
+    keywords here (a test keeps the document equal to it)."""
+    rows = ["| option | flag | values | default | what it does |", "|---|---|---|---|---|"]
     for f in dataclasses.fields(EngineConfig):
-        flags = ", ".join(f"`{s}`" for s in (flag_name(f.name), *_ALIASES.get(f.name, ()))) \
-            if f.name != "model" else "positional `MODEL` (`--model` on serve)"
+        flags = ", ".join(f"`{s}`" for s in (flag_name(f.name), *_ALIASES.get(f.name, ())))
+        if f.name == "model":  # not an engine flag: each command adds its own (serve: also positional)
+            flags += " (serve: also positional)"
         default = "" if f.default is None else f"`{f.default!r}`"
         text = f.metadata["help"].replace("|", "\\|")
-        rows.append(f"| `{f.name}` | {flags} | {default} | {text} |")
+        rows.append(f"| `{f.name}` | {flags} | {_values(_ARGPARSE.get(f.name, {'type': str}))} | {default} | {text} |")
     return "\n".join(rows) + "\n"
+
+
+def _values(keywords: dict[str, Any]) -> str:
+    """What a flag takes, in words, from its argparse keywords."""
+    if "choices" in keywords:
+        return " \\| ".join(f"`{c}`" for c in keywords["choices"])
+    if keywords.get("action") is argparse.BooleanOptionalAction:
+        return "switch (`--no-` form)"
+    if keywords.get("action") == "append":
+        return f"`{keywords['metavar']}`, repeatable"
+    kind = {int: "integer", float: "number", str: "text", _size: "bytes or a size"}[keywords["type"]]
+    metavar = keywords.get("metavar")
+    return f"`{metavar}` ({kind})".replace("|", "\\|") if metavar else kind
 
 
 if __name__ == "__main__":
