@@ -58,30 +58,32 @@ ALLOWED: dict[str, tuple[frozenset[str], str]] = {
     "bench_cli": (FACTS | {"benchmark", "engine", "models", "progress", "sampling_params", "workloads"},
                   "`pagedkv bench`: builds the engine from its flags and runs pagedkv.benchmark; resolves "
                   "--model first (models.loader.resolve_model_path) so a bad path fails before a long start"),
-    "chat_cli": (FACTS | {"engine", "sampling_params", "progress"}, "`pagedkv chat` drives an LLMEngine"),
-    "server": (FACTS | {"engine", "lora", "outputs", "sampling_params", "progress", "pagedkv"},
+    "chat_cli": (FACTS | {"engine", "sampling_params"}, "`pagedkv chat` drives an LLMEngine"),
+    "server": (FACTS | {"engine", "lora", "outputs", "sampling_params", "pagedkv"},
                "the HTTP server talks to the engine (requests in, outputs and KV events out); LoRARequest "
                "and LoRAError are request types of the public API; __version__ from pagedkv"),
     "sim": (FACTS | {"memory", "workloads"},
             "the simulator drives the real, torch-free memory core (sim/paged.py) on workload shapes"),
     "llm": (FACTS | {"engine", "lora", "outputs", "progress", "sampling_params"},
             "LLM: the offline API over one LLMEngine"),
-    "benchmark": (FACTS | {"sampling_params", "workloads", "outputs"},
+    "benchmark": (FACTS | {"sampling_params", "workloads"},
                   "turns workloads into token ids and times an engine it is given (pure Python)"),
     # -- the engine and what it wires --------------------------------------------------------
     "engine": (FACTS | {"memory", "runner", "models", "ops", "lora", "speculative", "sampling", "outputs",
-                        "sampling_params", "progress"},
+                        "sampling_params"},
                "the one wiring point: builds the model and runner (build.py: models, ops.kv_format), the "
                "memory core, the speculative decoder, LoRA; never the other way round"),
-    "speculative": (FACTS | {"memory", "runner", "models", "sampling", "sampling_params", "outputs"},
+    "speculative": (FACTS | {"memory", "runner", "sampling"},
                     "proposals and their verification; the draft model has its own runner and memory core; "
                     "it never imports the engine (the engine holds it)"),
     "sampling": (FACTS | {"sampling_params", "outputs"},
                  "logits -> tokens (sampler, rejection sampler, grammar bitmasks): used by engine and "
                  "speculative alike, so neither imports the other for it"),
-    "lora": (FACTS | {"models", "ops", "sampling_params"},
+    "lora": (FACTS | {"models"},
              "adapters wrap the model's linear layers (reads models' config and weight names)"),
-    "memory": (FACTS, "the paging core: pure Python, no torch; knows only shapes, errors and KV events"),
+    "memory": (frozenset({"errors", "kv_events", "model_shape", "units"}),
+               "the paging core: pure Python, no torch, no environment (its settings are passed in); knows "
+               "shapes, errors and KV events"),
     "runner": (FACTS | {"models", "ops", "lora"},
                "owns the tensors: runs the model (models) with the kernels (ops) and LoRA slots"),
     "models": (FACTS | {"ops", "paths", "progress", "sampling_params"},
@@ -107,6 +109,8 @@ ALLOWED: dict[str, tuple[frozenset[str], str]] = {
 PURE = frozenset({"memory", "sim", "benchmark", "outputs", "sampling_params", "workloads", "progress", "paths"}
                  | FACTS)
 TORCH = ("torch", "triton")
+# What tests and benchmarks use and the package must never import: their helpers ship beside it.
+TEST_ONLY = ("pagedkv_testing", "tests", "conftest")
 
 
 # -- the graph --------------------------------------------------------------------------------
@@ -230,17 +234,23 @@ def disallowed(units: Mapping[str, Mapping[str, set[str]]],
     return problems
 
 
-def torch_imports(root: Path, package: str, units: Iterable[str]) -> list[str]:
-    """``module: import`` for every torch/triton import in the given units' modules."""
-    wanted = set(units)
+def outside_imports(root: Path, package: str, units: Iterable[str] | None, tops: Iterable[str]) -> list[str]:
+    """``module: import`` for every import of a top-level name in ``tops`` by the modules of
+    ``units`` (None: every unit)."""
+    wanted, tops = None if units is None else set(units), set(tops)
     found = []
     for name, path in find_modules(root, package).items():
-        if unit_of(name, package) not in wanted:
+        if wanted is not None and unit_of(name, package) not in wanted:
             continue
         for target, _ in _imports(ast.parse(path.read_text()), name, path.name == "__init__.py"):
-            if target.split(".")[0] in TORCH:
+            if target.split(".")[0] in tops:
                 found.append(f"{name}: {target}")
     return found
+
+
+def torch_imports(root: Path, package: str, units: Iterable[str]) -> list[str]:
+    """``module: import`` for every torch/triton import in the given units' modules."""
+    return outside_imports(root, package, units, TORCH)
 
 
 # -- the checks on pagedkv ----------------------------------------------------------------------
@@ -287,6 +297,11 @@ def test_pure_units_import_no_torch_and_only_pure_units(graph: dict[str, set[str
         assert not impure, f"{unit} is pure Python but its row allows {sorted(impure)}"
 
 
+def test_the_package_imports_no_test_helper() -> None:
+    found = outside_imports(ROOT, PACKAGE, None, TEST_ONLY)
+    assert not found, f"pagedkv imports test-only code (pagedkv_testing, tests): {found}"
+
+
 # -- the checks can fail ------------------------------------------------------------------------
 
 def _write(root: Path, files: Mapping[str, str]) -> None:
@@ -319,6 +334,8 @@ def test_the_graph_counts_every_kind_of_import(tmp_path: Path) -> None:
     assert g["pkg.core.store"] == {"pkg.facts", "pkg.core.engine"}
     assert g["pkg.io.disk"] == {"pkg.facts"}  # from pkg import <module>
     assert torch_imports(tmp_path, "pkg", {"io"}) == ["pkg.io.disk: torch"]
+    assert outside_imports(tmp_path, "pkg", None, {"torch"}) == ["pkg.io.disk: torch"]
+    assert torch_imports(tmp_path, "pkg", {"core", "api"}) == []
 
 
 def test_a_cycle_is_found(tmp_path: Path) -> None:
