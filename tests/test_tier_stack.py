@@ -12,6 +12,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import pytest
 
@@ -41,6 +42,9 @@ class RecordingTier:
         self.calls.append(("lookup", len(keys)))
         return 0
 
+    def holds(self, key: bytes) -> bool:
+        return False
+
     def prepare_load(self, seq_id: Hashable, keys: list[bytes], query_tokens: int, count: bool,
                      tokens_of: dict[bytes, int] | None = None) -> bool:
         self.calls.append(("prepare_load", seq_id, len(keys)))
@@ -68,11 +72,19 @@ class RecordingTier:
     def held_blocks(self) -> list[int]:
         return []
 
-    def stats(self) -> dict[str, int | bool]:
+    def stats(self) -> dict[str, Any]:
         return {"remote_calls": len(self.calls)}
 
     def check_integrity(self) -> None:
         self.calls.append(("check_integrity",))
+
+
+class HoldsTwo(RecordingTier):
+    """Holds the first two of whatever it is asked about."""
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        self.calls.append(("lookup", list(keys)))
+        return min(2, len(keys))
 
 
 def _block(block_id: int, key: bytes) -> Block:
@@ -87,7 +99,7 @@ def test_host_and_disk_tiers_implement_the_one_protocol(tmp_path):
     try:
         tiers: list[LowerTier] = [host, disk, RecordingTier()]  # (mypy checks the structure)
         verbs = [name for name in vars(LowerTier) if not name.startswith("_")]
-        assert {"lookup", "prepare_load", "complete_loads", "offer", "take_copies", "finish_step",
+        assert {"lookup", "holds", "prepare_load", "complete_loads", "offer", "take_copies", "finish_step",
                 "take_events", "forget", "stats", "check_integrity"} <= set(verbs)
         for tier in tiers:
             for verb in verbs:
@@ -116,6 +128,22 @@ def test_the_stack_hands_each_verb_to_every_tier_in_order():
     assert remote.calls == [("offer", 3), ("take_copies",), ("finish_step", True), ("forget", "s"),
                             ("take_events",), ("complete_loads",), ("check_integrity",)]
     assert host.pool.cached.keys() == {b"k3"} and host.held == []
+
+
+def test_read_ahead_asks_each_tier_below_the_host_for_the_run_past_device_and_host():
+    host = HostTier(BlockPool(3, name="host"))
+    remote = HoldsTwo()
+    stack = TierStack(host, None, more=(remote,))
+    device = BlockPool(4)
+    hashes = [bytes([i]) * 8 for i in range(6)]
+    device.cache(device.allocate(1), hashes[:1])  # block 0 on the device
+    host.pool.cache(host.pool.allocate(1), hashes[1:2])  # block 1 in the host tier
+    host.pool.free(host.pool.blocks[i] for i in range(1))  # (cached-free there)
+    assert stack.below_host == (remote,)
+    assert stack.prefetch("s", hashes, True, device, B) is False
+    # past blocks 0 (device) and 1 (host): at most the host's room (3 free - 1 hit = 2) blocks
+    assert remote.calls == [("complete_loads",), ("lookup", hashes[2:4]), ("prepare_load", "s", 2)]
+    assert TierStack(host).prefetch("s", hashes, True, device, B) is False  # nothing below the host
 
 
 def test_an_empty_stack_copies_nothing_and_a_disk_needs_a_host():

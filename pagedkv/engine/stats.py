@@ -28,7 +28,7 @@ class EngineStats:
     # None for the float formats (see engine/kv_quality.py)
     kv_quant_error: list[tuple[float, float]] | None = None
     kv_quant_error_max: float | None = None
-    # Reload or recompute (memory/tier_costs.py): measured inputs (None until measured) and the
+    # Reload or recompute (memory/tiers/costs.py): measured inputs (None until measured) and the
     # decisions taken; thrash_guarded counts victims the preemption thrash guard skipped
     tier_costs: dict[str, float | int | None] | None = None
     thrash_guarded: int = 0

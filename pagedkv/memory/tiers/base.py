@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from pagedkv.memory.block import Block
 from pagedkv.memory.block_pool import BlockPool
@@ -77,6 +77,10 @@ class LowerTier(Protocol):
         """How many of ``keys``, from the first, this tier holds now; no I/O, changes nothing."""
         ...
 
+    def holds(self, key: bytes) -> bool:
+        """Whether this tier holds ``key`` now; no I/O, changes nothing."""
+        ...
+
     def prepare_load(self, seq_id: Hashable, keys: list[bytes], query_tokens: int, count: bool,
                      tokens_of: dict[bytes, int] | None = None) -> bool:
         """Start bringing ``keys`` (a waiting prompt's blocks only this tier holds) up to the tier
@@ -116,7 +120,7 @@ class LowerTier(Protocol):
         """Host block ids this tier holds a reference to for the step's copies (integrity check)."""
         ...
 
-    def stats(self) -> dict[str, int | bool]:
+    def stats(self) -> dict[str, Any]:
         """This tier's ``KVStats`` fields (named ``{name}_...``, and the host tier's own names)."""
         ...
 

@@ -10,8 +10,8 @@ a clean shutdown the engine writes what the upper tiers still hold (``persistabl
 :meth:`write_now`, then :meth:`close`).
 
 Reads: a waiting request whose prefix chain continues on disk gets its blocks read in the
-background (``prefetch`` / ``prepare_load``) before it is admitted, while running requests keep
-decoding. Finished reads are taken on the engine thread (``complete_loads``) into the host tier,
+background (``prepare_load``, asked by ``TierStack.prefetch``) before it is admitted, while
+running requests keep decoding. Finished reads are taken on the engine thread (``complete_loads``) into the host tier,
 from where the ordinary host reload copies them up. A read that fails (I/O error, checksum, the
 file gone) is a miss for good (the block is dropped): those tokens are recomputed.
 
@@ -37,6 +37,7 @@ import time
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pagedkv.kv_events import MEDIUMS, KVEventLog
 from pagedkv.memory.block import Block
@@ -124,6 +125,9 @@ class DiskTier:
             n += 1
         return n
 
+    def holds(self, key: bytes) -> bool:
+        return key in self.store
+
     def offer(self, block: Block) -> None:
         key = block.block_hash
         assert key is not None
@@ -153,22 +157,6 @@ class DiskTier:
                 events.stored([key], None, [], medium)
             else:
                 events.removed(key, medium)
-
-    def prefetch(self, seq_id: Hashable, hashes: list[bytes], count: bool, device: BlockPool) -> bool:
-        """A one-group prompt: ``hashes`` are its block hashes that could be hits. True while some
-        of the blocks its chain continues with on disk are being read (see KVCacheManager.prefetch)."""
-        self.complete_loads(device)
-        cached = device.cached
-        first = next((i for i, h in enumerate(hashes) if h not in cached), len(hashes))
-        on_host = len(self.host.match(hashes[first:]))
-        first += on_host
-        room = self.host.pool.num_free - on_host  # (the host hits are cached-free there too)
-        keys = []
-        for key in hashes[first:first + max(room, 0)]:  # more would evict the chain's own first blocks
-            if key not in self.store:
-                break
-            keys.append(key)
-        return self.prepare_load(seq_id, keys, (len(hashes) - first) * self.block_size, count)
 
     def complete_loads(self, device: BlockPool) -> None:
         """Take the blocks read since the last call into the host tier (not those ``device`` holds)."""
@@ -217,7 +205,7 @@ class DiskTier:
         return [(pool.name, block.block_id, key) for pool in (self.host.pool, device)
                 for key, block in pool.cached.items() if not self.has(key)]
 
-    def stats(self) -> dict[str, int | bool]:
+    def stats(self) -> dict[str, Any]:
         d, io = self.store.stats(), self.io_stats()
         return dict(disk_enabled=d.enabled, disk_blocks=d.blocks, disk_bytes_used=d.bytes_used,
                     disk_capacity_bytes=d.capacity_bytes, disk_query_tokens=self.query_tokens,

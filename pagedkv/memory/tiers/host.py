@@ -17,6 +17,7 @@ it (``load``).
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
 
 from pagedkv.kv_events import KVEventLog
 from pagedkv.memory.block import Block
@@ -49,6 +50,9 @@ class HostTier:
     def lookup(self, keys: Sequence[bytes]) -> int:
         return len(self.match(keys))
 
+    def holds(self, key: bytes) -> bool:
+        return key in self.pool.cached
+
     def prepare_load(self, seq_id: Hashable, keys: list[bytes], query_tokens: int, count: bool,
                      tokens_of: dict[bytes, int] | None = None) -> bool:
         """Nothing to prepare: host blocks are in memory, admission reloads them (``reload``)."""
@@ -74,7 +78,7 @@ class HostTier:
         copies.from_disk += self._loads
         self._out, self._in, self._loads = [], [], []
 
-    def stats(self) -> dict[str, int | bool]:
+    def stats(self) -> dict[str, Any]:
         return dict(host_hit_tokens=self.hit_tokens, offloaded_blocks=self.offloaded_blocks,
                     offloads_dropped=self.offloads_dropped, reloaded_blocks=self.reloaded_blocks)
 

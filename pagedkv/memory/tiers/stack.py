@@ -2,15 +2,18 @@
 and hands each step's verbs to every tier in turn (``tiers/base.py``).
 
 Why a stack and not named fields: the manager calls the same verbs on every tier (offer, take
-the step's copies, finish the step, take events, forget a sequence, stats, check), so a further
-tier (a store shared by replicas) is one more entry here and no edit to the manager. The two
-things only one tier does keep their names: ``host`` (admission reloads its blocks straight into
-device blocks) and ``disk`` (the engine's write queue and shutdown writes).
+the step's copies, finish the step, take events, forget a sequence, read ahead, stats, check),
+so a further tier (a store shared by replicas, loading into the host tier like the disk) is one
+more entry here (``more``, built beside the host and disk tiers) and no edit to the manager's
+verbs. The two things only one tier does keep their names: ``host`` (admission reloads its
+blocks straight into device blocks) and ``disk`` (the engine's write queue, the wait for its
+reads, and the shutdown writes).
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator
+from typing import Any
 
 from pagedkv.memory.block import Block
 from pagedkv.memory.block_pool import DROPPED, BlockPool
@@ -102,8 +105,8 @@ class TierStack:
     def held_blocks(self) -> list[int]:
         return [b for tier in self.tiers for b in tier.held_blocks()]
 
-    def stats(self) -> dict[str, int | bool]:
-        out: dict[str, int | bool] = {}
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
         for tier in self.tiers:
             out.update(tier.stats())
         return out
