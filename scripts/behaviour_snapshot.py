@@ -465,6 +465,64 @@ def case_tiers(m: Models, tmp: Path) -> Any:
     return out
 
 
+def _engine(model: str, **options: Any) -> Any:
+    from pagedkv.engine import LLMEngine
+
+    options.setdefault("max_step_time_s", 0)
+    options.setdefault("dtype", "float32")
+    options.setdefault("debug_integrity", True)
+    return LLMEngine.from_options(model, **options)
+
+
+def _drain(engine: Any) -> dict[str, Any]:
+    """Step ``engine`` until idle; the finished requests' records by request id."""
+    done: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = record_outputs([out])[0]
+    return dict(sorted(done.items()))
+
+
+def _tenant_prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 250 + 1 for i in range(n)]
+
+
+def case_tenancy(m: Models, tmp: Path) -> Any:
+    """Tenants with KV quotas, conversation pins (one past max_tenant_pin_fraction), priorities and
+    fault injection on a small pool; then a quiet tenant's prefix kept cached through a noisy
+    tenant's burst by the noisy tenant's quota."""
+    from pagedkv import SamplingParams
+
+    out: dict[str, Any] = {}
+    engine = _engine(m.get("llama"), block_size=B, num_kv_blocks=40, max_num_batched_tokens=40,
+                     tenant_kv_quota=["a=0.3"], default_tenant_kv_quota=0.4, kv_offloading_size=0.0002,
+                     max_tenant_pin_fraction=0.3, fault_injection="seed=2,rate=0.15")
+    try:
+        for i, n in enumerate([5, 30, 14, 22, 9, 41, 3, 18]):
+            params = SamplingParams(temperature=0.8, seed=i, max_tokens=12 + i, ignore_eos=True)
+            engine.add_request(f"r{i}", _tenant_prompt(i, n), params, tenant=("a", "b", "c")[i % 3],
+                               priority=i % 2, conversation_id=f"chat-{i % 4}" if i % 2 else None)
+        out["pins"] = {"requests": _drain(engine), "stats": record_stats(engine.stats())}
+    finally:
+        engine.close()
+    engine = _engine(m.get("llama"), block_size=B, num_kv_blocks=48, max_num_batched_tokens=256,
+                     kv_offloading_size=0, tenant_kv_quota=["noisy=0.5"])
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    try:
+        engine.add_request("q0", _tenant_prompt(1, 33), params, tenant="quiet")
+        first = _drain(engine)
+        for i in range(12):
+            engine.add_request(f"n{i}", _tenant_prompt(100 + i, 40), params, tenant="noisy")
+        first.update(_drain(engine))
+        engine.add_request("q1", _tenant_prompt(1, 33), params, tenant="quiet")
+        first.update(_drain(engine))
+        out["quota"] = {"requests": first, "stats": record_stats(engine.stats())}
+    finally:
+        engine.close()
+    return out
+
+
 def case_default_model(m: Models, tmp: Path) -> Any:
     """The bundled default model (SmolLM2-135M GGUF): a few greedy tokens from text prompts."""
     from pagedkv import SamplingParams
@@ -477,6 +535,7 @@ def case_default_model(m: Models, tmp: Path) -> Any:
 CASES = {"greedy": case_greedy, "sampling": case_sampling, "n_best": case_n_best, "beam": case_beam,
          "spec_ngram": case_spec_ngram, "spec_draft": case_spec_draft, "int8": case_int8,
          "hybrid": case_hybrid, "preemption": case_preemption, "faults": case_faults, "tiers": case_tiers,
+         "tenancy": case_tenancy,
          "default_model": case_default_model}
 
 
