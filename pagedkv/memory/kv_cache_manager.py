@@ -1,26 +1,38 @@
-"""Per-sequence block tables over a device block pool and a host (swap) pool.
+"""The KV cache manager: the façade of the memory core, the sequence registry and its verbs.
 
 Who owns what: the caller (the engine's ``Sequence``) owns a sequence's token ids; the manager
-reads that list, never copies or writes it, and owns the rest: the block table, the block hashes
-and how many tokens' KV is written (``num_computed``). A sequence's tokens, and the manager's view::
+reads that list, never copies or writes it. The memory core's state has one owner each, built
+here and given its collaborators when built:
+
+    KVCacheManager   the sequence registry (``seqs``: SeqState, a block table per KV group, the
+                     hash chain, num_computed) and the per-sequence verbs below; counters of them
+    BlockPool        blocks, the free queue, the hash map of cached blocks; built with its
+                     eviction listeners (radix index, miss history, lower tiers, ledger, events)
+    PrefixCache      hashing, caching full blocks, the prefix index, the one chain walk, stored
+                     events, miss history and details, hit counters (``prefix_cache.py``)
+    KVGroup          what a kind of group decides: hit span, most blocks, window (``kv_groups.py``)
+    Tenancy          the quota ledger and conversation pins; the scheduler's questions (``tenants.py``)
+    TierStack        the lower tiers of the prefix cache: host, disk (``tiers/``)
+
+A sequence's tokens, and the manager's view (group 0's table; every group's is as long)::
 
     token ids:    [ t0 t1 ... | ... | ...                          ]
     block table:  [ b7        | b2  | b9        ]   logical block i -> physical table[i]
                    <--- cached ---><- computed -><- new (slots reserved, KV not written) ->
                    full blocks     num_computed   allocate_slots() covers num_computed + n
 
-- ``allocate_prompt`` registers a sequence, reuses the cached prefix blocks its prompt hashes to
-  (never the block holding the last prompt token: that token must be computed to get logits) and
-  reserves slots for the first chunk.
-- ``allocate_slots`` grows a table for the next chunk or decode token; a write into a block shared
-  with a fork copies it first (copy-on-write) and returns the ``(src, dst)`` copy for the runner.
+- ``allocate_prompt`` registers a sequence: the prefix cache finds the longest prefix every group
+  can serve (device, then host tier; never the block holding the last prompt token, whose logits
+  must be computed), tenancy lets pins give way and checks the quota, the pool touches the hits
+  and allocates the rest, host hits are reloaded; one path for one or N groups.
+- ``allocate_slots`` grows the tables for the next chunk or decode token; a write into a block
+  shared with a fork copies it first (copy-on-write) and returns the ``(src, dst)`` copy.
 - ``mark_computed`` records written KV; only then do full blocks enter the prefix cache, so a
-  block is never served to another request before its KV exists. The caller appends tokens to
-  its own list before it marks them computed.
-- ``swap_out`` / ``swap_in`` move whole sequences between the pools, returning block copy pairs.
-- A hybrid model (``kv_group_windows`` with more than one group) gives each sequence one table
-  per KV group; a sliding group's blocks that leave every query's window are released as the
-  sequence advances (``memory/kv_groups.py``).
+  block is never served to another request before its KV exists; a sliding group releases the
+  blocks that left every query's window.
+- ``rollback``, ``fork``, ``free``; ``swap_out`` / ``swap_in`` move whole sequences between the
+  device and host pools (``swap.py``), returning block copy pairs.
+- ``stats()`` and ``check_integrity()`` gather each part's own figures and checks.
 
 Every allocation is transactional: it raises ``OutOfBlocksError`` before changing anything.
 """
@@ -87,7 +99,6 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.groups = make_kv_groups(kv_group_windows)
-        self.group_windows = tuple(kv_group_windows)
         self._sliding = any(group.window is not None for group in self.groups)  # blocks to release
         self.watermark_blocks = int(config.watermark * num_blocks)
         # KV cache events (pagedkv/kv_events.py): prefix blocks entering and leaving each tier
@@ -182,13 +193,9 @@ class KVCacheManager:
         B = self.block_size
         return sum(group.max_blocks(num_tokens, chunk, B) for group in self.groups)
 
-    def tables(self, seq_id: Hashable) -> list[list[int]]:
-        """The sequence's block tables, one per KV group (RELEASED = -1 entries are out of a
-        sliding group's window); live lists: do not modify."""
-        return self.seqs[seq_id].tables
-
     def block_table(self, seq_id: Hashable) -> list[int]:
-        """KV group 0's block table (the runner's ``SeqChunk.block_table``); live list."""
+        """KV group 0's block table (the runner's ``SeqChunk.block_table``; every group's is in
+        ``seqs[seq_id].tables``); live list: do not modify."""
         return self.seqs[seq_id].tables[0]
 
     def group_tables(self, seq_id: Hashable) -> tuple[list[int], ...]:

@@ -95,13 +95,6 @@ def make_kv_groups(windows: Sequence[int | None]) -> tuple[KVGroup, ...]:
     return tuple(FullAttention() if w is None else SlidingWindow(w) for w in windows)
 
 
-def first_visible_block(num_tokens: int, window: int | None, block_size: int) -> int:
-    """The first block the query at position ``num_tokens`` can see, for a group of ``window``."""
-    if window is None or num_tokens < window:
-        return 0
-    return (num_tokens - window + 1) // block_size
-
-
 def release_out_of_window(pool: BlockPool, seq: SeqState, groups: Sequence[KVGroup], block_size: int) -> int:
     """Release every group's blocks that the next query (position ``num_computed``) cannot see;
     returns how many."""
