@@ -212,4 +212,5 @@ def test_random_pins_turns_and_prompts_keep_integrity(seed) -> None:
             kv.expire_pins(clock)
         kv.check_integrity()
         assert all(kv.tenancy.pins.blocks_of(t) <= kv.tenancy.pin_limit for t in "abc")
-    assert kv.tenancy.pins.refused and kv.tenancy.pins.released_under_pressure and kv.tenancy.pins.expired  # each path taken
+    pins = kv.tenancy.pins
+    assert pins.refused and pins.released_under_pressure and pins.expired  # each path taken

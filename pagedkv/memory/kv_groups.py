@@ -36,7 +36,10 @@ from pagedkv.memory.seq_state import RELEASED, SeqState, cdiv
 
 
 class KVGroup(Protocol):
-    window: int | None  # the attention window in tokens; None: every block is kept
+    @property
+    def window(self) -> int | None:
+        """The attention window in tokens; None: every block is kept."""
+        ...
 
     def first_visible(self, num_tokens: int, block_size: int) -> int:
         """The first block the query at position ``num_tokens`` can see; blocks before it are out

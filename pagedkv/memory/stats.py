@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +104,9 @@ class KVStats:
         q = self.prefix_query_tokens
         return self.prefix_hit_tokens / q if q else 0.0
 
-    def as_dict(self) -> dict[str, float | int]:
-        d: dict[str, float | int] = asdict(self)
+    def as_dict(self) -> dict[str, Any]:
+        """Every field and derived figure (the per-tier and per-tenant ones are dicts)."""
+        d: dict[str, Any] = asdict(self)
         d.update(usage=self.usage, fragmentation=self.fragmentation,
                  prefix_hit_rate=self.prefix_hit_rate, sharing_saving=self.sharing_saving,
                  tier_hit_tokens=self.tier_hit_tokens, tier_miss_tokens=self.tier_miss_tokens)
