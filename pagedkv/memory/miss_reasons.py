@@ -130,9 +130,13 @@ class CacheHistory:
                   content_hashes: list[bytes] | None) -> None:
         """Blocks ``start .. end-1`` of a sequence were cached (``block_hashes``: its chain from
         ``root``); ``content_hashes``: the same tokens' unsalted chain when ``root`` is salted."""
+        B = self.block_size
+        if end - start == 1:  # (a decode filled one block: two plain puts beat the bulk path)
+            self.children.put(block_hashes[start - 1] if start else root, tuple(token_ids[start * B:end * B]))
+            self.content.put(content_hashes[start] if content_hashes is not None else block_hashes[start], root)
+            return
         if end <= start:
             return
-        B = self.block_size
         parents = block_hashes[start - 1:end - 1] if start else [root, *block_hashes[:end - 1]]
         self.children.put_many(parents, zip(*[iter(token_ids[start * B:end * B])] * B))  # a tuple per block
         self.content.put_many((content_hashes if content_hashes is not None else block_hashes)[start:end],
