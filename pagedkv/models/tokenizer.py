@@ -63,7 +63,7 @@ class Tokenizer:
         before it is tokenized. Computed once."""
         if self._max_chars_per_token is _UNSET:
             self._max_chars_per_token = max_chars_per_token(self._tok)
-        return self._max_chars_per_token  # type: ignore[return-value]
+        return self._max_chars_per_token  # type: ignore[return-value]  # _UNSET was replaced just above
 
     @property
     def backend(self) -> HFTokenizer:
@@ -93,7 +93,7 @@ class Tokenizer:
         """Token ids of ``text``; with ``add_special_tokens`` the model's BOS rule applies."""
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self._prepend_bos and (not ids or ids[0] != self.bos_token_id):
-            ids = [self.bos_token_id, *ids]  # type: ignore[list-item]
+            ids = [self.bos_token_id, *ids]  # type: ignore[list-item]  # _prepend_bos: there is a BOS id
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -209,7 +209,7 @@ def max_chars_per_token(tokenizer: HFTokenizer) -> int | None:
 def _normalizer_shrink(spec: dict[str, Any] | None) -> int | None:
     if spec is None:
         return 1
-    kind = spec.get("type")
+    kind = spec.get("type", "")  # typed str: "" (no type) names no normalizer, as None did
     if kind == "Sequence":
         total = 1
         for part in spec.get("normalizers", []):
@@ -223,7 +223,7 @@ def _normalizer_shrink(spec: dict[str, Any] | None) -> int | None:
         if "String" not in pattern or not content:
             return None  # a regular expression or an empty replacement may drop text
         return max(1, -(-len(pattern["String"]) // len(content)))
-    return _NORMALIZER_SHRINK.get(kind)  # type: ignore[arg-type]
+    return _NORMALIZER_SHRINK.get(kind)
 
 
 def _keeps_text(spec: dict[str, Any] | None) -> bool:

@@ -153,6 +153,7 @@ class GuardedH11Protocol(H11Protocol):
         return type("GuardedH11Protocol", (cls,), {"limits": limits, "refused": 0, "evicted": 0, "timed_out": 0,
                                                    "max_connections": max_connections})
 
+    # uvicorn hands it an asyncio.Transport (written to below); H11Protocol declares a BaseTransport
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         if len(self.connections) >= self.max_connections and not self._make_room():
             type(self).refused += 1
@@ -169,7 +170,7 @@ class GuardedH11Protocol(H11Protocol):
         idle = [c for c in self.connections if isinstance(c, GuardedH11Protocol) and c._idle_since is not None]
         if not idle:
             return False
-        victim = min(idle, key=lambda c: c._idle_since)  # type: ignore[arg-type, return-value]
+        victim = min(idle, key=lambda c: c._idle_since or 0.0)  # (never None here: filtered above)
         type(self).evicted += 1
         victim._close()
         return True
