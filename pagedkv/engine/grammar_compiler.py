@@ -35,10 +35,11 @@ import threading
 import time
 import weakref
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from pagedkv.engine.grammar_worker import excerpt, write_frame
 from pagedkv.sampling_params import StructuredOutput
@@ -343,7 +344,7 @@ class GrammarCompiler:
                     result = self._compile(digest, kind, spec)
                 except GrammarError as exc:
                     error = exc
-                except Exception as exc:  # noqa: BLE001 - one grammar's failure must not stop the thread
+                except Exception as exc:  # one grammar's failure must not stop the thread
                     logger.exception("compiling a grammar failed")
                     error = GrammarError(f"compiling the grammar failed: {excerpt(repr(exc))}")
                 with self._lock:

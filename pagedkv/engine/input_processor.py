@@ -59,7 +59,7 @@ class InputProcessor:
                     f"for at most {per_token} characters), but max_model_len is {L}: shorten it")
             try:
                 ids = self.tokenizer.encode(prompt)
-            except Exception as exc:  # noqa: BLE001 - e.g. a lone surrogate the tokenizer refuses
+            except Exception as exc:  # e.g. a lone surrogate the tokenizer refuses
                 raise RequestRejectedError(f"the prompt cannot be tokenized: {exc}") from exc
             text: str | None = prompt
         else:

@@ -12,23 +12,31 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedkv.runner.protocol import Runner
 
 logger = logging.getLogger(__name__)
 
 
 class KVQuantGuard:
-    def __init__(self, runner, every: int = 32) -> None:
+    def __init__(self, runner: Runner, every: int = 32) -> None:
+        """``runner``: one with 8-bit KV blocks (its ``write_error`` is not None)."""
+        if runner.write_error is None:
+            raise ValueError("KVQuantGuard: the runner's KV blocks are not 8-bit (write_error is None)")
         self.runner = runner
         self.format = runner.kv_format
         self.threshold = self.format.warn_threshold
         self.every = every
-        self._last = runner.write_error.clone()
+        self._errors = runner.write_error
+        self._last = self._errors.clone()
         self.warned: set[int] = set()  # layers warned about (once each)
 
     def after_step(self, step: int) -> None:
         if step % self.every:
             return
-        now = self.runner.write_error.clone()
+        now = self._errors.clone()
         delta = (now - self._last).tolist()  # [layers][K, V][err, ref]
         self._last = now
         for layer, kv in enumerate(delta):

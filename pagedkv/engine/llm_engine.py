@@ -268,7 +268,7 @@ class LLMEngine:
                 s.group.metrics["first_scheduled_time"] = now
         try:
             logits = self._execute(out, chunks)
-        except Exception as exc:  # the shared work failed: fail this plan's requests, keep the engine
+        except Exception as exc:  # noqa: BLE001 - the shared work failed: fail this plan's requests, keep the engine
             self.updater.fail_plan(out, exc, step)
         else:
             if logits is not None:
@@ -349,6 +349,12 @@ class LLMEngine:
     def tokenize(self, prompt: PromptInput) -> TokenizedPrompt:
         """Tokenize and check a prompt; any thread may call it (see InputProcessor.tokenize)."""
         return self.inputs.tokenize(prompt)
+
+    @property
+    def model_context_length(self) -> int:
+        """The model's own context length (its config's max_position_embeddings), which
+        ``max_model_len`` may exceed only where the caller allows it (vLLM's rule, server side)."""
+        return self.runner.config.max_position_embeddings
 
     def take_kv_events(self) -> list[KVEvent]:
         """The KV cache events (blocks stored, removed, all cleared) since the last call, oldest

@@ -88,8 +88,9 @@ def prior_coefficients(shape: object | None) -> tuple[float, float, float, float
     flops_token = 2 * layers * (h * (q + 2 * kv) + q * h + 3 * h * inter)
     flops_pair = 4 * layers * heads * head_dim  # q.k and p.v
     weight_bytes = 2 * (flops_token // 2 + h * vocab)
-    return (_OVERHEAD_S + weight_bytes / _WEIGHT_BYTES_PER_S, flops_token / _WEIGHT_FLOPS_PER_S, flops_pair / _ATTENTION_FLOPS_PER_S,
-            2 * h * vocab / _WEIGHT_FLOPS_PER_S + _SAMPLE_S_PER_ROW, vocab * _PROCESS_S_PER_VOCAB)
+    return (_OVERHEAD_S + weight_bytes / _WEIGHT_BYTES_PER_S, flops_token / _WEIGHT_FLOPS_PER_S,
+            flops_pair / _ATTENTION_FLOPS_PER_S, 2 * h * vocab / _WEIGHT_FLOPS_PER_S + _SAMPLE_S_PER_ROW,
+            vocab * _PROCESS_S_PER_VOCAB)
 
 
 class StepCostModel:

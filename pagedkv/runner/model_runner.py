@@ -135,8 +135,8 @@ def _unsort_rows(chunks: list[SeqChunk], order: list[int], all_tokens: bool) -> 
     where = [0] * len(order)
     for j, i in enumerate(order):
         where[i] = j
-    return torch.tensor([r for i in range(len(order)) for r in range(starts[where[i]], starts[where[i]] + sizes[where[i]])],
-                        dtype=torch.long)
+    rows = [r for i in range(len(order)) for r in range(starts[where[i]], starts[where[i]] + sizes[where[i]])]
+    return torch.tensor(rows, dtype=torch.long)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -16,9 +16,12 @@ import argparse
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from pagedkv import envs
+
+if TYPE_CHECKING:
+    from pagedkv.engine.llm_engine import LLMEngine
 
 # vLLM's short spellings of flags pagedkv has
 ALIASES = {"-q": "--quantization", "-sc": "--speculative-config"}
@@ -286,10 +289,9 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
             p._option_string_actions[alias] = action
 
 
-def model_context_length(engine: Any) -> int | None:
-    """The model's own context length (its config's max_position_embeddings), None if unknown."""
-    config = getattr(getattr(getattr(engine, "runner", None), "model", None), "config", None)
-    return getattr(config, "max_position_embeddings", None)
+def model_context_length(engine: LLMEngine) -> int | None:
+    """The model's own context length (its config's max_position_embeddings)."""
+    return engine.model_context_length
 
 
 def check_max_model_len(requested: int | None, model_len: int | None) -> None:

@@ -47,7 +47,7 @@ class DraftModelProposer:
             self._drop(sid)
         try:
             return self._propose(wanted)
-        except Exception:  # noqa: BLE001 - the draft is a cache: forget it, the target goes on
+        except Exception:  # the draft is a cache: forget it, the target goes on
             self.failures += 1
             logger.exception("the draft model failed; its cache is reset and this step proposes nothing")
             for sid in list(self.lists):
