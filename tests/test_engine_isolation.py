@@ -132,6 +132,27 @@ def test_llm_generate_returns_the_failed_request_among_the_others(model_dir, cle
         assert outs[i].outputs[0].token_ids == clean[f"r{i}"].outputs[0].token_ids
 
 
+def test_a_raising_output_build_fails_that_request_alone(model_dir, clean) -> None:
+    """Building r3's output raises mid-run (e.g. its detokenization): r3 ends at once with the error,
+    the outputs of the requests after it in the same step are still built, every other request
+    produces the clean run's tokens."""
+    engine = make_engine(model_dir)
+    make_output = engine.outputs.make_output
+
+    def flaky(group):
+        if group.request_id == "r3" and group.error is None and group.seqs[0].num_output_tokens == 4:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return make_output(group)
+
+    engine.outputs.make_output = flaky
+    done = run(engine, [(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])
+    assert done["r3"].error and "UnicodeDecodeError" in done["r3"].error
+    assert done["r3"].outputs[0].finish_reason == "error"
+    for rid, out in done.items():
+        if rid != "r3":
+            assert out.error is None and out.outputs[0].token_ids == clean[rid].outputs[0].token_ids
+
+
 @pytest.mark.parametrize("num_blocks,faults", [(28, "seed=2,rate=0.6,kinds=swap+evict"),
                                                (40, "seed=5,rate=0.5,kinds=swap"),
                                                (24, "seed=1,rate=0.4,kinds=swap+recompute")])

@@ -281,7 +281,7 @@ class LLMEngine:
             self.kv.disk.wait_for_reads(0.05)  # nothing to compute but requests waiting for the disk
         if not (out.scheduled or out.preempted or out.resumed or out.swap_out or out.swap_in or out.to_disk
                 or out.from_disk):  # nothing ran: not a step
-            return [self._output(g) for g in step.progressed.values() if not only_finished or g.is_finished]
+            return self._outputs([g for g in step.progressed.values() if not only_finished or g.is_finished])
         if out.scheduled:
             self.step_costs.observe(out.work, time.perf_counter() - started)
         self._steps += 1
@@ -291,7 +291,7 @@ class LLMEngine:
             self.kv.check_integrity()
             if self.speculative is not None and self.speculative.draft is not None:
                 self.speculative.draft.kv.check_integrity()
-        return [self._output(g) for g in step.progressed.values() if not only_finished or g.is_finished]
+        return self._outputs([g for g in step.progressed.values() if not only_finished or g.is_finished])
 
     def _chunk(self, s: ScheduledSeq, lora_slots: dict[str, int]) -> SeqChunk:
         seq = s.seq
@@ -319,10 +319,23 @@ class LLMEngine:
             self.kv.costs.observe_prefill(tokens, time.perf_counter() - start)
         return logits
 
-    def _output(self, group: SequenceGroup) -> RequestOutput:
-        with self.updater.isolate((group,), "building the output", None):  # e.g. detokenization
-            return self.outputs.make_output(group)
-        return self.outputs.make_output(group)  # failed and aborted: the error path does not detokenize
+    def _outputs(self, groups: list[SequenceGroup]) -> list[RequestOutput]:
+        """The outputs of ``groups``. Building one that raises (e.g. detokenization) fails that
+        request alone, at once (its output then carries the error); one isolation context covers a
+        run of requests, not one per request."""
+        made: list[RequestOutput] = []
+        if not groups:
+            return made
+        current = [groups[0]]  # the request whose output is being built: what a failure fails
+        pending = iter(groups)
+        while True:
+            with self.updater.isolate(current, "building the output", None) as work:
+                for group in pending:
+                    current[0] = group
+                    made.append(self.outputs.make_output(group))
+            if not work.failed:
+                return made
+            made.append(self.outputs.make_output(current[0]))  # failed and aborted: the error path does not detokenize
 
     def close(self) -> None:
         """Shut down cleanly: with a disk tier, write the cached blocks it lacks (host tier, then

@@ -35,6 +35,7 @@ from pagedkv.engine.sequence import GroupStatus, Sequence, SequenceGroup
 from pagedkv.engine.structured_output import GrammarLimitError, StructuredOutputs
 from pagedkv.runner.batch import SeqChunk
 from pagedkv.sampling.sampler import (
+    SampleBatch,
     Sampled,
     Sampler,
     SampleRow,
@@ -232,16 +233,30 @@ class StepUpdater:
                 targets, speculating = [], []
             for s, spec_rows in speculating:
                 self._verify(s, batch, spec_rows, step)
-            for (group, seq), row in zip(targets, rows):
-                if group.error is not None:
-                    continue  # a sibling failed it earlier in this step
-                with self.isolate((group,), "sampling", step):  # sampling, stop checks, detokenization
-                    self.append(group, seq, batch.sample(row), step)
-                    step.progressed[group.request_id] = group
+            if targets:
+                self._append_sampled(targets, rows, batch, step)
         if beam_rows:
             self._beam_step(out, logits, beam_rows, step)
 
-    def _verify(self, s: ScheduledSeq, batch, spec_rows: list[SampleRow], step: StepResult) -> None:
+    def _append_sampled(self, targets: list[tuple[SequenceGroup, Sequence]], rows: list[SampleRow],
+                        batch: SampleBatch, step: StepResult) -> None:
+        """Each row's token sampled and appended (stop checks, detokenization), a failure failing
+        that row's request alone. One isolation context covers a run of rows, not one per row (the
+        hot loop): after a failure the loop resumes at the next row in a new context."""
+        current = [targets[0][0]]  # the request of the row being appended: what a failure fails
+        pending = iter(zip(targets, rows))
+        while True:
+            with self.isolate(current, "sampling", step) as work:
+                for (group, seq), row in pending:
+                    if group.error is not None:
+                        continue  # a sibling failed it earlier in this step
+                    current[0] = group
+                    self.append(group, seq, batch.sample(row), step)
+                    step.progressed[group.request_id] = group
+            if not work.failed:
+                return
+
+    def _verify(self, s: ScheduledSeq, batch: SampleBatch, spec_rows: list[SampleRow], step: StepResult) -> None:
         """A speculating sequence: its proposal checked and its tokens appended (stop checks as
         usual); the update is told how many of the chunk's tokens keep their KV."""
         group, seq = s.group, s.seq
