@@ -299,8 +299,9 @@ class StepUpdater:
                 grammar_limit = exc
         self.generation_tokens += 1
         if sampled.top is not None:
-            seq.logprobs.append(sampled.top)  # type: ignore[union-attr]
-            seq.cumulative_logprob += sampled.logprob  # type: ignore[operator]
+            # a row samples logprobs only for a request that asks for them: its sequences hold a list
+            seq.logprobs.append(sampled.top)  # type: ignore[union-attr]  # (see above; no check on the hot path)
+            seq.cumulative_logprob += sampled.logprob  # type: ignore[operator]  # set with top (Sampled)
         now = time.time()
         if "first_token_time" not in group.metrics:
             group.metrics["first_token_time"] = now

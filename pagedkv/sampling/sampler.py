@@ -97,7 +97,7 @@ class Sampler:
             masked = [j for j, r in enumerate(penalized) if r.bitmask is not None]
             if masked:
                 idx = torch.tensor(masked)
-                bitmasks = torch.stack([penalized[j].bitmask for j in masked])  # type: ignore[misc]
+                bitmasks = torch.stack([penalized[j].bitmask for j in masked])  # type: ignore[misc]  # masked: bitmask set
                 mine[idx] = apply_bitmask(mine.index_select(0, idx), bitmasks)
             processed = mine
         greedy_rows = sorted({r.row for r in rows if r.params.temperature == 0.0 and not r.processed})
@@ -134,14 +134,14 @@ class SampleBatch:
     def row_logits(self, r: SampleRow) -> torch.Tensor:
         """The logits ``r`` samples from: the model's row, or its row after penalties."""
         j = self._index.get(id(r))
-        return self.logits[r.row] if j is None else self.processed[j]  # type: ignore[index]
+        return self.logits[r.row] if j is None else self.processed[j]  # type: ignore[index]  # j: processed set
 
     @torch.inference_mode()
     def sample(self, r: SampleRow) -> Sampled:
         """Draw the token of one row; raises SamplingError if the row has no candidate."""
         raw = self.logits[r.row]
         j = self._index.get(id(r))
-        row = raw if j is None else self.processed[j]  # type: ignore[index]
+        row = raw if j is None else self.processed[j]  # type: ignore[index]  # j only for processed rows
         p = r.params
         if p.temperature == 0.0:
             token = self.greedy[r.row] if j is None else self.processed_greedy[j]
