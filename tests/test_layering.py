@@ -255,10 +255,6 @@ def torch_imports(root: Path, package: str, units: Iterable[str]) -> list[str]:
 
 # -- the checks on pagedkv ----------------------------------------------------------------------
 
-# Until the server's start-up summary reads the weights' size from the runner, server/logs.py imports
-# models/quant_linear.py. Removed with that edit.
-PENDING = pytest.mark.xfail(strict=False, reason="issue 28 in progress: server/logs.py -> models.quant_linear")
-
 @pytest.fixture(scope="module")
 def graph() -> dict[str, set[str]]:
     return module_graph(ROOT, PACKAGE)
@@ -276,7 +272,6 @@ def test_no_package_cycles(graph: dict[str, set[str]]) -> None:
     assert not found, f"import cycles between packages: {found}; the imports: {detail}"
 
 
-@PENDING
 def test_imports_between_packages_follow_the_layers(graph: dict[str, set[str]]) -> None:
     problems = disallowed(unit_graph(graph), ALLOWED)
     assert not problems, "imports outside the layers of docs/architecture.md:\n" + "\n".join(problems)

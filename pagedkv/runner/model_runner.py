@@ -23,6 +23,7 @@ from pagedkv.models.loader import LoadedModel
 from pagedkv.models.packed_linear import pack_lm_head as pack_head
 from pagedkv.models.packed_linear import transpose_wide_linears
 from pagedkv.models.quant_linear import QuantLinear
+from pagedkv.models.quant_linear import weight_bytes as model_weight_bytes
 from pagedkv.ops import native
 from pagedkv.ops.cache_ops import (
     block_payloads,
@@ -292,6 +293,10 @@ class ModelRunner:
     @property
     def model_dtype(self) -> str:
         return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+
+    @property
+    def weight_bytes(self) -> int:
+        return model_weight_bytes(self.model)
 
     @property
     def weights_quantization(self) -> str | None:

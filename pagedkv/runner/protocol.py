@@ -81,6 +81,12 @@ class Runner(Protocol):
         ...
 
     @property
+    def weight_bytes(self) -> int:
+        """Bytes the model's weights take (parameters and buffers, shared ones once): the server's
+        start-up summary."""
+        ...
+
+    @property
     def weights_quantization(self) -> str | None:
         """How the linear weights are stored when not in the model dtype ("q8_0"), else None:
         other weights, other K/V (part of the disk tier's fingerprint)."""

@@ -103,13 +103,8 @@ def startup_summary(engine: Any, *, host: str, port: int, api_keys: int, metrics
     server listens and whether a key protects it."""
     import torch
 
-    from pagedkv.models.quant_linear import weight_bytes
-
     runner, config = engine.runner, engine.config
-    model = getattr(runner, "model", None)
-    params = next(model.parameters(), None) if model is not None else None
-    dtype = str(params.dtype).removeprefix("torch.") if params is not None else config.dtype
-    weights = weight_bytes(model) if model is not None else 0
+    dtype, weights = runner.model_dtype, runner.weight_bytes
     stats = engine.stats()
     kv, per_block = stats.kv, stats.kv_bytes_per_block
     lines: list[tuple[str, dict]] = []
