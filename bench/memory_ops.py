@@ -19,7 +19,7 @@ from pagedkv.memory import KVCacheManager
 
 
 def bench_prompts(n: int, rng: random.Random) -> tuple[float, KVCacheManager]:
-    mgr = KVCacheManager(num_blocks=n * 64 + 64, block_size=16)
+    kv = KVCacheManager(num_blocks=n * 64 + 64, block_size=16)
     shared = [rng.randrange(50000) for _ in range(512)]
     prompts = []
     for i in range(n):
@@ -27,40 +27,40 @@ def bench_prompts(n: int, rng: random.Random) -> tuple[float, KVCacheManager]:
         prompts.append(shared + tail if i % 2 else tail)
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
-        cached = mgr.allocate_prompt(i, p)
-        mgr.mark_computed(i, len(p) - cached)
+        cached = kv.allocate_prompt(i, p)
+        kv.mark_computed(i, len(p) - cached)
     dt = time.perf_counter() - t0
-    return dt / n, mgr
+    return dt / n, kv
 
 
-def bench_decode(mgr: KVCacheManager, steps: int) -> float:
-    seqs = list(mgr.seqs)
-    tokens = {s: mgr.seqs[s].token_ids for s in seqs}  # each sequence's list (this script owns it)
+def bench_decode(kv: KVCacheManager, steps: int) -> float:
+    seqs = list(kv.seqs)
+    tokens = {s: kv.seqs[s].token_ids for s in seqs}  # each sequence's list (this script owns it)
     t0 = time.perf_counter()
     for step in range(steps):
         for s in seqs:
             tokens[s].append(step)
-            mgr.allocate_slots(s, 1)
-            mgr.mark_computed(s, 1)
+            kv.allocate_slots(s, 1)
+            kv.mark_computed(s, 1)
     return (time.perf_counter() - t0) / (steps * len(seqs))
 
 
-def bench_fork_cow(mgr: KVCacheManager) -> float:
-    seqs = list(mgr.seqs)
+def bench_fork_cow(kv: KVCacheManager) -> float:
+    seqs = list(kv.seqs)
     t0 = time.perf_counter()
     for s in seqs:
         child = ("c", s)
-        mgr.fork(s, child, mgr.seqs[s].token_ids + [1])
-        mgr.allocate_slots(child, 1)  # last block is partly filled: copy-on-write
-        mgr.mark_computed(child, 1)
+        kv.fork(s, child, kv.seqs[s].token_ids + [1])
+        kv.allocate_slots(child, 1)  # last block is partly filled: copy-on-write
+        kv.mark_computed(child, 1)
     return (time.perf_counter() - t0) / len(seqs)
 
 
-def bench_free(mgr: KVCacheManager) -> float:
-    seqs = list(mgr.seqs)
+def bench_free(kv: KVCacheManager) -> float:
+    seqs = list(kv.seqs)
     t0 = time.perf_counter()
     for s in seqs:
-        mgr.free(s)
+        kv.free(s)
     return (time.perf_counter() - t0) / len(seqs)
 
 
@@ -75,11 +75,11 @@ def main() -> None:
                                     "fork_cow_us": [], "free_us": []}
     for r in range(args.repeat):
         rng = random.Random(args.seed + r)
-        alloc, mgr = bench_prompts(args.prompts, rng)
-        decode = bench_decode(mgr, args.decode_steps)
-        fork = bench_fork_cow(mgr)
-        mgr.check_integrity()
-        free = bench_free(mgr)
+        alloc, kv = bench_prompts(args.prompts, rng)
+        decode = bench_decode(kv, args.decode_steps)
+        fork = bench_fork_cow(kv)
+        kv.check_integrity()
+        free = bench_free(kv)
         for key, v in zip(runs, (alloc, decode, fork, free)):
             runs[key].append(v * 1e6)
     result = {k: round(statistics.median(v), 2) for k, v in runs.items()}

@@ -47,11 +47,11 @@ class MemoryCoreMachine(RuleBasedStateMachine):
             num_blocks *= len(groups)
         # With index="radix" the radix tree serves lookups and check_integrity() proves it
         # names exactly the blocks the hash chain does.
-        self.mgr = KVCacheManager(num_blocks, block_size, num_host_blocks=num_host_blocks,
-                                  enable_prefix_caching=caching, eviction_policy=policy,
-                                  watermark=watermark, prefix_index=index, kv_group_windows=groups,
-                                  offload_to_host=offload, tenant_quotas=quotas and quotas[0],
-                                  default_tenant_quota=quotas and quotas[1])
+        self.kv = KVCacheManager(num_blocks, block_size, num_host_blocks=num_host_blocks,
+                                 enable_prefix_caching=caching, eviction_policy=policy,
+                                 watermark=watermark, prefix_index=index, kv_group_windows=groups,
+                                 offload_to_host=offload, tenant_quotas=quotas and quotas[0],
+                                 default_tenant_quota=quotas and quotas[1])
         self.device: dict[int, list] = {}  # block id -> slot contents
         self.host: dict[int, list] = {}
         self.ref: dict[int, tuple[list[int], str | None]] = {}  # seq -> (tokens, salt)
@@ -63,7 +63,7 @@ class MemoryCoreMachine(RuleBasedStateMachine):
         return (group, salt, tuple(tokens[:pos + 1]))
 
     def _tables(self, seq):
-        return [self.mgr.block_table(seq), *self.mgr.group_tables(seq)]
+        return [self.kv.block_table(seq), *self.kv.group_tables(seq)]
 
     def _check_reads(self, seq, store, upto):
         """Every position before ``upto`` that the next query may read holds this sequence's
@@ -72,21 +72,21 @@ class MemoryCoreMachine(RuleBasedStateMachine):
             for pos in range(upto):
                 block_id = table[pos // self.B]
                 if block_id == -1:
-                    assert g > 0 and pos <= self.mgr.num_computed(seq) - self.windows[g], (seq, g, pos)
+                    assert g > 0 and pos <= self.kv.num_computed(seq) - self.windows[g], (seq, g, pos)
                     continue
                 assert store[block_id][pos % self.B] == self._content(seq, pos, g), (seq, g, pos)
 
     def _write(self, seq, n):
         """Write KV for the next n tokens, as the runner would, then mark them computed."""
-        start = self.mgr.num_computed(seq)
+        start = self.kv.num_computed(seq)
         for g, table in enumerate(self._tables(seq)):
             for pos in range(start, start + n):
                 block_id = table[pos // self.B]
                 # Writing into a block another sequence still references would corrupt it.
-                assert block_id >= 0 and self.mgr.pool.blocks[block_id].ref_count == 1, (seq, pos, block_id)
+                assert block_id >= 0 and self.kv.pool.blocks[block_id].ref_count == 1, (seq, pos, block_id)
                 slots = self.device.setdefault(block_id, [None] * self.B)
                 slots[pos % self.B] = self._content(seq, pos, g)
-        self.mgr.mark_computed(seq, n)
+        self.kv.mark_computed(seq, n)
 
     def _copy(self, pairs, src, dst):
         for s, d in pairs:
@@ -95,29 +95,29 @@ class MemoryCoreMachine(RuleBasedStateMachine):
     def _tier_copies(self):
         """The host tier's copies (evicted blocks down, a prompt's reloaded prefix up), made at
         once, as the runner makes them before anything else touches those blocks."""
-        copies = self.mgr.take_tier_copies()
+        copies = self.kv.take_tier_copies()
         self._copy(copies.offloads, self.device, self.host)
         self._copy(copies.reloads, self.host, self.device)
-        self.mgr.finish_step()
+        self.kv.finish_step()
 
     def _seqs(self, swapped):
-        return sorted(s for s in self.ref if self.mgr.is_swapped(s) == swapped)
+        return sorted(s for s in self.ref if self.kv.is_swapped(s) == swapped)
 
     # -- rules ---------------------------------------------------------------------------
     @rule(tokens=TOKENS, salt=st.sampled_from([None, "t1"]), chunk=st.integers(1, 24))
     def add(self, tokens, salt, chunk):
         seq = self.next_id
         self.next_id += 1
-        before = self.mgr.stats()
+        before = self.kv.stats()
         tokens = list(tokens)  # this sequence's own list: the manager reads it
         try:
-            cached = self.mgr.allocate_prompt(seq, tokens, chunk, salt=salt, tenant=salt)  # quotas: per salt
+            cached = self.kv.allocate_prompt(seq, tokens, chunk, salt=salt, tenant=salt)  # quotas: per salt
             self._tier_copies()
         except OutOfBlocksError as e:
             assert e.needed > e.available
             # nothing changed (but the count of allocations a tenant quota refused)
-            assert replace(self.mgr.stats(), tenant_quota_waits={}) == replace(before, tenant_quota_waits={})
-            assert seq not in self.mgr
+            assert replace(self.kv.stats(), tenant_quota_waits={}) == replace(before, tenant_quota_waits={})
+            assert seq not in self.kv
             return
         assert cached % self.B == 0 and cached < len(tokens)
         self.ref[seq] = (tokens, salt)
@@ -130,13 +130,13 @@ class MemoryCoreMachine(RuleBasedStateMachine):
     def step(self, data, k, new_token):
         seq = data.draw(st.sampled_from(self._seqs(False)))
         tokens = self.ref[seq][0]
-        if self.mgr.num_computed(seq) == len(tokens):  # decode: a token was sampled
+        if self.kv.num_computed(seq) == len(tokens):  # decode: a token was sampled
             tokens.append(new_token)
             k = 1
-        k = min(k, len(tokens) - self.mgr.num_computed(seq))
+        k = min(k, len(tokens) - self.kv.num_computed(seq))
         tables_before = [list(t) for t in self._tables(seq)]
         try:
-            copies = self.mgr.allocate_slots(seq, k)
+            copies = self.kv.allocate_slots(seq, k)
             self._tier_copies()
         except OutOfBlocksError:
             assert self._tables(seq) == tables_before
@@ -152,13 +152,13 @@ class MemoryCoreMachine(RuleBasedStateMachine):
         self.next_id += 1
         tokens, salt = self.ref[parent]
         self.ref[child] = (list(tokens), salt)
-        self.mgr.fork(parent, child, self.ref[child][0])
+        self.kv.fork(parent, child, self.ref[child][0])
 
     @precondition(lambda self: self.ref)
     @rule(data=st.data())
     def free(self, data):
         seq = data.draw(st.sampled_from(sorted(self.ref)))
-        self.mgr.free(seq)
+        self.kv.free(seq)
         del self.ref[seq]
 
     @precondition(lambda self: self._seqs(False))
@@ -166,7 +166,7 @@ class MemoryCoreMachine(RuleBasedStateMachine):
     def swap_out(self, data):
         seqs = data.draw(st.lists(st.sampled_from(self._seqs(False)), min_size=1, max_size=3))
         try:
-            pairs = self.mgr.swap_out(seqs)
+            pairs = self.kv.swap_out(seqs)
         except OutOfBlocksError:
             return
         self._copy(pairs, self.device, self.host)
@@ -177,7 +177,7 @@ class MemoryCoreMachine(RuleBasedStateMachine):
     def swap_in(self, data):
         seqs = data.draw(st.lists(st.sampled_from(self._seqs(True)), min_size=1, max_size=3))
         try:
-            pairs = self.mgr.swap_in(seqs)
+            pairs = self.kv.swap_in(seqs)
         except OutOfBlocksError:
             return
         self._tier_copies()  # offloads of blocks evicted to make room first, then the swap-in copies
@@ -185,27 +185,27 @@ class MemoryCoreMachine(RuleBasedStateMachine):
 
     @rule()
     def evict(self):
-        self.mgr.evict_cached()
+        self.kv.evict_cached()
         self._tier_copies()
-        assert self.mgr.stats().evictable_blocks == 0
+        assert self.kv.stats().evictable_blocks == 0
 
     # -- invariants ----------------------------------------------------------------------
     @invariant()
     def consistent(self):
-        if not hasattr(self, "mgr"):
+        if not hasattr(self, "kv"):
             return
-        self.mgr.check_integrity()
+        self.kv.check_integrity()
         for seq in self.ref:
-            store = self.host if self.mgr.is_swapped(seq) else self.device
-            self._check_reads(seq, store, self.mgr.num_computed(seq))
+            store = self.host if self.kv.is_swapped(seq) else self.device
+            self._check_reads(seq, store, self.kv.num_computed(seq))
 
     def teardown(self):
-        if not hasattr(self, "mgr"):
+        if not hasattr(self, "kv"):
             return
         for seq in list(self.ref):
-            self.mgr.free(seq)
-        self.mgr.check_integrity()
-        s = self.mgr.stats()
+            self.kv.free(seq)
+        self.kv.check_integrity()
+        s = self.kv.stats()
         assert s.used_blocks == 0 and s.host_used_blocks == 0
 
 

@@ -12,75 +12,75 @@ from pagedkv.memory.prefix_hash import chain_hashes, root_hash
 B = 4
 
 
-def _run(mgr: KVCacheManager, seq_id: str, tokens: list[int], salt: str | None = None):
+def _run(kv: KVCacheManager, seq_id: str, tokens: list[int], salt: str | None = None):
     """Allocate, compute and free a whole prompt; returns its CacheDetails."""
-    mgr.allocate_prompt(seq_id, tokens, salt=salt, tenant=salt)
-    details = mgr.cache_details(seq_id, salt)
-    mgr.mark_computed(seq_id, len(tokens) - mgr.num_computed(seq_id))
-    mgr.free(seq_id)
-    mgr.check_integrity()
+    kv.allocate_prompt(seq_id, tokens, salt=salt, tenant=salt)
+    details = kv.cache_details(seq_id, salt)
+    kv.mark_computed(seq_id, len(tokens) - kv.num_computed(seq_id))
+    kv.free(seq_id)
+    kv.check_integrity()
     return details
 
 
 def test_never_seen_then_none() -> None:
-    mgr = KVCacheManager(32, B)
+    kv = KVCacheManager(32, B)
     prompt = list(range(1, 14))  # 3 full blocks + 1 token
-    d = _run(mgr, "a", prompt)
+    d = _run(kv, "a", prompt)
     assert (d.reason, d.miss_block, d.hit_tokens) == ("never_seen", 0, 0)
     assert d.for_caller() == {"hit_tokens": 0, "tier_hits": {"device": 0, "host": 0, "disk": 0},
                               "first_miss": {"reason": "never_seen", "block": 0}}
-    d = _run(mgr, "b", prompt)
+    d = _run(kv, "b", prompt)
     assert (d.reason, d.hit_tokens, d.tier_hits["device"]) == ("none", 12, 12)
     assert d.for_caller()["first_miss"] is None
-    assert mgr.stats().first_misses == {"never_seen": {"default": 1}, "none": {"default": 1}}
+    assert kv.stats().first_misses == {"never_seen": {"default": 1}, "none": {"default": 1}}
 
 
 def test_evicted_names_the_tier_and_the_policy() -> None:
     for policy in ("lru", "lrc"):
-        mgr = KVCacheManager(8, B, eviction_policy=policy)
-        _run(mgr, "a", list(range(1, 14)))
-        _run(mgr, "flood", list(range(100, 132)))  # 8 blocks: everything cached before goes
-        d = _run(mgr, "b", list(range(1, 14)))
+        kv = KVCacheManager(8, B, eviction_policy=policy)
+        _run(kv, "a", list(range(1, 14)))
+        _run(kv, "flood", list(range(100, 132)))  # 8 blocks: everything cached before goes
+        d = _run(kv, "b", list(range(1, 14)))
         assert (d.reason, d.miss_block, d.evicted_from, d.evicted_by) == ("evicted", 0, "device", policy)
         assert d.for_caller()["first_miss"] == {"reason": "evicted", "block": 0, "tier": "device", "policy": policy}
     # with a host tier too small to keep it: it left the host tier last
-    mgr = KVCacheManager(8, B, num_host_blocks=4, offload_to_host=True)
-    _run(mgr, "a", list(range(1, 14)))
+    kv = KVCacheManager(8, B, num_host_blocks=4, offload_to_host=True)
+    _run(kv, "a", list(range(1, 14)))
     for i in range(3):
-        _run(mgr, f"flood{i}", list(range(100 + 40 * i, 132 + 40 * i)))
-        mgr.take_tier_copies()
-        mgr.finish_step()
-    d = _run(mgr, "b", list(range(1, 14)))
+        _run(kv, f"flood{i}", list(range(100 + 40 * i, 132 + 40 * i)))
+        kv.take_tier_copies()
+        kv.finish_step()
+    d = _run(kv, "b", list(range(1, 14)))
     assert (d.reason, d.evicted_from, d.evicted_by) == ("evicted", "host", "lru")
 
 
 def test_evicted_by_a_quota() -> None:
-    mgr = KVCacheManager(16, B, tenant_quotas={"noisy": 0.5})
-    _run(mgr, "a", list(range(1, 14)), salt="noisy")
+    kv = KVCacheManager(16, B, tenant_quotas={"noisy": 0.5})
+    _run(kv, "a", list(range(1, 14)), salt="noisy")
     for i in range(3):
-        _run(mgr, f"n{i}", list(range(100 + 40 * i, 125 + 40 * i)), salt="noisy")
-    d = _run(mgr, "b", list(range(1, 14)), salt="noisy")
+        _run(kv, f"n{i}", list(range(100 + 40 * i, 125 + 40 * i)), salt="noisy")
+    d = _run(kv, "b", list(range(1, 14)), salt="noisy")
     assert (d.reason, d.evicted_by) == ("evicted", "quota")
 
 
 def test_partial_block_counts_the_shared_tokens() -> None:
-    mgr = KVCacheManager(32, B)
-    _run(mgr, "a", list(range(1, 14)))
-    d = _run(mgr, "b", [1, 2, 3, 4, 5, 6, 99, 98, 97, 96, 95])  # shares block 0 and half of block 1
+    kv = KVCacheManager(32, B)
+    _run(kv, "a", list(range(1, 14)))
+    d = _run(kv, "b", [1, 2, 3, 4, 5, 6, 99, 98, 97, 96, 95])  # shares block 0 and half of block 1
     assert (d.reason, d.miss_block, d.shared_tokens, d.hit_tokens) == ("partial_block", 1, 2, 4)
     assert d.for_caller()["first_miss"] == {"reason": "partial_block", "block": 1, "shared_tokens": 2}
 
 
 def test_another_tenants_cache_is_never_revealed() -> None:
-    mgr = KVCacheManager(32, B)
+    kv = KVCacheManager(32, B)
     prompt = list(range(1, 14))
-    _run(mgr, "a", prompt, salt="team-a")
-    d = _run(mgr, "b", prompt, salt="team-b")
+    _run(kv, "a", prompt, salt="team-a")
+    d = _run(kv, "b", prompt, salt="team-b")
     assert (d.reason, d.hit_tokens) == ("different_tenant", 0)  # the true reason, for the counters
     assert d.for_caller()["first_miss"] == {"reason": "never_seen", "block": 0}  # what team-b sees
-    assert mgr.stats().first_misses["different_tenant"] == {"team-b": 1}
+    assert kv.stats().first_misses["different_tenant"] == {"team-b": 1}
     # an unsalted request seeing content only a salted tenant cached: the same
-    d = _run(mgr, "c", list(range(1, 14)))
+    d = _run(kv, "c", list(range(1, 14)))
     assert d.reason == "different_tenant" and d.for_caller()["first_miss"]["reason"] == "never_seen"
 
 
@@ -92,9 +92,9 @@ def test_fingerprint_mismatch_on_disk(tmp_path: Path) -> None:
             assert disk.put(key, b"x" * 64)
     disk = DiskStore(tmp_path, 1 << 20, {"model": "new"})  # another model: its blocks are removed
     assert disk.discarded_keys == set(keys)
-    mgr = KVCacheManager(32, B, num_host_blocks=8, offload_to_host=True, disk=disk)
+    kv = KVCacheManager(32, B, num_host_blocks=8, offload_to_host=True, disk=disk)
     try:
-        d = _run(mgr, "a", prompt)
+        d = _run(kv, "a", prompt)
         assert (d.reason, d.miss_block) == ("fingerprint_mismatch", 0)
     finally:
-        mgr.disk.close()
+        kv.disk.close()

@@ -47,23 +47,23 @@ def test_hash_and_radix_indexes_agree(ops, block_size, num_blocks, policy):
             seq_tokens[n] = list(tokens)
         elif op == "decode" and live:
             seq_tokens[live[pick % len(live)]].append(tokens[0])
-        for mgr in managers:
+        for kv in managers:
             try:
                 if op == "add":
-                    cached = mgr.allocate_prompt(n, seq_tokens[n], salt=salt)
-                    mgr.mark_computed(n, len(tokens) - cached)
+                    cached = kv.allocate_prompt(n, seq_tokens[n], salt=salt)
+                    kv.mark_computed(n, len(tokens) - cached)
                     results.append(cached)
                 elif op == "free" and live:
-                    mgr.free(live[pick % len(live)])
+                    kv.free(live[pick % len(live)])
                 elif op == "decode" and live:
                     seq = live[pick % len(live)]
-                    results.append(mgr.allocate_slots(seq, 1))
-                    mgr.mark_computed(seq, 1)
+                    results.append(kv.allocate_slots(seq, 1))
+                    kv.mark_computed(seq, 1)
                 elif op == "evict":
-                    results.append(mgr.evict_cached(pick % 3 or None))
+                    results.append(kv.evict_cached(pick % 3 or None))
             except OutOfBlocksError:
                 results.append("oob")
-            mgr.check_integrity()
+            kv.check_integrity()
         assert results[:len(results) // 2] == results[len(results) // 2:], (op, results)
         if op == "add" and results[0] != "oob":
             live.append(n)

@@ -10,23 +10,23 @@ from pagedkv.memory.tenancy import TenantQuotaError, parse_quotas
 B = 4
 
 
-def _cache_prompt(mgr: KVCacheManager, seq_id: str, tokens: list[int], tenant: str) -> int:
+def _cache_prompt(kv: KVCacheManager, seq_id: str, tokens: list[int], tenant: str) -> int:
     """Run a whole prompt through the cache (allocate, compute, free) as the engine would; returns
     the prompt tokens that were hits."""
-    cached = mgr.allocate_prompt(seq_id, tokens, salt=tenant, tenant=tenant)
-    mgr.mark_computed(seq_id, len(tokens) - cached)
-    mgr.free(seq_id)
-    mgr.check_integrity()
+    cached = kv.allocate_prompt(seq_id, tokens, salt=tenant, tenant=tenant)
+    kv.mark_computed(seq_id, len(tokens) - cached)
+    kv.free(seq_id)
+    kv.check_integrity()
     return cached
 
 
 def _quiet_hits(quotas: dict[str, float] | None) -> int:
-    mgr = KVCacheManager(64, B, tenant_quotas=quotas)
+    kv = KVCacheManager(64, B, tenant_quotas=quotas)
     quiet = list(range(1000, 1033))  # 8 full blocks + 1 token
-    _cache_prompt(mgr, "q0", quiet, "quiet")
+    _cache_prompt(kv, "q0", quiet, "quiet")
     for i in range(40):  # the noisy tenant floods distinct long prompts (12 blocks each)
-        _cache_prompt(mgr, f"n{i}", [i * 100 + j for j in range(48)], "noisy")
-    return _cache_prompt(mgr, "q1", quiet, "quiet")
+        _cache_prompt(kv, f"n{i}", [i * 100 + j for j in range(48)], "noisy")
+    return _cache_prompt(kv, "q1", quiet, "quiet")
 
 
 def test_a_noisy_tenant_over_its_quota_evicts_its_own_blocks_first() -> None:
@@ -35,28 +35,28 @@ def test_a_noisy_tenant_over_its_quota_evicts_its_own_blocks_first() -> None:
 
 
 def test_new_prompts_wait_over_the_quota_but_one_alone_always_runs() -> None:
-    mgr = KVCacheManager(40, B, default_tenant_quota=0.25)  # 10 blocks each
-    mgr.allocate_prompt("a0", list(range(32)), tenant="a")  # 8 blocks in use
+    kv = KVCacheManager(40, B, default_tenant_quota=0.25)  # 10 blocks each
+    kv.allocate_prompt("a0", list(range(32)), tenant="a")  # 8 blocks in use
     with pytest.raises(TenantQuotaError, match="tenant 'a' is at its KV quota: holds 8 of 10 blocks"):
-        mgr.allocate_prompt("a1", list(range(100, 116)), tenant="a")  # 4 more: over
-    assert "a1" not in mgr
-    mgr.allocate_prompt("b0", list(range(200, 300)), tenant="b")  # 25 blocks, over its 10, but alone
-    mgr.check_integrity()
-    assert mgr.stats().tenants["a"] == (8, 0, 10) and mgr.stats().tenants["b"] == (25, 0, 10)
-    assert mgr.tenancy.ledger.quota_waits == {"a": 1}
+        kv.allocate_prompt("a1", list(range(100, 116)), tenant="a")  # 4 more: over
+    assert "a1" not in kv
+    kv.allocate_prompt("b0", list(range(200, 300)), tenant="b")  # 25 blocks, over its 10, but alone
+    kv.check_integrity()
+    assert kv.stats().tenants["a"] == (8, 0, 10) and kv.stats().tenants["b"] == (25, 0, 10)
+    assert kv.tenancy.ledger.quota_waits == {"a": 1}
 
 
 def test_growth_past_the_quota_never_takes_another_tenants_cache() -> None:
-    mgr = KVCacheManager(12, B, default_tenant_quota=0.5)  # 6 blocks each
-    _cache_prompt(mgr, "q", list(range(25)), "quiet")  # quiet: 6 cached-free blocks (and one freed)
-    mgr.allocate_prompt("n", list(range(100, 124)), tenant="noisy")  # noisy: its 6 blocks
-    tokens = mgr.seqs["n"].token_ids
-    mgr.mark_computed("n", 24)
+    kv = KVCacheManager(12, B, default_tenant_quota=0.5)  # 6 blocks each
+    _cache_prompt(kv, "q", list(range(25)), "quiet")  # quiet: 6 cached-free blocks (and one freed)
+    kv.allocate_prompt("n", list(range(100, 124)), tenant="noisy")  # noisy: its 6 blocks
+    tokens = kv.seqs["n"].token_ids
+    kv.mark_computed("n", 24)
     tokens += [7] * 4
     with pytest.raises(TenantQuotaError):  # the only free blocks are quiet's cached ones
-        mgr.allocate_slots("n", 4)
-    mgr.check_integrity()
-    assert mgr.stats().tenants["quiet"][1] == 6
+        kv.allocate_slots("n", 4)
+    kv.check_integrity()
+    assert kv.stats().tenants["quiet"][1] == 6
 
 
 def test_quota_flags_parse() -> None:
