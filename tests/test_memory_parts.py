@@ -119,3 +119,76 @@ def test_tenancy_answers_with_quotas_off():
     assert not kv.quotas_on and not kv.tenant_over_quota("a") and not kv.tenant_under_quota("a")
     assert kv.quota_admits("a", 1000) and kv.tenancy.limit("a") is None and kv.tenancy.in_use("a") == 0
     assert kv.seqs == {} and kv.expire_pins(0.0) == 0
+
+
+class RemoteStandIn:
+    """A lower tier the manager was never edited for (a store shared by replicas, say): it keeps
+    the hashes offered to it and loads nothing."""
+
+    name = "remote"
+
+    def __init__(self, host) -> None:
+        self.host, self.kept, self.steps = host, [], 0
+
+    def lookup(self, keys):
+        return 0
+
+    def holds(self, key):
+        return key in self.kept
+
+    def prepare_load(self, seq_id, keys, query_tokens, count, tokens_of=None):
+        return False
+
+    def complete_loads(self, device):
+        pass
+
+    def offer(self, block):
+        self.kept.append(block.block_hash)
+
+    def take_copies(self, copies):
+        pass
+
+    def finish_step(self, copied):
+        self.steps += 1
+
+    def take_events(self):
+        pass
+
+    def forget(self, seq_id):
+        pass
+
+    def wait_for_loads(self, timeout):
+        return False
+
+    def held_blocks(self):
+        return []
+
+    def stats(self):
+        return {}
+
+    def check_integrity(self):
+        pass
+
+
+def test_a_new_lower_tier_plugs_in_without_an_edit_to_the_manager():
+    B = 4
+    made = []
+
+    def remote(host):
+        made.append(RemoteStandIn(host))
+        return made[-1]
+
+    kv = KVCacheManager(6, B, num_host_blocks=4, offload_to_host=True, more_tiers=[remote])
+    (tier,) = made
+    assert tier.host is kv.host_tier and kv.loads_in_background and not kv.wait_for_loads(0.0)
+    prompt = list(range(3 * B + 1))
+    kv.allocate_prompt("a", prompt)
+    kv.mark_computed("a", len(prompt))
+    kv.free("a")
+    assert kv.evict_cached() == 3
+    assert len(tier.kept) == 3  # every evicted block was offered to it too
+    kv.take_tier_copies()
+    kv.finish_step()
+    assert tier.steps == 1
+    kv.check_integrity()
+    assert not KVCacheManager(6, B).loads_in_background

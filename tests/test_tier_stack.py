@@ -69,6 +69,10 @@ class RecordingTier:
     def forget(self, seq_id: Hashable) -> None:
         self.calls.append(("forget", seq_id))
 
+    def wait_for_loads(self, timeout: float) -> bool:
+        self.calls.append(("wait_for_loads", timeout))
+        return False
+
     def held_blocks(self) -> list[int]:
         return []
 

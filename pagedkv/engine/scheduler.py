@@ -386,7 +386,7 @@ class Scheduler:
                 self.waiting.sort(key=lambda g: g.sort_key)
 
     def _admit_in_order(self, budget: int, scheduled: list[ScheduledSeq], seconds: StepBudget) -> None:
-        if self.kv.disk is not None:  # issue disk reads for the requests about to be admitted
+        if self.kv.loads_in_background:  # start loads (disk reads) for the requests about to be admitted
             for group in self.waiting[1:PREFETCH_LOOKAHEAD]:
                 seq = group.live_seqs[0]
                 self.kv.prefetch(seq.seq_id, seq.token_ids, salt=group.salt, adapter_id=group.lora_key,

@@ -40,7 +40,7 @@ Every allocation is transactional: it raises ``OutOfBlocksError`` before changin
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -61,7 +61,7 @@ from pagedkv.memory.stats import KVStats
 from pagedkv.memory.swap import move_sequences
 from pagedkv.memory.tenancy import DEFAULT_TENANT, TenantLedger
 from pagedkv.memory.tenants import Tenancy
-from pagedkv.memory.tiers.base import DEVICE, HOST, TierCopies
+from pagedkv.memory.tiers.base import DEVICE, HOST, LowerTier, TierCopies
 from pagedkv.memory.tiers.costs import TierCosts
 from pagedkv.memory.tiers.disk import DiskTier
 from pagedkv.memory.tiers.disk_store import DiskStore
@@ -84,10 +84,14 @@ class KVCacheManager:
             needs ``offload_to_host``): evicted device blocks are written through to it, and
             ``prefetch()`` reads a waiting prompt's blocks from it into the host tier.
         costs: the measured costs that decide reload against recompute (``memory/tiers/costs.py``).
+        more_tiers: further lower tiers, below the host and disk tiers (a store shared by
+            replicas): each is made from the host tier it loads into (None without one), so a
+            new tier is a new class (``memory/tiers/base.py``, ``LowerTier``) and no edit here.
     """
 
     def __init__(self, num_blocks: int, block_size: int, config: KVCacheConfig | None = None, *,
-                 disk: DiskStore | None = None, costs: TierCosts | None = None, **options: Any) -> None:
+                 disk: DiskStore | None = None, costs: TierCosts | None = None,
+                 more_tiers: Sequence[Callable[[HostTier | None], LowerTier]] = (), **options: Any) -> None:
         config = replace(config or KVCacheConfig(), **options) if options else config or KVCacheConfig()
         check_block_size(block_size)
         if not isinstance(num_blocks, int) or num_blocks < 1:
@@ -123,7 +127,7 @@ class KVCacheManager:
                 history.fingerprint_discarded = disk.discarded_keys
         elif disk is not None:
             raise ValueError("the disk tier needs the host tier: offload_to_host, prefix caching and host blocks")
-        self.lower_tiers = TierStack(host_tier, disk_tier)
+        self.lower_tiers = TierStack(host_tier, disk_tier, tuple(make(host_tier) for make in more_tiers))
         # The device pool, built with everything that hears of its evictions, in order. The pool's
         # hash map always names cached blocks; the index finds a prompt's hits in it (hash chain)
         # or in a radix tree kept in step (check_integrity proves they agree).
@@ -413,6 +417,19 @@ class KVCacheManager:
                                                              tier.holds)
             waiting |= tier.prepare_load(seq_id, keys, query, count, tokens_of)
         return waiting
+
+    @property
+    def loads_in_background(self) -> bool:
+        """Whether a tier below the host loads blocks in the background (a disk tier): waiting
+        prompts are then worth a ``prefetch`` and an idle step a ``wait_for_loads``."""
+        return bool(self.lower_tiers.below_host)
+
+    def wait_for_loads(self, timeout: float) -> bool:
+        """Block until a background load finishes (or none is in flight), at most ``timeout``
+        seconds: an engine with nothing to run but prompts waiting for loads sleeps here instead
+        of spinning. True when one is ready (the next ``prefetch`` takes it); False at once
+        without such a tier."""
+        return self.lower_tiers.wait_for_loads(timeout)
 
     def prefix_in_flight(self, token_ids: list[int], *, salt: str | None = None,
                          adapter_id: str | None = None) -> bool:

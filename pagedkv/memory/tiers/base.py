@@ -116,6 +116,12 @@ class LowerTier(Protocol):
         """The sequence left the waiting queue (admitted or retired): forget its load attempt."""
         ...
 
+    def wait_for_loads(self, timeout: float) -> bool:
+        """Block until a load in flight finishes (or none is), at most ``timeout`` seconds; True
+        when one is ready for ``complete_loads``. An engine with nothing to run but prompts
+        waiting for loads sleeps here instead of spinning."""
+        ...
+
     def held_blocks(self) -> list[int]:
         """Host block ids this tier holds a reference to for the step's copies (integrity check)."""
         ...

@@ -200,6 +200,9 @@ class DiskTier:
     def held_blocks(self) -> list[int]:
         return []
 
+    def wait_for_loads(self, timeout: float) -> bool:
+        return self.wait_for_reads(timeout)
+
     def persistable_blocks(self, device: BlockPool) -> list[tuple[str, int, bytes]]:
         """``(tier, block id, key)`` of every cached block, host then ``device``, not yet on disk."""
         return [(pool.name, block.block_id, key) for pool in (self.host.pool, device)

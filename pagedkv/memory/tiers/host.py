@@ -67,6 +67,10 @@ class HostTier:
     def forget(self, seq_id: Hashable) -> None:
         """No per-sequence state."""
 
+    def wait_for_loads(self, timeout: float) -> bool:
+        """Nothing loads in the background here."""
+        return False
+
     def held_blocks(self) -> list[int]:
         return [b.block_id for b in self.held]
 

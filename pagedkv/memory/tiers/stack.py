@@ -58,6 +58,11 @@ class TierStack:
             tier.take_copies(copies)
         return copies.frozen()
 
+    def wait_for_loads(self, timeout: float) -> bool:
+        """Block until a tier below the host finishes a load (or none is in flight), at most
+        ``timeout`` seconds (each such tier in turn); True when one is ready."""
+        return any(tier.wait_for_loads(timeout) for tier in self.below_host)
+
     @property
     def below_host(self) -> tuple[LowerTier, ...]:
         """The tiers that load into the host tier in the background (disk, ...)."""
