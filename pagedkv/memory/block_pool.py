@@ -53,7 +53,7 @@ class EvictionEvents:
 
     def on_evict(self, block: Block, cause: str) -> None:
         if block.kv_group == 0:
-            self.log.removed(block.block_hash, self.medium)  # type: ignore[arg-type]
+            self.log.removed(block.block_hash, self.medium)  # type: ignore[arg-type]  # set: told before it is dropped
 
 
 class BlockPool:
@@ -118,7 +118,7 @@ class BlockPool:
                 self.evictions += 1
             block.ref_count = 1
             if ledger is not None:
-                ledger.took(block, tenant)  # type: ignore[arg-type]
+                ledger.took(block, tenant)  # type: ignore[arg-type]  # a name: set above when a ledger is on
         return out
 
     def _pop_victim(self) -> Block:
@@ -199,7 +199,7 @@ class BlockPool:
         """Forget a cached-free block's prefix; it moves to the head of the queue, empty."""
         for listener in self.listeners:
             listener.on_evict(block, cause)
-        del self.cached[block.block_hash]  # type: ignore[arg-type]
+        del self.cached[block.block_hash]  # type: ignore[arg-type]  # only cached blocks are evicted
         block.block_hash = None
         self.free_queue.remove(block)
         self.free_queue.appendleft(block)  # empty blocks belong at the head of the queue

@@ -83,7 +83,7 @@ class FreeBlockQueue:
             out.append(node)
             node = nxt
         head.next = node
-        node.prev = head  # type: ignore[union-attr]
+        node.prev = head  # type: ignore[union-attr]  # a linked node: the sentinels bound the list
         self._size -= n
         return out
 

@@ -287,7 +287,7 @@ class KVCacheManager:
                     table.append(block.block_id)
             table += [next(fresh).block_id for _ in range(per_group)]
             if reloads:  # (hit tokens counted once, by group 0)
-                self.host_tier.reload([s for s, _ in reloads], [d for _, d in reloads],  # type: ignore[union-attr]
+                self.host_tier.reload([s for s, _ in reloads], [d for _, d in reloads],  # type: ignore[union-attr]  # host hits: a host tier
                                       B if g == 0 else 0)
         seq.num_computed = num_cached
         host0 = [b for b, h in zip(hit.blocks[0], hit.on_host[0]) if h] if on_host else []
@@ -321,7 +321,7 @@ class KVCacheManager:
         for block in device_hits:
             pool.touch(block)
         if host_hits:  # held until the reload is done, before any allocation could evict them
-            self.host_tier.hold(host_hits)  # type: ignore[union-attr]
+            self.host_tier.hold(host_hits)  # type: ignore[union-attr]  # host hits: a host tier
         return pool.allocate(need, seq.tenant, quota=False)  # (check_admission decided)
 
     def _from_disk(self, host_hits: list[Block]) -> int:

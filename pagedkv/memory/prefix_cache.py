@@ -151,8 +151,8 @@ class PrefixCache:
             spans = [range(group.hit_start(k, B), k) for group in self.groups[1:]]
             if all(find(g, i) is not None for g, span in enumerate(spans, start=1) for i in span):
                 parts = [[find(g, i) for i in span] for g, span in enumerate(spans, start=1)]
-                blocks = [chain[:k]] + [[e[0] for e in part] for part in parts]  # type: ignore[index]
-                on_host = [flags[:k]] + [[e[1] for e in part] for part in parts]  # type: ignore[index]
+                blocks = [chain[:k]] + [[e[0] for e in part] for part in parts]  # type: ignore[index]  # all found
+                on_host = [flags[:k]] + [[e[1] for e in part] for part in parts]  # type: ignore[index]  # all found
                 return PrefixHit(k, blocks, on_host, sum(sum(f) for f in on_host))
             k -= 1
         return self.no_hit

@@ -113,7 +113,7 @@ class RadixIndex:
             raise IntegrityError(f"radix tree holds {len(paths)} blocks, hash index {num_cached}")
         B = self.block_size
         for tenant, tokens, block_id in paths:
-            h = chain_hashes(tenant, list(tokens), B, 0, len(tokens) // B)[-1]  # type: ignore[arg-type]
+            h = chain_hashes(tenant, list(tokens), B, 0, len(tokens) // B)[-1]  # type: ignore[arg-type]  # roots are chain roots (bytes)
             if cached.get(h) is not pool.blocks[block_id]:
                 raise IntegrityError(f"radix tree puts block {block_id} where the hash index does not")
 

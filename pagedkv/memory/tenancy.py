@@ -63,7 +63,7 @@ def _split(item: str) -> tuple[str, str]:
 
 def check_fraction(value: object, what: str) -> float:
     try:
-        fraction = float(value)  # type: ignore[arg-type]
+        fraction = float(value)  # type: ignore[arg-type]  # any value: a bad one raises below
     except (TypeError, ValueError):
         raise ValueError(f"{what}: expected a fraction of the KV pool in (0, 1], got {value!r}") from None
     if not 0.0 < fraction <= 1.0:
@@ -115,12 +115,12 @@ class TenantLedger:
             return None
         if admit:
             in_use = held - self.own_cached(tenant)
-            return TenantQuotaError(tenant, n, held, limit) if in_use > 0 else None  # type: ignore[arg-type]
+            return TenantQuotaError(tenant, n, held, limit) if in_use > 0 else None  # type: ignore[arg-type]  # over > 0: a limit
         # running work may still grow past the limit into empty blocks and over-limit tenants' cache
         empties = num_free - self.num_cached_free
         spare = sum(len(self.cached_free.get(t, ())) for t in self._over_limit() if t != tenant)
         if n > empties + own + spare:
-            return TenantQuotaError(tenant, n, held, limit)  # type: ignore[arg-type]
+            return TenantQuotaError(tenant, n, held, limit)  # type: ignore[arg-type]  # over > 0: a limit
         return None
 
     def victims(self, tenant: str, n: int, num_free: int) -> list[Block]:
@@ -158,7 +158,7 @@ class TenantLedger:
 
     def revived(self, block: Block) -> None:
         """A cached-free block was taken again (a prefix hit): still held, no longer free."""
-        owned = self.cached_free.get(block.tenant)  # type: ignore[arg-type]
+        owned = self.cached_free.get(block.tenant)  # type: ignore[arg-type]  # None finds nothing
         if owned is not None and owned.pop(block, 0) is None:
             self.num_cached_free -= 1
 
