@@ -26,6 +26,8 @@ def test_engine_config_rejects_unknown_and_conflicting_options():
         EngineConfig(kv_cache_memory="1GiB", num_kv_blocks=10)
     with pytest.raises(ValueError, match="not both"):
         EngineConfig(kv_offloading_size=1.0, swap_space=1.0)
+    with pytest.raises(ValueError, match="not both"):  # given at the default's value is still given
+        EngineConfig(kv_offloading_size=0.5, swap_space=1.0)
 
 
 def test_host_tier_size_is_kv_offloading_size_or_its_alias_swap_space():

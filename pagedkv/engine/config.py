@@ -20,7 +20,14 @@ PREEMPTION_MODES = ("auto", "recompute", "swap")
 DEVICES = ("cpu", "cuda", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_KV_CACHE_MEMORY = "1GiB"
-DEFAULT_HOST_TIER_GIB = 0.5
+
+
+class _DefaultGiB(float):
+    """``kv_offloading_size``'s default, marked as such: giving the option (even at 0.5) beside its
+    deprecated alias ``swap_space`` is refused, which a plain 0.5 could not tell from the default."""
+
+
+DEFAULT_HOST_TIER_GIB: float = _DefaultGiB(0.5)
 DEFAULT_DISK_TIER_SIZE = "20GiB"
 
 logger = logging.getLogger(__name__)
@@ -210,7 +217,7 @@ class EngineConfig:
                                       or not value >= 0):
                 raise ValueError(f"{name} must be a number of GiB >= 0, got {value!r}")
         if self.swap_space is not None:  # the deprecated alias: read as kv_offloading_size from here on
-            if self.kv_offloading_size != DEFAULT_HOST_TIER_GIB:
+            if not isinstance(self.kv_offloading_size, _DefaultGiB):  # given too, whatever its value
                 raise ValueError("give kv_offloading_size (the host tier, GiB) or its deprecated alias "
                                  "swap_space, not both")
             logger.warning("swap_space is deprecated: it is an alias of kv_offloading_size (--kv-offloading-size), "
