@@ -264,7 +264,7 @@ class EngineConfig:
             raise TypeError(f"unknown engine option(s) {unknown}; valid options: {sorted(names)}")
         if options.get("fault_injection") is None and envs.FAULT_INJECTION.get():
             options["fault_injection"] = envs.FAULT_INJECTION.get()
-        return cls(model=model, **options)  # type: ignore[arg-type]
+        return cls(model=model, **options)  # type: ignore[arg-type]  # each option's value is checked in __post_init__
 
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:
         """The config with ``max_model_len`` resolved (done once, when the model is known)."""
@@ -287,7 +287,7 @@ class EngineConfig:
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
-        return self.speculative_config  # type: ignore[return-value]  (parsed in __post_init__)
+        return self.speculative_config  # type: ignore[return-value]  # parsed in __post_init__
 
     @property
     def faults(self) -> FaultSpec | None:
