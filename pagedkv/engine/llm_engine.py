@@ -277,8 +277,8 @@ class LLMEngine:
         if self.speculative is not None:  # proposals for the next step's decodes
             self.speculative.propose(self.scheduler.running, self.kv.num_computed)
         self.last_step_tokens = sum(c.num_tokens for c in chunks)
-        if not out.scheduled and self.kv.disk is not None:
-            self.kv.disk.wait_for_reads(0.05)  # nothing to compute but requests waiting for the disk
+        if not out.scheduled:  # nothing to compute: requests may be waiting for loads (disk reads)
+            self.kv.wait_for_loads(0.05)  # (returns at once without a tier loading in the background)
         if not (out.scheduled or out.preempted or out.resumed or out.swap_out or out.swap_in or out.to_disk
                 or out.from_disk):  # nothing ran: not a step
             return self._outputs([g for g in step.progressed.values() if not only_finished or g.is_finished])
