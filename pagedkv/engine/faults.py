@@ -144,6 +144,7 @@ class FaultInjectingScheduler(Scheduler):
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, faults: FaultInjector,
                  costs: StepCostModel | None = None) -> None:
         self.allocations = FailingAllocations(kv)
+        # FailingAllocations stands in for the manager (it forwards every other attribute to it)
         super().__init__(config, self.allocations, costs)  # type: ignore[arg-type]
         self.faults = faults
 

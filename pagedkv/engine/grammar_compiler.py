@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import hashlib
+import io
 import json
 import logging
 import os
@@ -39,7 +40,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from pagedkv.engine.grammar_worker import excerpt, write_frame
 from pagedkv.sampling_params import StructuredOutput
@@ -151,12 +152,16 @@ class _Worker:
         env = {**os.environ, "RAYON_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen([sys.executable, "-P", str(WORKER_SCRIPT)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        # the three pipes asked for above (Popen types each as optional), buffered (bufsize=-1)
+        self.stdin = cast(io.BufferedWriter, self.proc.stdin)
+        self.stdout = cast(io.BufferedReader, self.proc.stdout)
+        self.stderr = cast(io.BufferedReader, self.proc.stderr)
         self._stderr_tail = b""
         threading.Thread(target=self._drain_stderr, name="pagedkv-grammar-stderr", daemon=True).start()
         try:
-            write_frame(self.proc.stdin, {"tokenizer": setup.json_text, "n_vocab": setup.n_vocab, "eos": setup.eos,
-                                          "limits": limits.parser_limits(),
-                                          "memory_bytes": limits.grammar_memory_mib << 20})
+            write_frame(self.stdin, {"tokenizer": setup.json_text, "n_vocab": setup.n_vocab, "eos": setup.eos,
+                                     "limits": limits.parser_limits(),
+                                     "memory_bytes": limits.grammar_memory_mib << 20})
             if not self._read(time.monotonic() + _WORKER_START_TIMEOUT_S).get("ready"):
                 raise _WorkerDied(self.stderr_tail())
         except BaseException:
@@ -164,7 +169,7 @@ class _Worker:
             raise
 
     def _drain_stderr(self) -> None:
-        for chunk in iter(lambda: self.proc.stderr.read1(4096), b""):  # type: ignore[union-attr]
+        for chunk in iter(lambda: self.stderr.read1(4096), b""):
             self._stderr_tail = (self._stderr_tail + chunk)[-4096:]
 
     def stderr_tail(self) -> str:
@@ -173,13 +178,13 @@ class _Worker:
     def run(self, job: dict[str, Any], timeout: float) -> dict[str, Any]:
         """The worker's reply; TimeoutError past ``timeout`` s, _WorkerDied if it exits."""
         try:
-            write_frame(self.proc.stdin, job)
+            write_frame(self.stdin, job)
         except (BrokenPipeError, OSError) as exc:
             raise _WorkerDied(str(exc)) from exc
         return self._read(time.monotonic() + timeout)
 
     def _read(self, deadline: float) -> dict[str, Any]:
-        fd = self.proc.stdout.fileno()  # type: ignore[union-attr]
+        fd = self.stdout.fileno()
         buf = bytearray()
         while len(buf) < 4 or len(buf) < 4 + int.from_bytes(buf[:4], "big"):
             left = deadline - time.monotonic()
@@ -198,9 +203,9 @@ class _Worker:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout):
+        for pipe in (self.stdin, self.stdout):
             try:
-                pipe.close()  # type: ignore[union-attr]
+                pipe.close()
             except OSError:
                 pass
 

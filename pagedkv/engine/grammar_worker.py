@@ -34,10 +34,13 @@ import resource
 import struct
 import sys
 import time
-from typing import Any, BinaryIO
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 # compact JSON: no runs of whitespace for a model to fill
-_NO_FLEX_WHITESPACE = {"whitespace_flexible": False}
+_NO_FLEX_WHITESPACE: JsonCompileOptions = {"whitespace_flexible": False}
 ERROR_EXCERPT = 200  # characters of an error message (or of the input) that any error repeats
 
 # llguidance's messages when one of its limits fires, and the LLParserLimits field each names
@@ -52,11 +55,11 @@ _LIMIT_MESSAGES = (
 )
 
 
-def excerpt(text: str, limit: int = ERROR_EXCERPT) -> str:
-    """``text`` cut to ``limit`` characters (with a note of what was cut): errors and log lines
-    never echo a whole grammar or input."""
-    text = str(text).replace("\n", " ")
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+def excerpt(text: object, limit: int = ERROR_EXCERPT) -> str:
+    """``text`` (or an error, as its message) cut to ``limit`` characters (with a note of what was
+    cut): errors and log lines never echo a whole grammar or input."""
+    line = str(text).replace("\n", " ")
+    return line if len(line) <= limit else f"{line[:limit]}... ({len(line) - limit} more characters)"
 
 
 def limit_named(message: str) -> str | None:
@@ -127,7 +130,7 @@ def compile_job(tokenizer: Any, limits: Any, kind: str, spec: str) -> dict[str, 
     return {"ok": True, "grammar": grammar, "seconds": time.perf_counter() - start, "bytes": held}
 
 
-def read_frame(stream: BinaryIO) -> Any | None:
+def read_frame(stream: IO[bytes]) -> Any | None:
     header = stream.read(4)
     if len(header) < 4:
         return None
@@ -138,7 +141,7 @@ def read_frame(stream: BinaryIO) -> Any | None:
     return json.loads(body)
 
 
-def write_frame(stream: BinaryIO, obj: Any) -> None:
+def write_frame(stream: IO[bytes], obj: Any) -> None:
     body = json.dumps(obj).encode()
     stream.write(struct.pack(">I", len(body)) + body)
     stream.flush()

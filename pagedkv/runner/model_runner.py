@@ -106,7 +106,7 @@ class _StepAttention:
         from pagedkv.ops.triton.decode import paged_decode_attention as triton_decode
         from pagedkv.ops.triton.prefill import paged_prefill_attention as triton_prefill
 
-        meta: TritonMetadata = inp.triton  # type: ignore[assignment]
+        meta: TritonMetadata = inp.triton  # type: ignore[assignment]  # set: the Triton path was chosen for it
         if k_scales is not None:
             assert self.write_error is not None
             err = self.write_error[layer_idx]
@@ -270,8 +270,10 @@ class ModelRunner:
         (``sqrt(sum((dequantized - x)^2) / sum(x^2))``; 0 before any write), or None."""
         if self.write_error is None:
             return None
-        sums = self.write_error.tolist()
-        return [tuple((e / r) ** 0.5 if r > 0 else 0.0 for e, r in layer) for layer in sums]  # type: ignore[misc]
+        def rel(err: float, ref: float) -> float:
+            return (err / ref) ** 0.5 if ref > 0 else 0.0
+
+        return [(rel(*k), rel(*v)) for k, v in self.write_error.tolist()]  # per layer: (K, V) of (err, ref) sums
 
     @property
     def block_size(self) -> int:

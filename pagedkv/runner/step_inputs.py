@@ -229,7 +229,7 @@ def _triton_inputs(input_ids: list[int], positions: list[int], slots: list[int],
                    tables: list[list[int]], row_seq: list[int], row_len: list[int],
                    prefills: list[PrefillItem], device: torch.device | str,
                    lora_ranges: tuple[tuple[int, int, int], ...] = ()) -> StepInputs:
-    def t(values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    def t(values: list[int] | list[list[int]], dtype: torch.dtype = torch.int32) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(device)
 
     width = max(len(x) for x in tables)

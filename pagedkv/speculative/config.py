@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 SPEC_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
@@ -78,7 +78,7 @@ class SpeculativeConfig:
                                  f'{{"method": "ngram", "num_speculative_tokens": 4}}: {exc}') from None
         if not isinstance(value, Mapping):
             raise ValueError(f"speculative_config must be a JSON object, got {value!r:.80}")
-        fields = cls.__dataclass_fields__  # type: ignore[attr-defined]
+        fields = cls.__dataclass_fields__
         # a null is the default, as in vLLM
         value = {n: v for n, v in value.items() if v is not None or (n in fields and fields[n].default is None)}
         if value.get("model") in ("ngram", "[ngram]"):  # vLLM's older spelling of the n-gram proposer
@@ -89,9 +89,9 @@ class SpeculativeConfig:
             value["method"] = "draft_model" if value.get("model") else "ngram"
         low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         if low is None and isinstance(high, int):
-            value["prompt_lookup_min"] = min(fields["prompt_lookup_min"].default, high)
+            value["prompt_lookup_min"] = min(cast(int, fields["prompt_lookup_min"].default), high)
         elif high is None and isinstance(low, int):
-            value["prompt_lookup_max"] = max(fields["prompt_lookup_max"].default, low)
+            value["prompt_lookup_max"] = max(cast(int, fields["prompt_lookup_max"].default), low)
         for name, allowed in _VLLM_NO_OPS.items():
             if name in value:
                 given = value.pop(name)
@@ -105,7 +105,7 @@ class SpeculativeConfig:
         return cls(**value)
 
     def as_dict(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in self.__dataclass_fields__}  # type: ignore[attr-defined]
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
 
 # vLLM's fields that change nothing here, with the values that say what we do anyway

@@ -21,6 +21,7 @@ several calls and gets proposals once it has.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -60,7 +61,9 @@ class DraftModelProposer:
         budget = self.max_pass_tokens
         chunks: list[SeqChunk] = []
         catch_up: list[tuple[str, int]] = []  # per chunk: seq_id, tokens it computes
-        ready: list[tuple[object, int, int]] = []  # (seq, k, index of its chunk) for full catch-ups
+        # (seq, k, index of its chunk) for full catch-ups; seq an engine Sequence (untyped here, as in
+        # `wanted`: this package does not import the engine)
+        ready: list[tuple[Any, int, int]] = []
         for group, seq, k in wanted:
             sid = seq.seq_id
             if not self._register(sid, seq, group.salt):
