@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 ALL_OF = {"allOf": [{"type": "string", "pattern": f".*{chr(97 + i % 26)}{i // 26 or ''}.*"} for i in range(30)]}
 SMALL = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -100,7 +97,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model for pagedkv serve (default: the bundled one)")
     parser.add_argument("serve_flags", nargs="*", help="more pagedkv serve flags (after --)")
     args = parser.parse_args()
-    from server_helpers import free_port, spawn_server, stop_server
+    from pagedkv_testing.server import free_port, spawn_server, stop_server
 
     port = free_port()
     t0 = time.monotonic()

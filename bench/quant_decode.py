@@ -13,7 +13,7 @@ per 32, the Q8_0 embedding kept and used as the tied head) and every ``--gguf`` 
   to show what the 8-bit head buys;
 - memory: bytes of the parameters and buffers, the converted folder on disk, and the peak RSS
   and resident set (after, and at its peak while loading) of a fresh process that loads the
-  model and runs one request, minus those of the same on a tiny model (``tests/tiny_model.py``);
+  model and runs one request, minus those of the same on a tiny model (``pagedkv_testing/tiny_model.py``);
 - quality: teacher forcing over ``tests/data/declaration_of_independence.txt`` (as
   ``bench/kv_quant.py``): top-1 agreement with the float32 model and the perplexity ratio (1 and 1
   when every kept type is exact);
@@ -99,8 +99,7 @@ def rss_mb(path: Path, choice: str, threads: int) -> tuple[float, float]:
         out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(model), arg, str(threads)], check=True,
                              capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
         return [int(x) for x in out.stdout.split()[-2:]]  # KiB
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from tiny_model import write_tiny_model
+    from pagedkv_testing.tiny_model import write_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         (now0, peak0) = rss(write_tiny_model(Path(tmp) / "tiny"), "none")

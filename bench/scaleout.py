@@ -29,15 +29,12 @@ import json
 import os
 import random
 import statistics
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from cluster import Cluster  # tests/cluster.py: replicas + router on loopback
+from pagedkv_testing.cluster import Cluster  # pagedkv_testing/cluster.py: replicas + router on loopback
 
 BLOCK = 16
 

@@ -30,7 +30,6 @@ import httpx
 
 # The test helpers (a tiny model folder, a server process on a free port) live beside the tests,
 # outside the shipped package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 _WORDS = ("the quick brown fox jumps over a lazy dog while paged attention keeps every key and value "
           "in small blocks so that many requests share one cache").split()
@@ -146,10 +145,10 @@ async def server_counters(url: str) -> dict[str, float]:
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
     model = args.model
     if model == "tiny":
-        from tiny_model import write_tiny_model
+        from pagedkv_testing.tiny_model import write_tiny_model
 
         model = str(write_tiny_model(Path(tempfile.mkdtemp(prefix="pagedkv-bench-")) / "tiny"))
-    from server_helpers import free_port, spawn_server
+    from pagedkv_testing.server import free_port, spawn_server
 
     port = free_port()
     cmd = ["--port", str(port), "--log-level", "error"]
@@ -164,7 +163,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
 
 
 def stop_server(proc: subprocess.Popen[str]) -> None:
-    from server_helpers import stop_server as stop
+    from pagedkv_testing.server import stop_server as stop
 
     stop(proc, timeout=30)
 

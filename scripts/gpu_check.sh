@@ -45,8 +45,8 @@ case "$stage_timeout" in ''|*[!0-9]*) echo "gpu_check: --stage-timeout must be w
 if [ -n "$wheels" ] && [ ! -d "$wheels" ]; then echo "gpu_check: --wheels $wheels is not a directory" >&2; exit 2; fi
 command -v "$python" >/dev/null 2>&1 || { echo "gpu_check: no $python" >&2; exit 2; }
 
-kernel_tests="tests/test_triton_decode.py tests/test_triton_prefill.py tests/test_triton_cache_ops.py"
-engine_tests="tests/test_device.py"
+kernel_tests="tests/ops/triton/test_triton_decode.py tests/ops/triton/test_triton_prefill.py tests/ops/triton/test_triton_cache_ops.py"
+engine_tests="tests/runner/test_device.py"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PAGEDKV_TEST_DEVICE=cuda
 unset TRITON_INTERPRET
 

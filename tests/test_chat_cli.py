@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from tiny_model import write_tiny_model
+
+from pagedkv_testing.tiny_model import write_tiny_model
 
 PROMPT = ">>> "
 

@@ -4,9 +4,9 @@ import subprocess
 import sys
 
 import pytest
-from conftest_models import make_hf_checkpoint
 
 from pagedkv.cli import build_parser, main
+from pagedkv_testing.hf_checkpoints import make_hf_checkpoint
 
 
 @pytest.mark.parametrize("command", ["serve", "generate", "bench", "simulate", "size"])
@@ -18,7 +18,7 @@ def test_every_subcommand_has_help(command, capsys):
 
 
 def test_generate_prints_a_completion(tmp_path):
-    from tiny_model import write_tiny_model
+    from pagedkv_testing.tiny_model import write_tiny_model
 
     folder = write_tiny_model(tmp_path / "tiny")
     cmd = [sys.executable, "-m", "pagedkv.cli", "generate", "--model", str(folder), "--prompt",
@@ -30,9 +30,8 @@ def test_generate_prints_a_completion(tmp_path):
 
 
 def test_generate_with_an_int8_kv_cache(tmp_path):
-    from tiny_model import write_tiny_model
-
     from pagedkv.ops import native
+    from pagedkv_testing.tiny_model import write_tiny_model
     if not native.available():
         pytest.skip("8-bit KV blocks need the native kernels")
     folder = write_tiny_model(tmp_path / "tiny")

@@ -120,7 +120,7 @@ def _in_a_terminal(argv: list[str], timeout: float = 240.0) -> tuple[int, str]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tiny_model import write_tiny_model
+    from pagedkv_testing.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("progress") / "model")
 

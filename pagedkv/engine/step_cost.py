@@ -28,7 +28,7 @@ alike), old steps forgotten geometrically, and a ridge pulling each coefficient,
 to what the steps say about it, toward the prior's proportions at the fitted common scale, so a
 feature a workload never varies (no processed rows, say) keeps a sensible value. A coefficient
 never leaves [1/50, 50] times its share of that scale. Checked against measured steps of the
-default model (tests/test_step_budget.py): within 1.5x at the median, 2x for nine steps in ten.
+default model (tests/engine/test_step_budget.py): within 1.5x at the median, 2x for nine steps in ten.
 Pure Python: ~25 multiply-adds per observed step, a 5x5 solve every ``REFIT_EVERY`` steps.
 """
 

@@ -16,7 +16,7 @@ Bit for bit, not merely close: ``gguf.quants.dequantize`` computes ``d * q (+ m)
 K-quants, ``(d * sc) * q - dmin * m`` in float32. Every product there is exact in float32 (an fp16
 significand has 11 bits, a 6-bit sub-block scale and a 5-bit q make at most 22), so its only
 rounding is the final addition, which ``scale * q + offset`` repeats (``a - b`` is ``a + (-b)`` in
-IEEE arithmetic). ``tests/test_gguf_quants.py`` checks it on random blocks of every type.
+IEEE arithmetic). ``tests/models/test_gguf_quants.py`` checks it on random blocks of every type.
 
 Other types have no such form: Q6_K, Q2_K and Q3_K have 16-value sub-blocks with their own scales,
 the IQ types look values up in non-uniform grids. :func:`unpack` raises ValueError for them.

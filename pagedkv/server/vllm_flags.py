@@ -1,7 +1,7 @@
 """vLLM's ``vllm serve`` flags that pagedkv does not take as its own: each is either accepted as a
 no-op with a one-line warning (it cannot matter here) or refused with an error that names it and
 says why, printed with ``serve``'s usage. Flags pagedkv has (``--max-model-len``, ``--api-key``,
-``--allowed-origins``...) work as vLLM's; ``tests/test_vllm_flags.py`` checks that every flag of
+``--allowed-origins``...) work as vLLM's; ``tests/server/test_vllm_flags.py`` checks that every flag of
 vLLM 0.32.0's ``vllm serve --help=all`` (``tests/data/vllm_0.32.0_serve_help.txt``) is one of the
 three.
 

@@ -5,7 +5,7 @@ buckets reach further), so that vLLM's dashboards and alerts read a pagedkv serv
 The gauges and counters taken from an engine snapshot (running, waiting, KV usage, prefix cache,
 tokens) are in metrics.py's ``_vllm_metrics``; this module holds what the request handlers
 observe, plus the per-source prompt-token counters taken from the snapshot.
-tests/test_vllm_metrics.py checks the names, types and edges against the metrics vLLM 0.32.0
+tests/server/test_vllm_metrics.py checks the names, types and edges against the metrics vLLM 0.32.0
 registers (tests/data/vllm_metrics/) and lists the ones that do not apply here, with why.
 """
 

@@ -42,7 +42,7 @@ interpreter everything is float32. Softmax state and accumulation are float32 th
 (``block_tables.shape[1] * block_size``), so the call never waits on the device. Callers that
 know the lengths on the host should pass ``num_splits`` (same result, any value >= 1).
 
-Proved in Triton's interpreter (``tests/test_triton_decode.py``); the same tests run on a GPU with
+Proved in Triton's interpreter (``tests/ops/triton/test_triton_decode.py``); the same tests run on a GPU with
 ``TRITON_INTERPRET=0``.
 """
 
