@@ -10,7 +10,7 @@ from pagedkv import envs
 from pagedkv.engine.faults import FaultSpec
 from pagedkv.memory import EVICTION_POLICIES
 from pagedkv.memory.prefix_index import PREFIX_INDEXES
-from pagedkv.memory.tenancy import check_fraction, parse_quotas
+from pagedkv.memory.tenant_ledger import check_fraction, parse_quotas
 from pagedkv.model_shape import KV_CACHE_DTYPES, check_block_size
 from pagedkv.speculative.config import SpeculativeConfig
 from pagedkv.units import parse_bytes
@@ -118,7 +118,7 @@ class EngineConfig:
     tenant_kv_quota: tuple[str, ...] | list[str] | None = field(default=None, metadata={"help": (
         "NAME=FRACTION: the share of the device KV pool tenant NAME may hold, in use plus cached; over "
         "it, its own cached blocks are evicted first and its new requests wait (repeat the flag for more "
-        "tenants; memory/tenancy.py)")})
+        "tenants; memory/tenant_ledger.py)")})
     default_tenant_kv_quota: float | None = field(default=None, metadata={"help": (
         "the share of the device KV pool each tenant without a tenant_kv_quota may hold (default: no "
         "limit)")})

@@ -391,7 +391,7 @@ class Scheduler:
                 seq = group.live_seqs[0]
                 self.kv.prefetch(seq.seq_id, seq.token_ids, salt=group.salt, adapter_id=group.lora_key,
                                  count=False)
-        at_quota: set[str | None] = set()  # tenants whose new requests wait this step (memory/tenancy.py)
+        at_quota: set[str | None] = set()  # tenants whose new requests wait this step (memory/tenant_ledger.py)
         i = 0
         while i < len(self.waiting) and budget > 0:
             group = self.waiting[i]

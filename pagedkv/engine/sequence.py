@@ -89,7 +89,7 @@ class SequenceGroup:
     arrival: int              # admission order (ties broken by it after priority)
     priority: int = 0         # lower runs first; the highest value is preempted first
     salt: str | None = None
-    tenant: str | None = None  # whose KV quota it counts against (memory/tenancy.py); None: the default
+    tenant: str | None = None  # whose KV quota it counts against (memory/tenant_ledger.py); None: the default
     conversation_id: str | None = None  # its prefix stays pinned pin_ttl_s after it finishes (memory/pins.py)
     pin_ttl_s: float = 0.0
     max_tokens: int = 16      # resolved limit on generated tokens

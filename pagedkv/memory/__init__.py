@@ -12,7 +12,7 @@ from pagedkv.memory.prefix_hash import chain_hashes, root_hash
 from pagedkv.memory.prefix_index import PREFIX_INDEXES, HashChainIndex, PrefixIndex, RadixIndex
 from pagedkv.memory.radix_index import RadixPrefixIndex
 from pagedkv.memory.stats import KVStats
-from pagedkv.memory.tenancy import DEFAULT_TENANT, TenantQuotaError
+from pagedkv.memory.tenant_ledger import DEFAULT_TENANT, TenantQuotaError
 
 __all__ = [
     "DEFAULT_TENANT",

@@ -25,7 +25,7 @@ class Block:
     cached_at: int = 0
     uses: int = 0  # how many sequences have referenced this block since it was cached
     kv_group: int = 0  # the KV group (a hybrid model's, memory/kv_groups.py) it was cached for
-    tenant: str | None = None  # who holds it, with per-tenant quotas on (memory/tenancy.py)
+    tenant: str | None = None  # who holds it, with per-tenant quotas on (memory/tenant_ledger.py)
     prev: Block | None = None
     next: Block | None = None
 

@@ -9,7 +9,7 @@ A block is in exactly one of three states::
 Allocation takes the eviction policy's victim from the free queue; if that block is cached its
 hash leaves the index (an eviction). A prefix hit on a cached-free block pulls it out of the
 middle of the queue in O(1). With per-tenant quotas (``tenants``, a ``TenantLedger``) each held
-block has an owner, and the ledger chooses whose cached blocks go first (``memory/tenancy.py``).
+block has an owner, and the ledger chooses whose cached blocks go first (``memory/tenant_ledger.py``).
 
 Who hears of an eviction is fixed when the pool is built: ``listeners``, in order (the device
 pool's: the radix index, the prefix cache's miss history, the lower tiers, the tenant ledger, the
@@ -29,7 +29,7 @@ from pagedkv.memory.block import Block
 from pagedkv.memory.errors import IntegrityError, OutOfBlocksError
 from pagedkv.memory.eviction import EvictionPolicy, LRUPolicy
 from pagedkv.memory.free_queue import FreeBlockQueue
-from pagedkv.memory.tenancy import DEFAULT_TENANT, TenantLedger
+from pagedkv.memory.tenant_ledger import DEFAULT_TENANT, TenantLedger
 
 CLEARED = "cleared"  # evict_cached: forgotten on purpose (copied down to the lower tiers first)
 DROPPED = "dropped"  # evict_cached(keep_contents=False): its KV is not to be trusted, not copied down
@@ -61,7 +61,7 @@ class BlockPool:
         num_blocks: blocks in the pool.
         name: the tier it is ("device", "host"): in errors and KV event mediums.
         eviction_policy: which cached-free block to reuse (default LRU).
-        tenants: the per-tenant quota ledger (``memory/tenancy.py``), None with quotas off; it
+        tenants: the per-tenant quota ledger (``memory/tenant_ledger.py``), None with quotas off; it
             decides whose cached blocks go first and counts each block's owner.
         listeners: told of each eviction, in this order (see the module docstring).
     """

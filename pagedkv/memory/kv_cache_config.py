@@ -26,7 +26,7 @@ class KVCacheConfig:
             and disk tiers keep every group's blocks under the group's own keys.
         tenant_quotas, default_tenant_quota: per-tenant limits on device blocks held (used plus
             cached), as fractions of the pool, by tenant name and for the others; either turns
-            quotas on (``memory/tenants.py``): a sequence's tenant is ``allocate_prompt``'s.
+            quotas on (``memory/tenancy.py``): a sequence's tenant is ``allocate_prompt``'s.
         kv_events: record KV cache events (``pagedkv/kv_events.py``) in ``KVCacheManager.events``:
             prefix blocks entering and leaving each tier's cache, for KV-aware routers.
         max_tenant_pin_fraction: the largest share of the device pool one tenant's conversation

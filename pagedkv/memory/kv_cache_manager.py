@@ -59,8 +59,8 @@ from pagedkv.memory.prefix_index import make_prefix_index
 from pagedkv.memory.seq_state import RELEASED, AdmissionOutcome, SeqState, cdiv
 from pagedkv.memory.stats import KVStats
 from pagedkv.memory.swap import move_sequences
-from pagedkv.memory.tenancy import DEFAULT_TENANT, TenantLedger
-from pagedkv.memory.tenants import Tenancy
+from pagedkv.memory.tenancy import Tenancy
+from pagedkv.memory.tenant_ledger import DEFAULT_TENANT, TenantLedger
 from pagedkv.memory.tiers.base import DEVICE, HOST, LowerTier, TierCopies
 from pagedkv.memory.tiers.costs import TierCosts
 from pagedkv.memory.tiers.disk import DiskTier
@@ -146,7 +146,7 @@ class KVCacheManager:
                               tenants=ledger, listeners=listeners)
         self.pools = {DEVICE: self.pool, HOST: self.host_pool}  # where a sequence's tables point (SeqState.tier)
         self.prefix = PrefixCache(self.pool, self.groups, block_size, index, history, self.events)
-        # quotas and conversation pins (memory/tenants.py)
+        # quotas and conversation pins (memory/tenancy.py)
         fraction = config.max_tenant_pin_fraction
         pin_limit = None if fraction is None else max(1, int(fraction * num_blocks))
         self.tenancy = Tenancy(self.pool, ledger, pin_limit)
@@ -346,7 +346,7 @@ class KVCacheManager:
         num_new = remaining if num_new_tokens is None else max(1, min(num_new_tokens, remaining))
         return (cdiv(hits * B + num_new, B) - hits) * len(self.groups) + revived
 
-    # ------------------------------------------------------------------ tenancy (memory/tenants.py)
+    # ------------------------------------------------------------------ tenancy (memory/tenancy.py)
     @property
     def quotas_on(self) -> bool:
         """Whether per-tenant quotas are on."""

@@ -2,7 +2,7 @@
 
 A pin holds one reference on each block of a conversation's prompt + output prefix (its full,
 computed blocks, every KV group), so the eviction policy cannot take them; the blocks stay in the
-prefix cache and count as used (and against their tenant's quota, ``memory/tenancy.py``). One pin
+prefix cache and count as used (and against their tenant's quota, ``memory/tenant_ledger.py``). One pin
 per ``(tenant, conversation)``: a newer turn replaces the older turn's pin (the new blocks are
 taken before the old ones are let go, so the prefix they share is never free in between).
 

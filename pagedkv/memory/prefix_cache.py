@@ -31,7 +31,7 @@ from pagedkv.memory.miss_reasons import UNSALTED_ROOT, CacheDetails, CacheHistor
 from pagedkv.memory.prefix_hash import chain_hashes, group_hash
 from pagedkv.memory.prefix_index import PrefixIndex
 from pagedkv.memory.seq_state import RELEASED, SeqState
-from pagedkv.memory.tenancy import DEFAULT_TENANT
+from pagedkv.memory.tenant_ledger import DEFAULT_TENANT
 from pagedkv.memory.tiers.base import DEVICE
 
 DEVICE_MEDIUM = MEDIUMS[DEVICE]

@@ -43,7 +43,7 @@ class SeqState:
     seq_id: Hashable
     token_ids: list[int]  # the caller's list (read, never written here)
     root: bytes  # parent hash of block 0: carries the tenant salt and adapter id
-    tenant: str | None = None  # who holds its blocks, for per-tenant quotas (memory/tenancy.py)
+    tenant: str | None = None  # who holds its blocks, for per-tenant quotas (memory/tenant_ledger.py)
     # one block table per KV group (RELEASED entries: out of a sliding group's window)
     tables: list[list[int]] = field(default_factory=lambda: [[]])
     num_computed: int = 0

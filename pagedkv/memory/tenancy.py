@@ -1,229 +1,151 @@
-"""Per-tenant KV quotas: who holds which device blocks, and whose cached blocks go first.
+"""Tenancy: per-tenant KV quotas and conversation pins, and the scheduler's questions about them.
 
-A tenant *holds* a device block while the block is used by one of its sequences or sits in the
-free queue still caching one of its prefixes (cached-free). Prefix-cache keys carry the tenant
-(``prefix_hash.root_hash`` of its salt), so a block is never shared across tenants and each held
-block has exactly one owner (``Block.tenant``); an empty free block has none.
-
-A tenant's *limit* is its quota (a fraction of the device pool, ``quotas`` by name, else
-``default_quota``; None: no limit). The pool (``BlockPool.allocate``) asks the ledger whom to
-evict when it needs fresh blocks:
-
-1. a tenant that would go over its limit gives up its own cached-free blocks first (oldest first);
-2. then the cached-free blocks of tenants already over their limits go, the most over first;
-3. then the pool's eviction policy chooses among everything else.
-
-A tenant over its limit may not take another tenant's cached blocks at all (step 3):
-``allocation_error`` says so, and the memory core raises ``TenantQuotaError`` before changing
-anything; the scheduler then makes that tenant's new requests wait, or preempts that tenant's own
-work, never another tenant's. Pure Python, O(1) per block except step 2 (O(tenants)).
+Owns the quota ledger (``memory/tenant_ledger.py``: who holds which device blocks; None with quotas
+off), the conversation pins (``memory/pins.py``) and the limit on one tenant's pins. The device
+pool consults the ledger when it allocates (it was given the ledger when built); everything else
+asks this part: may a tenant's prompt take n blocks, is a tenant over or under its quota, let go
+of pins so work is never starved, pin a finished turn's prefix. Pure Python.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Hashable
+from typing import Any
 
 from pagedkv.memory.block import Block
-from pagedkv.memory.errors import IntegrityError, OutOfBlocksError
-
-DEFAULT_TENANT = "default"  # requests that name no tenant (and no cache_salt)
-
-
-class TenantQuotaError(OutOfBlocksError):
-    """An allocation would take a tenant past its KV quota at another tenant's expense. Nothing
-    was changed; the tenant's own work must wait or give way."""
-
-    def __init__(self, tenant: str, needed: int, held: int, limit: int) -> None:
-        super().__init__(needed, max(limit - held, 0))
-        self.tenant = tenant
-        self.args = (f"tenant {tenant!r} is at its KV quota: holds {held} of {limit} blocks, "
-                     f"needs {needed} more",)
+from pagedkv.memory.block_pool import BlockPool
+from pagedkv.memory.pins import ConversationPins, PinOutcome
+from pagedkv.memory.tenant_ledger import DEFAULT_TENANT, TenantLedger
 
 
-def parse_quotas(items: list[str] | tuple[str, ...] | dict[str, float] | None) -> dict[str, float]:
-    """``["team-a=0.5", "team-b=0.25"]`` (or a dict) -> ``{"team-a": 0.5, ...}``; ValueError naming
-    the bad item (each fraction in (0, 1], each tenant once)."""
-    if not items:
-        return {}
-    pairs = items.items() if isinstance(items, dict) else [_split(item) for item in items]
-    out: dict[str, float] = {}
-    for name, fraction in pairs:
-        if name in out:
-            raise ValueError(f"tenant_kv_quota: tenant {name!r} is given twice")
-        out[name] = check_fraction(fraction, f"tenant_kv_quota {name!r}")
-    return out
+class Tenancy:
+    """Args:
+        pool: the device pool (pins hold its blocks; its free count decides what pins give way).
+        ledger: the quota ledger the pool was built with, or None with quotas off.
+        pin_limit: the most device blocks one tenant's pins may hold (None: no limit but the pool).
+    """
 
+    def __init__(self, pool: BlockPool, ledger: TenantLedger | None, pin_limit: int | None = None) -> None:
+        self.pool = pool
+        self.ledger = ledger
+        self.pins = ConversationPins(pool)
+        self.pin_limit = pin_limit
 
-def _split(item: str) -> tuple[str, str]:
-    name, sep, value = str(item).rpartition("=")
-    if not sep or not name:
-        raise ValueError(f"tenant_kv_quota: expected NAME=FRACTION such as team-a=0.5, got {item!r}")
-    return name, value
+    # ------------------------------------------------------------------ the scheduler's questions
+    @property
+    def quotas_on(self) -> bool:
+        return self.ledger is not None
 
+    def holder(self, tenant: str | None) -> str | None:
+        """The name a sequence of ``tenant`` holds its blocks under (None with quotas off)."""
+        return (tenant or DEFAULT_TENANT) if self.ledger is not None else None
 
-def check_fraction(value: object, what: str) -> float:
-    try:
-        fraction = float(value)  # type: ignore[arg-type]  # any value: a bad one raises below
-    except (TypeError, ValueError):
-        raise ValueError(f"{what}: expected a fraction of the KV pool in (0, 1], got {value!r}") from None
-    if not 0.0 < fraction <= 1.0:
-        raise ValueError(f"{what}: expected a fraction of the KV pool in (0, 1], got {value!r}")
-    return fraction
+    def over_quota(self, tenant: str | None) -> bool:
+        """Whether ``tenant`` holds more device blocks than its quota (False with quotas off)."""
+        ledger = self.ledger
+        return ledger is not None and ledger.is_over(tenant or DEFAULT_TENANT)
 
+    def under_quota(self, tenant: str | None) -> bool:
+        """Whether ``tenant`` holds fewer device blocks than its quota (False with quotas off or
+        without a quota for it)."""
+        ledger = self.ledger
+        if ledger is None:
+            return False
+        limit = ledger.limit(tenant or DEFAULT_TENANT)
+        return limit is not None and ledger.held[tenant or DEFAULT_TENANT] < limit
 
-class TenantLedger:
-    """Blocks held per tenant, each tenant's cached-free blocks in eviction order, and limits."""
+    def quota_admits(self, tenant: str | None, need: int) -> bool:
+        """Whether ``tenant``'s quota lets a new prompt take ``need`` fresh blocks now (True with
+        quotas off); changes nothing."""
+        ledger = self.ledger
+        return ledger is None or ledger.allocation_error(tenant or DEFAULT_TENANT, need, self.pool.num_free,
+                                                         admit=True) is None
 
-    def __init__(self, num_blocks: int, quotas: dict[str, float] | None = None,
-                 default_quota: float | None = None) -> None:
-        self.num_blocks = num_blocks
-        self.quotas = dict(quotas or {})
-        self.default_quota = default_quota
-        self.held: Counter[str] = Counter()
-        self.cached_free: dict[str, dict[Block, None]] = {}  # insertion order = eviction order
-        self.num_cached_free = 0
-        self.quota_waits: Counter[str] = Counter()  # allocations refused by a quota, per tenant
+    def limit(self, tenant: str | None) -> int | None:
+        """``tenant``'s quota in blocks; None with quotas off or no quota for it."""
+        return None if self.ledger is None else self.ledger.limit(tenant or DEFAULT_TENANT)
 
-    def limit(self, tenant: str) -> int | None:
-        fraction = self.quotas.get(tenant, self.default_quota)
-        return None if fraction is None else max(1, int(fraction * self.num_blocks))
+    def in_use(self, tenant: str | None) -> int:
+        """Device blocks ``tenant`` holds, less its cached-free ones (which it gives up first)."""
+        ledger = self.ledger
+        if ledger is None:
+            return 0
+        name = tenant or DEFAULT_TENANT
+        return ledger.held[name] - ledger.own_cached(name)
 
-    def is_over(self, tenant: str) -> bool:
-        limit = self.limit(tenant)
-        return limit is not None and self.held[tenant] > limit
+    def held(self, tenant: str | None) -> int:
+        """Device blocks ``tenant`` holds (used or cached-free); 0 with quotas off."""
+        return 0 if self.ledger is None else self.ledger.held[tenant or DEFAULT_TENANT]
 
-    def own_cached(self, tenant: str) -> int:
-        return len(self.cached_free.get(tenant, ()))
-
-    # ----------------------------------------------------------- the pool's choices
-    def allocation_error(self, tenant: str, n: int, num_free: int, *, admit: bool = False,
-                         revived: int = 0) -> TenantQuotaError | None:
-        """The quota error for ``tenant`` taking ``n`` fresh blocks now, or None when it may.
-
-        Over its limit, a tenant may take only empty free blocks, its own cached ones and those of
-        tenants over their limits. ``admit`` (a new prompt) is stricter: it must fit within the
-        limit once its own cached blocks are given up, unless the tenant uses no block at all (so
-        a prompt larger than the quota still runs, alone). ``revived``: of its cached blocks, how
-        many a prefix hit is about to take (they cannot be given up)."""
-        limit = self.limit(tenant)
-        held = self.held[tenant]
-        over = 0 if limit is None else held + n - limit
-        if over <= 0:
-            return None
-        own = self.own_cached(tenant) - revived
-        if own >= over:  # giving up its own cached blocks keeps it within the limit
-            return None
-        if admit:
-            in_use = held - self.own_cached(tenant)
-            return TenantQuotaError(tenant, n, held, limit) if in_use > 0 else None  # type: ignore[arg-type]  # over > 0: a limit
-        # running work may still grow past the limit into empty blocks and over-limit tenants' cache
-        empties = num_free - self.num_cached_free
-        spare = sum(len(self.cached_free.get(t, ())) for t in self._over_limit() if t != tenant)
-        if n > empties + own + spare:
-            return TenantQuotaError(tenant, n, held, limit)  # type: ignore[arg-type]  # over > 0: a limit
-        return None
-
-    def victims(self, tenant: str, n: int, num_free: int) -> list[Block]:
-        """Cached-free blocks to evict before ``tenant`` takes ``n`` fresh blocks: its own beyond its
-        limit, then those of the tenants most over theirs, while the empty free blocks do not
-        cover ``n``. The pool's policy picks the rest."""
-        chosen: dict[Block, None] = {}
-        limit = self.limit(tenant)
-        over = 0 if limit is None else self.held[tenant] + n - limit
-        if over > 0:
-            chosen.update(dict.fromkeys(_first(self.cached_free.get(tenant, {}), over)))
-        deficit = n - (num_free - self.num_cached_free) - len(chosen)
-        if deficit <= 0:  # the empty free blocks cover it (the usual case): no tenant scan
-            return list(chosen)
-        for t in sorted(self._over_limit(), key=self._overshoot, reverse=True):
-            for block in self.cached_free.get(t, {}):
-                if deficit <= 0:
-                    return list(chosen)
-                if block not in chosen:
-                    chosen[block] = None
-                    deficit -= 1
-        return list(chosen)
-
-    def _over_limit(self) -> list[str]:
-        return [t for t in self.held if (lim := self.limit(t)) is not None and self.held[t] > lim]
-
-    def _overshoot(self, tenant: str) -> float:
-        return self.held[tenant] / (self.limit(tenant) or 1)
-
-    # ----------------------------------------------------------- hooks the pool calls
-    def took(self, block: Block, tenant: str) -> None:
-        """``block`` (ref count 1, no longer free) now belongs to ``tenant``."""
-        block.tenant = tenant
-        self.held[tenant] += 1
-
-    def revived(self, block: Block) -> None:
-        """A cached-free block was taken again (a prefix hit): still held, no longer free."""
-        owned = self.cached_free.get(block.tenant)  # type: ignore[arg-type]  # None finds nothing
-        if owned is not None and owned.pop(block, 0) is None:
-            self.num_cached_free -= 1
-
-    def freed(self, block: Block) -> None:
-        """``block`` reached ref count 0: a cached one stays held (cached-free), an empty one is
-        no one's."""
-        tenant = block.tenant
-        if tenant is None:
+    # ------------------------------------------------------------------ admission
+    def make_room(self, need: int, admission: bool = False, tenant: str | None = None,
+                  keep: tuple[Block, ...] | list[Block] = ()) -> None:
+        """Pins never starve work: let go of the oldest (other tenants' before ``tenant``'s own)
+        until ``need`` blocks are free, whether or not anything runs. For a new prompt
+        (``admission``) only when that admits it: while even every pin would not free enough, they
+        stay (running work frees blocks as it finishes, and the prompt is tried again). Pins
+        holding a block of ``keep`` (the prompt's own prefix hits) stay."""
+        pins = self.pins
+        if not pins.pins or self.pool.num_free >= need:
             return
-        if block.block_hash is not None:
-            self.cached_free.setdefault(tenant, {})[block] = None
-            self.num_cached_free += 1
-        else:
-            self._release(block)
-
-    def on_evict(self, block: Block, cause: str) -> None:
-        """The pool's eviction listener: ``block`` loses its prefix (``evicted``)."""
-        self.evicted(block)
-
-    def evicted(self, block: Block) -> None:
-        """A cached-free block lost its prefix (evicted for reuse or forgotten)."""
-        tenant = block.tenant
-        if tenant is None:
+        kept = frozenset(b.block_id for b in keep)
+        if admission and self.pool.num_free + pins.releasable(kept) < need:
             return
-        if self.cached_free.get(tenant, {}).pop(block, 0) is None:
-            self.num_cached_free -= 1
-        self._release(block)
+        pins.release_for(need, tenant, kept)
 
-    def _release(self, block: Block) -> None:
-        tenant = block.tenant
-        assert tenant is not None
-        self.held[tenant] -= 1
-        if not self.held[tenant]:
-            del self.held[tenant]
-            self.cached_free.pop(tenant, None)
-        block.tenant = None
-
-    # ----------------------------------------------------------- inspection
-    def snapshot(self) -> dict[str, tuple[int, int, int | None]]:
-        """``{tenant: (held, cached_free, limit)}`` for tenants holding blocks or with a quota."""
-        names = set(self.held) | set(self.quotas)
-        return {t: (self.held[t], self.own_cached(t), self.limit(t)) for t in sorted(names)}
-
-    def check(self, blocks: list[Block]) -> None:
-        """Recount from the blocks; raise IntegrityError on any disagreement."""
-        held: Counter[str] = Counter()
-        cached: dict[str, set[Block]] = {}
-        for block in blocks:
-            holds = block.ref_count > 0 or block.block_hash is not None
-            if holds != (block.tenant is not None):
-                raise IntegrityError(f"device {block} (tenant {block.tenant!r}) is "
-                                     f"{'held' if holds else 'empty'} but has{'' if block.tenant else ' no'} owner")
-            if block.tenant is not None:
-                held[block.tenant] += 1
-                if block.ref_count == 0:
-                    cached.setdefault(block.tenant, set()).add(block)
-        if held != +self.held:
-            raise IntegrityError(f"tenant ledger holds {dict(self.held)}, the blocks say {dict(held)}")
-        listed = {t: set(d) for t, d in self.cached_free.items() if d}
-        if listed != cached or self.num_cached_free != sum(len(s) for s in cached.values()):
-            raise IntegrityError("tenant ledger's cached-free blocks disagree with the free queue")
-
-
-def _first(blocks: dict[Block, None], n: int):
-    for i, block in enumerate(blocks):
-        if i >= n:
+    def check_admission(self, tenant: str | None, need: int, hits: list[Block]) -> None:
+        """Raise TenantQuotaError, changing nothing, when a new prompt of ``tenant`` needing
+        ``need`` fresh blocks (after touching ``hits``) would go over its quota; its own
+        conversation pins give way first rather than block it for ever."""
+        ledger = self.ledger
+        if ledger is None or tenant is None:
             return
-        yield block
+        revived = sum(1 for b in hits if b.ref_count == 0 and b.tenant == tenant)
+        while True:
+            error = ledger.allocation_error(tenant, need, self.pool.num_free, admit=True, revived=revived)
+            if error is None:
+                return
+            if not self.pins.release_oldest_of(tenant):
+                ledger.quota_waits[tenant] += 1
+                raise error
+
+    # ------------------------------------------------------------------ conversation pins
+    def pin(self, key: Hashable, block_ids: list[int], expires_at: float) -> PinOutcome:
+        """Pin ``block_ids`` under ``key`` (``(tenant, conversation)``) until ``expires_at``,
+        replacing its earlier pin; refused (the earlier pin stays) when the tenant's pins would
+        hold more than ``pin_limit`` blocks."""
+        if not block_ids:
+            return PinOutcome(0)
+        if self.pin_limit is not None and (held := self.pins.blocks_after(key, block_ids)) > self.pin_limit:
+            self.pins.refused += 1
+            return PinOutcome(0, f"conversation not pinned: its tenant's pins would hold {held} KV blocks, "
+                                 f"more than the {self.pin_limit} (max_tenant_pin_fraction of the pool) one "
+                                 f"tenant may pin; end or shorten other conversations' pins (pin_ttl_s)")
+        self.pins.pin(key, block_ids, expires_at)
+        return PinOutcome(len(block_ids))
+
+    def expire_pins(self, now: float) -> int:
+        """Release the pins whose TTL has passed (``now`` on the clock the pins were given)."""
+        return self.pins.expire(now) if self.pins.pins else 0
+
+    @property
+    def has_pins(self) -> bool:
+        return bool(self.pins.pins)
+
+    # ------------------------------------------------------------------ inspection
+    def stats(self) -> dict[str, Any]:
+        """This part's ``KVStats`` fields."""
+        pins, ledger = self.pins, self.ledger
+        out: dict[str, Any] = dict(pins=len(pins), pinned_blocks=len(pins.refs()), pins_expired=pins.expired,
+                                   pins_replaced=pins.replaced,
+                                   pins_released_under_pressure=pins.released_under_pressure,
+                                   pins_refused=pins.refused)
+        if ledger is not None:
+            out.update(tenants=ledger.snapshot(), tenant_quota_waits=dict(ledger.quota_waits))
+        return out
+
+    def refs(self) -> Counter[int]:
+        """References the pins hold, per device block id (IntegrityError when the pins disagree
+        with their own per-tenant counts). The ledger is checked with the pool."""
+        return self.pins.refs()

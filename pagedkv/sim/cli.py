@@ -281,7 +281,7 @@ def run_simulate(args: argparse.Namespace) -> int:
 def _tenant_quotas(args: argparse.Namespace) -> tuple[dict[str, float], float | None]:
     """``--tenant-kv-quota`` items and ``--default-tenant-kv-quota`` as fractions; ValueError names
     the flag and the bad item."""
-    from pagedkv.memory.tenancy import check_fraction, parse_quotas
+    from pagedkv.memory.tenant_ledger import check_fraction, parse_quotas
 
     try:
         quotas = parse_quotas(args.tenant_kv_quota)

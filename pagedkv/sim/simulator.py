@@ -20,7 +20,7 @@ arriving at step ``a`` and admitted at once generates its first token at ``a + 1
 at ``a + output_len``.
 
 Tenants and KV quotas (paged policies with ``tenant_quotas`` / ``default_tenant_quota``) follow the
-engine's scheduler (``pagedkv/engine/scheduler.py``, ``pagedkv/memory/tenancy.py``):
+engine's scheduler (``pagedkv/engine/scheduler.py``, ``pagedkv/memory/tenant_ledger.py``):
 
 - admission: a request refused by its tenant's quota (``TenantQuotaError``) waits, and so do its
   tenant's later requests this step, while other tenants' requests behind it are still admitted
@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedkv.memory import DEFAULT_TENANT, EVICTION_POLICIES, TenantQuotaError
-from pagedkv.memory.tenancy import check_fraction, parse_quotas
+from pagedkv.memory.tenant_ledger import check_fraction, parse_quotas
 from pagedkv.sim.memory_policy import MemoryPolicy, SimSeq
 from pagedkv.sim.metrics import MetricsAccumulator, PolicyResult, TenantAccumulator
 from pagedkv.sim.policies import PolicySpec, build_policy

@@ -11,7 +11,7 @@ from pagedkv.memory.block_pool import CLEARED, DROPPED, QUOTA
 from pagedkv.memory.kv_groups import FullAttention, SlidingWindow, make_kv_groups
 from pagedkv.memory.miss_reasons import _Bounded
 from pagedkv.memory.seq_state import AdmissionOutcome
-from pagedkv.memory.tenancy import TenantLedger
+from pagedkv.memory.tenant_ledger import TenantLedger
 
 
 class Recorder:

@@ -13,7 +13,7 @@ import pytest
 from pagedkv import SamplingParams
 from pagedkv.engine import LLMEngine
 from pagedkv.memory import KVCacheManager, OutOfBlocksError
-from pagedkv.memory.tenancy import TenantQuotaError
+from pagedkv.memory.tenant_ledger import TenantQuotaError
 from pagedkv_testing.hf_checkpoints import make_hf_checkpoint
 
 B = 4

@@ -1,11 +1,11 @@
-"""Per-tenant KV quotas in the memory core (``memory/tenancy.py``) and the scheduler."""
+"""Per-tenant KV quotas in the memory core (``memory/tenant_ledger.py``) and the scheduler."""
 
 from __future__ import annotations
 
 import pytest
 
 from pagedkv.memory import KVCacheManager
-from pagedkv.memory.tenancy import TenantQuotaError, parse_quotas
+from pagedkv.memory.tenant_ledger import TenantQuotaError, parse_quotas
 
 B = 4
 
