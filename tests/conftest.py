@@ -18,7 +18,7 @@ TEST_DEVICE = os.environ.get("PAGEDKV_TEST_DEVICE", "cpu")
 if TEST_DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import torch  # noqa: E402
+import torch  # noqa: E402 - after TRITON_INTERPRET is set: triton reads it when it is imported
 
 torch.set_num_threads(1)
 

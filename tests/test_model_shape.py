@@ -168,7 +168,7 @@ def test_block_size_bounds_are_one_rule(block_size: int) -> None:
         "pagedkv size": lambda: SizingInputs(kv_memory=1 << 30, block_size=block_size).validate(),
         "model_shape": lambda: kv_bytes_per_block(PRESETS["llama-3-8b"], block_size, "fp16"),
     }
-    for layer, check in checks.items():
+    for check in checks.values():
         if valid:
             check()
         else:

@@ -22,6 +22,6 @@ def version(name: str) -> str:
 
 importlib.metadata.version = version
 sys.argv = ["vllm", "serve", "--help=all"]
-from vllm.entrypoints.cli.main import main  # noqa: E402
+from vllm.entrypoints.cli.main import main  # noqa: E402 - after the patches above, which vllm reads
 
 main()

@@ -93,7 +93,7 @@ def test_isolate_fails_the_request_and_lets_other_work_and_interrupts_through() 
         def abort(self, request_id: str, reason: str = "abort") -> None:
             failed_now.append(f"{request_id}:{reason}")
 
-    updater = StepUpdater(None, None, None, None, None, Scheduler())  # type: ignore[arg-type]  # isolate needs only the scheduler
+    updater = StepUpdater(None, None, None, None, None, Scheduler())  # isolate needs only the scheduler
     a, b = (SequenceGroup(rid, None, [1, 2], SamplingParams(), i) for i, rid in enumerate("ab"))
     step = StepResult()
     with updater.isolate((a,), "sampling", step) as work:

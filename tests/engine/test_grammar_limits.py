@@ -206,8 +206,9 @@ def test_a_repeated_schema_compiles_once(few_states: ServerThread) -> None:
     schema = {**SCHEMA, "title": "compiled once"}  # a text no other test compiles
     with watched(few_states.url):
         results: list[httpx.Response] = []
-        threads = [threading.Thread(target=lambda: results.append(
-            post(few_states.url, {"guided_json": schema, "temperature": 1.0, "seed": i}, bound_s=30)))
+        # one seed per thread (a lambda here would read i when the thread runs: all three sent seed 2)
+        threads = [threading.Thread(target=lambda seed=i: results.append(
+            post(few_states.url, {"guided_json": schema, "temperature": 1.0, "seed": seed}, bound_s=30)))
             for i in range(3)]
         for t in threads:
             t.start()

@@ -272,8 +272,8 @@ def test_a_long_prompt_beside_streams_on_the_default_model() -> None:
             victim.stop()
             time.sleep(1)
             rss_after = rss_bytes(proc.pid)
-        gap = victim.worst_gap(since=started, until=float(answer["at"]))  # type: ignore[arg-type]
-        print(f"long prompt answered in {float(answer['at']) - started:.1f} s; victim's longest gap "  # type: ignore[arg-type]
+        gap = victim.worst_gap(since=started, until=float(answer["at"]))
+        print(f"long prompt answered in {float(answer['at']) - started:.1f} s; victim's longest gap "
               f"{gap:.2f} s over {len(victim.times)} tokens; newcomer TTFT {newcomer.ttft:.2f} s; "
               f"/health worst {health.worst:.2f} s; RSS {rss_before >> 20} -> {rss_after >> 20} MiB")
         assert gap <= 5.0
@@ -302,7 +302,7 @@ def test_the_estimate_tracks_measured_steps_on_the_default_model() -> None:
         pairs.append((model.estimate(work), seconds))
         real(work, seconds)
 
-    model.observe = observe  # type: ignore[method-assign]
+    model.observe = observe
     rng = random.Random(1)
     engine.add_request("s", "Tell me about the sea.", SamplingParams(max_tokens=4000, ignore_eos=True,
                                                                      temperature=0))

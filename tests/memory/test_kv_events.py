@@ -81,7 +81,7 @@ def test_replayed_events_equal_every_tiers_cache(tmp_path, options):
     stats = engine.stats()
     assert stats.kv.evictions > 0 and stats.kv.offloaded_blocks > 0  # evictions and tier moves happened
     # every stored device block's parent chain leads back to a root (None)
-    for h, parent in model.parent.items():
+    for parent in model.parent.values():
         assert parent is None or parent in model.parent
     engine.kv.clear_prefix_cache()
     model.apply(engine.kv.events.take())

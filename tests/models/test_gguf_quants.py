@@ -13,7 +13,7 @@ from pagedkv.models.gguf_quants import EXACT_TYPES, unpack
 from pagedkv.models.quant_linear import dequantize_q8_0
 
 gguf = pytest.importorskip("gguf")
-from gguf.quants import dequantize, quantize  # noqa: E402
+from gguf.quants import dequantize, quantize  # noqa: E402 - only once importorskip found gguf
 
 Q = gguf.GGMLQuantizationType
 FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2)}

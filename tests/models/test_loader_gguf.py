@@ -15,7 +15,7 @@ from pagedkv.runner import ModelRunner, SeqChunk
 from pagedkv_testing.hf_checkpoints import hf_greedy, hf_logits, randomize_
 
 gguf = pytest.importorskip("gguf")
-from gguf.quants import dequantize, quantize  # noqa: E402
+from gguf.quants import dequantize, quantize  # noqa: E402 - only once importorskip found gguf
 from tokenizers import pre_tokenizers  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

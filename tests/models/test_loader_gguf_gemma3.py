@@ -22,7 +22,7 @@ from pagedkv.runner import ModelRunner, SeqChunk
 from pagedkv_testing.hf_checkpoints import hf_greedy, hf_logits, load_hf_reference, make_hf_checkpoint, paged_greedy
 
 gguf = pytest.importorskip("gguf")
-from gguf.quants import dequantize, quantize  # noqa: E402
+from gguf.quants import dequantize, quantize  # noqa: E402 - only once importorskip found gguf
 
 SP = "\u2581"
 # <pad> <eos> <bos> <unk> <start_of_turn> <end_of_turn>, 256 byte pieces, then word pieces

@@ -141,7 +141,7 @@ def test_cache_sizing() -> None:
     assert parse_memory_size(4096) == 4096
     for bad in ("lots", "-1GB", 0, "2 parsecs"):
         with pytest.raises(ValueError):
-            parse_memory_size(bad)  # type: ignore[arg-type]
+            parse_memory_size(bad)
 
 
 def test_runner_sized_from_memory_budget(tmp_path: Path) -> None:

@@ -35,8 +35,8 @@ def reference(default: object) -> torch.nn.Module:
 
 
 def test_default_model_config(default: object) -> None:
-    cfg = default.config  # type: ignore[attr-defined]
-    assert default.name == DEFAULT_MODEL_NAME  # type: ignore[attr-defined]
+    cfg = default.config
+    assert default.name == DEFAULT_MODEL_NAME
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.intermediate_size, cfg.vocab_size, cfg.tie_word_embeddings) == (576, 30, 9, 3, 1536, 49152, True)
 
@@ -44,7 +44,7 @@ def test_default_model_config(default: object) -> None:
 @pytest.fixture(scope="module")
 def transformers_tokens(default: object, reference: torch.nn.Module) -> tuple[list[list[int]], list[list[int]]]:
     """(prompts, transformers' 24 greedy tokens for each): PROMPTS and a chat question."""
-    tok = default.tokenizer  # type: ignore[attr-defined]
+    tok = default.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS]
     chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     prompts.append(tok.encode(chat))
@@ -53,10 +53,10 @@ def transformers_tokens(default: object, reference: torch.nn.Module) -> tuple[li
 
 def test_greedy_matches_transformers(default: object, transformers_tokens: tuple[list, list]) -> None:
     prompts, want = transformers_tokens
-    runner = ModelRunner(default, block_size=16, num_blocks=64)  # type: ignore[arg-type]
+    runner = ModelRunner(default, block_size=16, num_blocks=64)
     got = paged_greedy(runner, prompts, 24, chunk=9)
     assert got == want
-    assert "Paris" in default.tokenizer.decode(got[-1])  # type: ignore[attr-defined]
+    assert "Paris" in default.tokenizer.decode(got[-1])
 
 
 def test_auto_keeps_the_files_weights_quantized_and_transformers_answers(
@@ -69,7 +69,7 @@ def test_auto_keeps_the_files_weights_quantized_and_transformers_answers(
     quant = load_model(None)
     assert quant.quantization == "auto" and isinstance(quant.model.embed_tokens, QuantEmbedding)
     assert isinstance(quant.model.lm_head, QuantLinear)  # tied: over the embedding's tensors
-    ours, theirs = quant.model, default.model  # type: ignore[attr-defined]
+    ours, theirs = quant.model, default.model
     for i in (0, 17, 29):
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
             mod = ours.get_submodule(f"layers.{i}.{name}")
@@ -87,8 +87,8 @@ def test_dequantized_weights_match_transformers_gguf_reader(default: object, ref
 
     theirs = load_gguf_checkpoint(str(default_model_path()), return_tensors=True,
                                   model_to_load=reference)["tensors"]
-    ours = default.model  # type: ignore[attr-defined]
-    cfg = default.config  # type: ignore[attr-defined]
+    ours = default.model
+    cfg = default.config
     q, kv = cfg.q_size, cfg.kv_size
     for i in (0, 17, 29):
         fused = ours.layers[i].self_attn.qkv_proj.weight
@@ -106,7 +106,7 @@ def test_dequantized_weights_match_transformers_gguf_reader(default: object, ref
 def test_tokenizer_round_trip_and_chat_template(default: object) -> None:
     import transformers
 
-    tok = default.tokenizer  # type: ignore[attr-defined]
+    tok = default.tokenizer
     path = default_model_path()
     ref = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     texts = ["Hello, world!", "  leading spaces and 12345 digits", "naïve café — ünïcödé ✓ 日本語",

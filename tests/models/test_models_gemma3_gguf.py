@@ -44,7 +44,7 @@ def reference(exact: object, path: Path) -> torch.nn.Module:
 
 
 def test_shape_is_gemma3_270m_with_sliding_layers(exact: object) -> None:
-    cfg = exact.config  # type: ignore[attr-defined]
+    cfg = exact.config
     assert cfg.model_type == "gemma3" and cfg.is_hybrid
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.head_dim, cfg.sliding_window) == (640, 18, 4, 1, 256, 512)
@@ -67,7 +67,7 @@ def test_greedy_matches_transformers_with_quantized_weights(path: Path, exact: o
                                                             reference: torch.nn.Module) -> None:
     """The default (``quantization="auto"``: the file's exact values, 8-bit where they fit) and a
     prompt past the 512-token window, so that sliding blocks are released."""
-    tok = exact.tokenizer  # type: ignore[attr-defined]
+    tok = exact.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS]  # (a base model: the file has no chat template)
     long = tok.encode(" ".join(f"item {i}: {i * i}," for i in range(110)))
     assert len(long) > 512
@@ -95,7 +95,7 @@ def _hf_generate(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
 def test_tokenizer_matches_transformers(exact: object, path: Path) -> None:
     import transformers
 
-    tok = exact.tokenizer  # type: ignore[attr-defined]
+    tok = exact.tokenizer
     ref = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     texts = ["Hello, world!", "  leading spaces and 12345 digits", "naïve café — ünïcödé ✓ 日本語",
              "def f(x):\n\treturn x**2  # comment", "<start_of_turn>user\nhi<end_of_turn>\n", "\n\n\n   \t x"]

@@ -13,7 +13,7 @@ from pagedkv.models.errors import ModelLoadError
 from pagedkv_testing.tiny_model import write_tiny_model
 
 gguf = pytest.importorskip("gguf")
-from test_loader_gguf import _write_gguf  # noqa: E402
+from test_loader_gguf import _write_gguf  # noqa: E402 - only once importorskip found gguf
 
 
 def test_a_tokenizer_folder_replaces_the_models(tmp_path: Path) -> None:

@@ -57,7 +57,7 @@ def test_round_trip_error_within_the_format_bound(kind):
         mant, sub = (3, 2.0 ** -9) if kind == "fp8_e4m3" else (2, 2.0 ** -16)
         bound = torch.maximum(x.abs() * 2.0 ** -(mant + 1), scale * sub / 2)
     assert bool((err <= bound * (1 + 1e-6) + 1e-12).all())
-    rel = float(((dequantize(quantize(x, fmt, scale), fmt, scale) - x).norm() / x.norm()))
+    rel = float((dequantize(quantize(x, fmt, scale), fmt, scale) - x).norm() / x.norm())
     assert rel < {"int8": 0.01, "fp8_e4m3": 0.04, "fp8_e5m2": 0.08}[kind]
 
 

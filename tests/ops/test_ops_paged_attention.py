@@ -49,7 +49,7 @@ def test_decode_matches_reference(block_size: int, heads: int, kvh: int, d: int)
     meta = DecodeMetadata.build(tables, lens, block_size=block_size, num_heads=heads, kv_heads=kvh,
                                 head_dim=d, dtype=torch.float32)
     got = paged_decode_attention(q, k_cache, v_cache, meta)
-    for i, n in enumerate(lens):
+    for i in range(len(lens)):
         want = reference_attention(q[i:i + 1], ks[i], vs[i])
         torch.testing.assert_close(got[i:i + 1], want, atol=2e-5, rtol=1e-4)
 

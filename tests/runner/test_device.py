@@ -15,9 +15,9 @@ DEVICE = os.environ.get("PAGEDKV_TEST_DEVICE", "cpu")
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-import pytest  # noqa: E402
+import pytest  # noqa: E402 - after TRITON_INTERPRET is set: triton reads it when it is imported
 
-from pagedkv import LLM, SamplingParams  # noqa: E402
+from pagedkv import LLM, SamplingParams  # noqa: E402 - as pytest above
 from pagedkv_testing.hf_checkpoints import hf_greedy, load_hf_reference, make_hf_checkpoint  # noqa: E402
 
 pytest.importorskip("triton", reason="Triton is not installed")

@@ -54,7 +54,7 @@ def test_sampler_never_fails_a_row_that_has_a_candidate(rows, params, data) -> N
     sample_rows = [SampleRow(i, params, make_generator(params.seed) if params.seed is not None else None)
                    for i in range(len(rows))]
     batch = sampler.prepare(logits, sample_rows)
-    for r, row in zip(sample_rows, rows):
+    for r in sample_rows:
         cands = _candidates([float(x) for x in logits[r.row]])
         if not cands:
             with pytest.raises(SamplingError):

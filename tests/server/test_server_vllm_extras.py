@@ -79,7 +79,7 @@ def test_chat_prompt_has_one_bos_and_equals_llm_chat(server: ServerThread, model
         llm.close()
     assert out.prompt_token_ids == ids
     client = openai.OpenAI(base_url=server.base_url, api_key="sekrit", max_retries=0, timeout=60)
-    reply = client.chat.completions.create(model="tiny", messages=MESSAGES[:1], max_tokens=2)  # type: ignore[arg-type]
+    reply = client.chat.completions.create(model="tiny", messages=MESSAGES[:1], max_tokens=2)
     assert reply.usage is not None and reply.usage.prompt_tokens == len(ids)
 
 

@@ -97,7 +97,8 @@ def test_every_vllm_metric_that_applies_is_served(scrape: str) -> None:
         if family.type != kind:
             wrong.append(f"{name}: {family.type}, vLLM's is {kind}")
         if spec["type"] == "histogram":
-            edges = sorted({float(s.labels["le"]) for s in family.samples if s.name.endswith("_bucket")} - {float("inf")})
+            edges = sorted({float(s.labels["le"]) for s in family.samples if s.name.endswith("_bucket")}
+                           - {float("inf")})
             want = spec["buckets"] if isinstance(spec["buckets"], list) else request_tokens_buckets(MAX_MODEL_LEN)
             if edges != [float(e) for e in want]:
                 wrong.append(f"{name}: buckets {edges}, vLLM's {want}")

@@ -29,7 +29,7 @@ def test_extent_first_fit_and_coalescing() -> None:
 
 def test_extent_external_fragmentation_shows() -> None:
     a = ExtentAllocator(100)
-    offsets = [a.alloc(10)[0] for _ in range(10)]  # type: ignore[index]
+    offsets = [a.alloc(10)[0] for _ in range(10)]
     for off in offsets[::2]:
         a.free(off, 10)
     assert a.free_slots == 50

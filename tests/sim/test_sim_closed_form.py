@@ -19,7 +19,7 @@ from pagedkv.workloads import WorkloadConfig, resolve_shape
 
 def _requests(prompt: str, output: str, count: int, **kw: object) -> list[Request]:
     shape = resolve_shape("custom", prompt, output)
-    return generate_workload(WorkloadConfig(shape, num_requests=count, seed=7, **kw))  # type: ignore[arg-type]
+    return generate_workload(WorkloadConfig(shape, num_requests=count, seed=7, **kw))
 
 
 def _run(reqs: list[Request], spec: PolicySpec, capacity: int, check: bool = True):

@@ -36,7 +36,7 @@ def test_copy_on_write_forks_share_the_prompt() -> None:
     copies = simulate(reqs, PolicySpec("paged", 16), config)
     cow = simulate(reqs, PolicySpec("paged", 16, cow=True), config)
     # 4 samples of a 576-token sequence: 4 x 36 blocks copied, vs 32 shared + 4 x 4 own.
-    assert cow.saturated_concurrency > 2 * copies.saturated_concurrency  # type: ignore[operator]
+    assert cow.saturated_concurrency > 2 * copies.saturated_concurrency
     assert cow.cow_copies == 0  # 512 = 32 full blocks: the first write opens a fresh block
     assert copies.cow_copies == 0
 

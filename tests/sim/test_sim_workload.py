@@ -88,7 +88,7 @@ def test_config_errors_name_the_flag() -> None:
     for kwargs, flag in (({"num_requests": 0}, "--num-requests"), ({"rate": 0}, "--rate"),
                          ({"prefix_len": 5000}, "--prefix-len"), ({"n": 0}, "--n")):
         with pytest.raises(ValueError, match=flag):
-            generate_workload(WorkloadConfig(SHAREGPT, **kwargs))  # type: ignore[arg-type]
+            generate_workload(WorkloadConfig(SHAREGPT, **kwargs))
 
 
 def test_trace_file(tmp_path: Path) -> None:

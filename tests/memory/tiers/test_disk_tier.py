@@ -373,7 +373,7 @@ def test_worker_thread_and_engine_thread(kv_dir):
                         assert t.put(key(i), payload(i))
                     else:
                         assert t.get(key(i)) in (None, payload(i))
-            except BaseException as e:  # surfaced below
+            except BaseException as e:  # noqa: BLE001 - a worker thread's failure is raised below, in the test
                 errors.append(e)
 
         thread = threading.Thread(target=worker)

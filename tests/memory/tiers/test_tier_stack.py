@@ -154,7 +154,7 @@ def test_an_empty_stack_copies_nothing_and_a_disk_needs_a_host():
     stack = TierStack()
     assert not stack and stack.take_copies() == TierCopies()
     with pytest.raises(ValueError, match="host tier"):
-        TierStack(None, object())  # type: ignore[arg-type]  # (a disk tier without the host tier)
+        TierStack(None, object())  # (a disk tier without the host tier)
 
 
 def test_manager_integrity_check_reaches_each_tiers_own_check(tmp_path):

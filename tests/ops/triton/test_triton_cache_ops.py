@@ -24,14 +24,14 @@ DEV = os.environ.get("PAGEDKV_TEST_DEVICE", "cpu")  # as pagedkv_testing/triton_
 if DEV == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (conftest.py sets it too)
 
-import numpy as np  # noqa: E402
+import numpy as np  # noqa: E402 - after TRITON_INTERPRET is set: triton reads it when it is imported
 import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="Triton is not installed")
 
-import torch  # noqa: E402
+import torch  # noqa: E402 - after importorskip found triton
 
-from pagedkv.ops import cache_ops as torch_ops  # noqa: E402
+from pagedkv.ops import cache_ops as torch_ops  # noqa: E402 - as torch above
 from pagedkv.ops import native  # noqa: E402
 from pagedkv.ops.triton import cache_ops as tri  # noqa: E402
 from pagedkv.ops.triton import usable_on  # noqa: E402

@@ -15,19 +15,19 @@ import os
 if os.environ.get("PAGEDKV_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (conftest.py sets it too)
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton", reason="Triton is not installed")
 
-from pagedkv.ops.triton import interpreting  # noqa: E402
-from pagedkv.ops.triton.decode import (  # noqa: E402
+from pagedkv.ops.triton import interpreting
+from pagedkv.ops.triton.decode import (
     MAX_SPLITS,
     _paged_decode,
     default_num_splits,
     paged_decode_attention,
 )
-from pagedkv_testing.triton_device import DEVICE  # noqa: E402  (cpu: the interpreter; PAGEDKV_TEST_DEVICE on a GPU)
+from pagedkv_testing.triton_device import DEVICE  # cpu: the interpreter; PAGEDKV_TEST_DEVICE on a GPU
 
 if DEVICE == "cpu" and not interpreting():
     pytest.skip("CPU tensors need TRITON_INTERPRET=1 set before triton is imported", allow_module_level=True)

@@ -23,7 +23,7 @@ import torch
 pytest.importorskip("triton", reason="Triton is not installed")
 
 from pagedkv.ops.triton import prefill
-from pagedkv_testing.triton_device import call  # noqa: E402  (the interpreter here, PAGEDKV_TEST_DEVICE on a GPU)
+from pagedkv_testing.triton_device import call  # the interpreter here, PAGEDKV_TEST_DEVICE on a GPU
 
 CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
