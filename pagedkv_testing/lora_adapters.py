@@ -25,5 +25,5 @@ def make_adapter(base_folder: Path, out: Path, *, seed: int, std: float = 0.3, *
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
-    model.save_pretrained(out)
+    model.save_pretrained(str(out))
     return model.merge_and_unload().eval()

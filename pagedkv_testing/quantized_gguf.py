@@ -21,7 +21,7 @@ HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB = 64, 2, 4, 2, 96, 128
 _K_FIELDS = {Q.Q4_K: {0: 1.0, 2: 7.5}, Q.Q5_K: {0: 1.0, 2: 15.5}, Q.Q6_K: {208: 1.0}}
 
 
-def _random_k_quant(shape: tuple[int, int], qtype: gguf.GGMLQuantizationType, std: float,
+def _random_k_quant(shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType, std: float,
                     rng: np.random.Generator) -> np.ndarray:
     """Random ``qtype`` blocks for a ``shape`` tensor, values of about ``std``: uint8 ``[rows, row bytes]``."""
     block, width = gguf.GGML_QUANT_SIZES[qtype]

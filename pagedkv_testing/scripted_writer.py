@@ -79,6 +79,6 @@ def hermes_tool_server(folder: Path) -> Iterator[Any]:
     engine.tokenizer.set_chat_template(HERMES)
     writer = ScriptedWriter(engine)
     with ServerThread(engine, served_model_names=["m"], tool_options=ToolOptions(True, "hermes", None)) as srv:
-        srv.writer = writer
+        srv.writer = writer  # type: ignore[attr-defined]  # this fixture's server carries its writer
         yield srv
         writer.scripts.clear()
