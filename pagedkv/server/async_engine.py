@@ -115,7 +115,7 @@ class AsyncEngine:
         # Called on the engine thread after each step with the tokens it computed (the server's
         # iteration-tokens histogram); it must be quick and thread-safe.
         self.step_observer: Callable[[int], None] | None = None
-        # KV cache events (memory/kv_events.py): handed over after each step when the engine
+        # KV cache events (pagedkv/kv_events.py): handed over after each step when the engine
         # records them (server/kv_events.py publishes them); must be quick and thread-safe.
         self.kv_event_sink: Callable[[list], None] | None = None
         self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
