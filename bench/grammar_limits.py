@@ -104,7 +104,7 @@ def main() -> None:
     proc, _ = spawn_server(([args.model] if args.model else []) + ["--port", str(port), "--max-model-len", "2048",
                                                                     *args.serve_flags], timeout=600)
     lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True).start()  # stdout: a pipe
     print(f"server started in {time.monotonic() - t0:.1f} s, RSS {rss_mib(proc.pid)} MiB", flush=True)
     rows = []
     try:

@@ -119,6 +119,7 @@ def main() -> None:
     kinds = [k for k in args.kinds.split(",") if k]
     loaded = load_model(args.model)
     base_kind = kv_format("auto", next(loaded.model.parameters()).dtype).name
+    assert loaded.tokenizer is not None  # a model with its tokenizer: the text is tokenized
     tokens = loaded.tokenizer.encode(TEXT.read_text())
     targets = torch.tensor(tokens[1:])
     print(f"text: {len(tokens)} tokens; model dtype KV: {base_kind}; kinds: {', '.join(kinds)}", flush=True)

@@ -25,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -62,7 +63,7 @@ def write_random_adapter(folder: Path, config, rank: int, seed: int) -> None:
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], new_tokens: list[int],
-        loras: list[LoRARequest | None]) -> tuple[float, float]:
+        loras: Sequence[LoRARequest | None]) -> tuple[float, float]:
     """(wall, CPU) seconds to run every request to completion (all added at once; prefix cache
     emptied first). On one thread the CPU time is the figure least moved by other load."""
     engine.reset_prefix_cache()

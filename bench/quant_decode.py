@@ -114,6 +114,7 @@ def disk_mb(folder: Path) -> float:
 def quality(path: Path, chunk: int = 128) -> tuple[float, float]:
     """(top-1 agreement, perplexity ratio) of the "auto" model against the float32 one."""
     base = load_model(str(path), quantization="none")
+    assert base.tokenizer is not None  # a model with its tokenizer: the text is tokenized
     tokens = base.tokenizer.encode(TEXT.read_text())
     want = teacher_forced(base, tokens, "auto", chunk, 16)
     got = teacher_forced(load_model(str(path), quantization="auto"), tokens, "auto", chunk, 16)

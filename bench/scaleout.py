@@ -31,6 +31,7 @@ import random
 import statistics
 import threading
 import time
+from typing import Any
 
 import httpx
 
@@ -55,7 +56,7 @@ def workload(seed: int, args: argparse.Namespace, tokenizer) -> list[str]:
     return prompts
 
 
-def run(cluster: Cluster, prompts: list[str], args: argparse.Namespace) -> dict[str, float]:
+def run(cluster: Cluster, prompts: list[str], args: argparse.Namespace) -> dict[str, Any]:
     before = [cluster.metrics(i) for i in range(cluster.n)]
     todo = list(enumerate(prompts))
     lock = threading.Lock()

@@ -222,7 +222,7 @@ async def one_request_warmup(url: str, headers: dict[str, str]) -> None:
 
 
 def _fmt(p: dict[str, float | None]) -> str:
-    return "/".join("-" if p[k] is None else f"{p[k] * 1000:.0f}ms" for k in ("p50", "p90", "p99"))
+    return "/".join("-" if (v := p[k]) is None else f"{v * 1000:.0f}ms" for k in ("p50", "p90", "p99"))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import Any
 
 from pagedkv.sim.policies import parse_policies
 from pagedkv.sim.report import simulate_table
@@ -25,7 +26,7 @@ from pagedkv.sim.simulator import SimConfig, simulate
 from pagedkv.sim.workload import generate_workload
 from pagedkv.workloads import ALPACA, SHAREGPT, WorkloadConfig
 
-SCENARIOS = {
+SCENARIOS: dict[str, tuple[dict[str, Any], int, str]] = {  # workload options, capacity, policies
     "sharegpt": (dict(shape=SHAREGPT), 65536,
                  "contiguous-max,contiguous-oracle,buddy,paged@16"),
     "samples": (dict(shape=ALPACA, n=4, prefix_len=256, num_prefixes=4), 32768,

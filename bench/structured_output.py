@@ -21,6 +21,8 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -62,9 +64,17 @@ class Lib:
 
     name = ""
 
-    def mask_into(self, m, bitmask: torch.Tensor) -> None: ...
-    def advance(self, m, token: int) -> None: ...
-    def done(self, m) -> bool: ...
+    def compile(self, kind: str, spec) -> Callable[[], Any]:
+        raise NotImplementedError
+
+    def mask_into(self, m, bitmask: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def advance(self, m, token: int) -> None:
+        raise NotImplementedError
+
+    def done(self, m) -> bool:
+        raise NotImplementedError
 
 
 class XGrammar(Lib):
@@ -180,6 +190,7 @@ def main() -> None:
     from pagedkv.engine.structured_output import apply_bitmask
     from pagedkv.models import load_model
     tokenizer = load_model(None).tokenizer
+    assert tokenizer is not None  # the default model has one
     backend, eos = tokenizer.backend, sorted(tokenizer.eos_token_ids)
     n = backend.get_vocab_size(with_added_tokens=True)
     vocab = byte_vocab(backend)
