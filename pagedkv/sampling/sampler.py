@@ -204,7 +204,11 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
         seen = counts > 0
         prompts = [t[:r.prompt_len] for t, r in zip(ids, rows)]
         seen |= _bin_counts(prompts, m, vocab, logits.dtype) > 0
-        factor = torch.where(seen, torch.tensor(rep, dtype=logits.dtype)[:, None], 1.0)
+        # A penalty below the dtype's smallest normal number would round to 0 and turn -inf
+        # (a grammar's masked token) into NaN; the clamp keeps every factor a positive number.
+        info = torch.finfo(logits.dtype)
+        factor = torch.tensor(rep, dtype=torch.float64).clamp_(info.tiny, info.max).to(logits.dtype)
+        factor = torch.where(seen, factor[:, None], 1.0)
         logits = torch.where(logits > 0, logits / factor, logits * factor)
     if use_counts:
         logits -= torch.tensor(freq, dtype=logits.dtype)[:, None] * counts

@@ -307,3 +307,17 @@ def test_server_rejects_bad_values_naming_the_field(server: ServerThread, extra:
         r = httpx.post(f"{server.base_url}/{path}", json={**body, **extra})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"].split(".")[0] == param, r.text  # "logit_bias.5": pydantic's path
+
+
+@pytest.mark.parametrize("rep", [5e-324, 1e-300, 1e300])
+def test_a_repetition_penalty_beyond_float32_keeps_masked_tokens_masked(rep: float) -> None:
+    # Found by tests/server/test_server_fuzz.py: repetition_penalty=5e-324 rounds to 0 in float32,
+    # and -inf * 0 (a token a grammar masked) was NaN, so the request failed with "no finite
+    # logits"; 1e300 rounds to inf, and 0 * inf is NaN too.
+    logits = torch.tensor([[2.0, -1.0, 0.0, float("-inf")]])
+    row = SampleRow(0, SamplingParams(repetition_penalty=rep), None, token_ids=[0, 1, 2, 3], prompt_len=4)
+    out = apply_penalties(logits.clone(), [row])
+    assert not bool(out.isnan().any())
+    assert out[0, 3] == float("-inf")  # still masked
+    assert bool(torch.isfinite(out[0, 1:3]).all())  # the seen negative and zero logits stay finite
+    assert out[0, 0] > 2.0 if rep < 1 else out[0, 0] < 2.0  # a positive logit moves the penalty's way
