@@ -72,28 +72,12 @@ B = 4  # block size of the tiny-model cases: many blocks per prompt, block edges
 
 
 # ---------------------------------------------------------------------------------------- models
-def _randomize(model: Any, seed: int) -> None:
-    """O(1) activations (HF's 0.02 init gives near-uniform logits and greedy ties); as the tests do."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    gemma = "Gemma" in type(model).__name__
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-            elif "embed_tokens" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) / (math.sqrt(p.shape[-1]) if gemma else 1.0))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
-
-
 def _checkpoint(folder: Path, kind: str, seed: int, **overrides: Any) -> Path:
     """A tiny random transformers checkpoint (safetensors, float32) in ``folder``."""
     import torch
     import transformers
+
+    from pagedkv_testing.hf_checkpoints import randomize_
 
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM)}[kind]
@@ -103,7 +87,7 @@ def _checkpoint(folder: Path, kind: str, seed: int, **overrides: Any) -> Path:
     config = cls[0](**{**base, **overrides})
     torch.manual_seed(seed)
     model = cls[1](config).eval()
-    _randomize(model, seed)
+    randomize_(model, seed)  # the tests' weights: O(1) activations, no greedy ties
     model.save_pretrained(folder, safe_serialization=True)
     return folder
 
