@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -116,3 +118,49 @@ class StreamProbe:
         """The longest wait between two deliveries, counting those from ``since`` to ``until``."""
         times = [t for t in self.times if since <= t <= until]
         return max((b - a for a, b in zip(times, times[1:])), default=0.0)
+
+
+@contextmanager
+def victim_streams(url: str, health: HealthProbe, headers: dict[str, str] | None = None) -> Iterator[None]:
+    """Victim streams (200 greedy tokens of the tiny model, one after another) and ``health``'s
+    polling while the block runs. On exit asserts: every victim got a 200, its first token within
+    10 s and no gap between its tokens over 5 s; every poll of ``health`` a 200 within 1 s."""
+    body = {"model": "tiny", "prompt": "the victim streams", "max_tokens": 200, "ignore_eos": True,
+            "stream": True, "temperature": 0}
+    victims: list[tuple[float, list[float]]] = []  # (sent, token times) per stream
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def stream() -> None:
+        while not stop.is_set():
+            times: list[float] = []
+            victims.append((time.monotonic(), times))
+            try:
+                with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers or {},
+                                  timeout=60) as r:
+                    if r.status_code != 200:
+                        errors.append(f"a victim stream got {r.status_code}")
+                        return
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            times.append(time.monotonic())
+            except httpx.HTTPError as exc:
+                errors.append(repr(exc))
+                return
+
+    victim = threading.Thread(target=stream, daemon=True)
+    with health:
+        victim.start()
+        time.sleep(0.5)
+        try:
+            yield
+        finally:
+            stop.set()
+            victim.join(90)
+    health.assert_answered_within(1.0)
+    assert not errors and victims, errors
+    for sent, times in victims:
+        assert times, "a victim stream got no token"
+        assert times[0] - sent <= 10, f"a victim's first token came after {times[0] - sent:.1f} s"
+        gap = max((b - a for a, b in zip(times, times[1:])), default=0.0)
+        assert gap <= 5, f"a victim's longest gap was {gap:.2f} s"

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pagedkv_testing.latency_probe import HealthProbe, rss_bytes
+from pagedkv_testing.latency_probe import HealthProbe, rss_bytes, victim_streams
 from pagedkv_testing.server import ServerThread, free_port, spawn_server, stop_server, tiny_engine
 from pagedkv_testing.tiny_model import write_tiny_model
 
@@ -82,43 +82,8 @@ def watched(url: str, rss_pid: int | None = None) -> Iterator[None]:
     10 s and no gap between its tokens exceeded 5 s, and (given ``rss_pid``) that process's RSS
     is within 5% of before."""
     before = settled_rss(rss_pid) if rss_pid is not None else 0
-    health = HealthProbe(url, interval=0.1)
-    ttfts: list[float] = []
-    gaps: list[float] = []
-    errors: list[BaseException] = []
-    stop = threading.Event()
-
-    def victims() -> None:
-        body = {"model": "tiny", "prompt": "the victim streams", "max_tokens": 200, "ignore_eos": True,
-                "stream": True, "temperature": 0}
-        while not stop.is_set():
-            start = last = time.monotonic()
-            first = True
-            try:
-                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-                    assert r.status_code == 200
-                    for line in r.iter_lines():
-                        if line.startswith("data: {"):
-                            now = time.monotonic()
-                            (ttfts if first else gaps).append(now - (start if first else last))
-                            first, last = False, now
-            except (httpx.HTTPError, AssertionError) as exc:
-                errors.append(exc)
-                return
-
-    victim = threading.Thread(target=victims)
-    with health:
-        victim.start()
-        time.sleep(0.5)
-        try:
-            yield
-        finally:
-            stop.set()
-            victim.join(90)
-    assert not errors, errors
-    assert ttfts and max(ttfts) <= 10, ttfts
-    assert max(gaps, default=0) <= 5, max(gaps)
-    health.assert_answered_within(1.0)
+    with victim_streams(url, HealthProbe(url, interval=0.1)):
+        yield
     if rss_pid is not None:
         after = settled_rss(rss_pid)
         assert after <= before * 1.05, (before >> 20, after >> 20)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import random
 import re
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pagedkv_testing.latency_probe import HealthProbe, rss_bytes
+from pagedkv_testing.latency_probe import HealthProbe, rss_bytes, victim_streams
 from pagedkv_testing.server import free_port, spawn_server, stop_server
 from pagedkv_testing.tiny_model import write_tiny_model
 
@@ -92,41 +91,8 @@ def watched(server: Server) -> Iterator[None]:
     token <= 10 s and longest gap between tokens <= 5 s."""
     health = HealthProbe(server.url, interval=0.1, paths=("/health", "/metrics"),
                          headers={"Authorization": "Bearer metrics-key"})
-    victims: list[tuple[float, list[float]]] = []  # (start, token times) per stream
-    errors: list[Exception] = []
-    stop = threading.Event()
-
-    def stream() -> None:
-        body = {"model": "tiny", "prompt": "the victim streams", "max_tokens": 200, "ignore_eos": True,
-                "stream": True, "temperature": 0}
-        while not stop.is_set():
-            times: list[float] = []
-            victims.append((time.monotonic(), times))
-            try:
-                with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=A, timeout=60) as r:
-                    for line in r.iter_lines():
-                        if line.startswith("data: {"):
-                            times.append(time.monotonic())
-            except httpx.HTTPError as exc:
-                errors.append(exc)
-                return
-
-    victim = threading.Thread(target=stream)
-    with health:
-        victim.start()
-        time.sleep(0.5)
-        try:
-            yield
-        finally:
-            stop.set()
-            victim.join(60)
-    health.assert_answered_within(1.0)
-    assert not errors and victims, errors
-    for start, times in victims:
-        assert times, "a victim stream got no token"
-        assert times[0] - start <= 10, f"a victim's first token came after {times[0] - start:.1f} s"
-        gap = max((b - a for a, b in zip(times, times[1:])), default=0.0)
-        assert gap <= 5, f"a victim's longest gap was {gap:.2f} s"
+    with victim_streams(server.url, health, headers=A):
+        yield
 
 
 def test_the_tiny_tokenizer_bound(tmp_path: Path) -> None:
