@@ -70,13 +70,17 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
                "sliding_window": 4096, "head_dim": 256},
     "mixtral": {"vocab_size": 32000, "intermediate_size": 14336, "max_position_embeddings": 131072},
     "deepseek_v2": {"vocab_size": 102400, "intermediate_size": 11008, "max_position_embeddings": 2048},
+    "qwen2_moe": {"vocab_size": 151936, "intermediate_size": 22016, "max_position_embeddings": 32768},
+    "qwen3_moe": {"vocab_size": 151936, "intermediate_size": 22016, "max_position_embeddings": 32768,
+                  "head_dim": 128},
 }
 _HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                      "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3",
                      "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
                      "Gemma2ForCausalLM": "gemma2",
                      "MixtralForCausalLM": "mixtral",
-                     "DeepseekV2ForCausalLM": "deepseek_v2"}
+                     "DeepseekV2ForCausalLM": "deepseek_v2",
+                     "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe"}
 _GGUF_MODEL_TYPES = {"deepseek2": "deepseek_v2"}  # llama.cpp architecture -> HF model_type
 _MODEL_TYPE_ALIASES = {"gemma3_text": "gemma3"}  # config.json model_type -> ours
 # Attention kinds of a layer (config.json "layer_types"): every earlier token visible, or only the
@@ -356,10 +360,10 @@ def shape_from_hf_dict(d: dict[str, Any], name: str = "") -> ModelShape:
         return defaults.get(key) if value is None else value
 
     hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
-    if model_type == "qwen2":  # q/k/v bias always; a window only with use_sliding_window
+    if model_type in ("qwen2", "qwen2_moe"):  # q/k/v bias always; a window only with use_sliding_window
         qkv_bias, o_bias = True, False
         window = d.get("sliding_window") if d.get("use_sliding_window") else None
-    elif model_type == "qwen3":  # attention_bias covers q/k/v and o_proj; a window only with use_sliding_window
+    elif model_type in ("qwen3", "qwen3_moe"):  # attention_bias: q/k/v and o_proj; a window with use_sliding_window
         qkv_bias = o_bias = bool(d.get("attention_bias", False))
         window = d.get("sliding_window") if d.get("use_sliding_window") else None
     elif model_type == "phi3":  # no biases; Phi-3 mini 4k has a 2047-token window
@@ -373,7 +377,7 @@ def shape_from_hf_dict(d: dict[str, Any], name: str = "") -> ModelShape:
         n, every = int(d["num_hidden_layers"]), int(d.get("sliding_window_pattern") or _SLIDING_PATTERN[model_type])
         layer_types = tuple(d.get("layer_types") or (
             SLIDING_ATTENTION if (i + 1) % every else FULL_ATTENTION for i in range(n)))
-    experts = int(d.get("n_routed_experts") or d.get("num_local_experts") or 0)
+    experts = int(d.get("n_routed_experts") or d.get("num_local_experts") or d.get("num_experts") or 0)
     return ModelShape(
         model_type=model_type,
         vocab_size=int(get("vocab_size")),
@@ -390,7 +394,7 @@ def shape_from_hf_dict(d: dict[str, Any], name: str = "") -> ModelShape:
         mlp_bias=bool(d.get("mlp_bias", False)),
         sliding_window=int(window) if window else None,
         layer_types=layer_types,
-        qk_norm=model_type in ("qwen3", "gemma3"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3"),
         kv_lora_rank=_opt_int(d.get("kv_lora_rank")),
         qk_rope_head_dim=_opt_int(d.get("qk_rope_head_dim")),
         qk_nope_head_dim=_opt_int(d.get("qk_nope_head_dim")),

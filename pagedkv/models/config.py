@@ -24,6 +24,15 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",  # its language model; the vision tower is skipped
     "Gemma2ForCausalLM": "gemma2",
+    # mixture-of-experts layers (models/moe.py)
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+# Architectures refused by name: what they need that pagedkv lacks, and what to do instead.
+REFUSED_ARCHITECTURES: dict[str, str] = {
+    "DeepseekV32ForCausalLM": "DeepSeek-V3.2's sparse attention (the lightning indexer picking "
+                              "index_topk tokens per query) is not implemented",
 }
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 _MODEL_TYPE_ALIASES = {"gemma3_text": "gemma3"}
@@ -65,6 +74,59 @@ class RopeConfig:
             raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
 
 
+MOE_SCORINGS = ("softmax", "sigmoid")
+MOE_GROUP_SCORES = ("max", "top2_sum")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MoEConfig:
+    """How a mixture-of-experts layer routes (``models/moe.py``), read from config.json.
+
+    ``scoring``: softmax (Mixtral, Qwen, DeepSeek-V2) or sigmoid (DeepSeek-V3) of the router logits.
+    Group-limited choice (``n_group`` > 1): only experts of the ``topk_group`` best groups are
+    candidates, a group ranked by its best score (``group_score`` "max", DeepSeek-V2) or the sum of
+    its two best bias-corrected scores ("top2_sum", DeepSeek-V3). ``correction_bias``: V3's
+    ``e_score_correction_bias`` added to the scores for the choice only. ``shared_gate``: Qwen2-MoE
+    scales its shared expert by a sigmoid gate. ``sparse_layers``: the layers that are MoE (the
+    others are dense ``LlamaMLP`` layers of ``intermediate_size``)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    sparse_layers: frozenset[int]
+    scoring: str = "softmax"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: str = "max"
+    correction_bias: bool = False
+    shared_intermediate_size: int = 0
+    shared_gate: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1 or self.intermediate_size < 1:
+            raise ValueError(f"a MoE layer needs num_experts >= 1 and moe_intermediate_size >= 1, got "
+                             f"{self.num_experts} and {self.intermediate_size}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, {self.num_experts}] (the experts), "
+                             f"got {self.top_k}")
+        if self.scoring not in MOE_SCORINGS:
+            raise UnsupportedModelError(f"MoE scoring_func {self.scoring!r} is not supported "
+                                        f"(supported: {', '.join(MOE_SCORINGS)})")
+        if self.group_score not in MOE_GROUP_SCORES:
+            raise ValueError(f"group_score must be one of {', '.join(MOE_GROUP_SCORES)}, got {self.group_score!r}")
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise ValueError(f"n_group ({self.n_group}) must be >= 1 and divide n_routed_experts "
+                             f"({self.num_experts})")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}")
+        if self.n_group > 1 and self.topk_group < self.n_group \
+                and self.topk_group * (self.num_experts // self.n_group) < self.top_k:
+            raise ValueError(f"topk_group={self.topk_group} groups of {self.num_experts // self.n_group} "
+                             f"experts hold fewer than num_experts_per_tok={self.top_k}")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelConfig(ModelShape):
     """A Llama-family decoder (llama, mistral, qwen2, SmolLM) this engine can run: its shape
@@ -81,6 +143,7 @@ class ModelConfig(ModelShape):
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
+    moe: MoEConfig | None = None  # mixture-of-experts routing (None: every layer dense)
 
     def __post_init__(self) -> None:
         ModelShape.__post_init__(self)  # (slotted dataclasses break zero-argument super())
@@ -89,9 +152,16 @@ class ModelConfig(ModelShape):
                 f"model_type {self.model_type!r} is not supported "
                 f"(supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
             )
-        if self.is_mla or self.num_experts:
-            raise UnsupportedModelError("MLA attention and mixture-of-experts layers are not supported")
-        if self.model_type in ("qwen2", "qwen3") and self.sliding_window is not None:
+        if self.is_mla:
+            raise UnsupportedModelError("MLA attention (kv_lora_rank) is not supported yet")
+        if self.num_experts and self.moe is None:
+            raise UnsupportedModelError(f"{self.model_type} has {self.num_experts} experts but no MoE routing "
+                                        "this engine knows (supported: "
+                                        "mixtral, qwen2_moe, qwen3_moe)")
+        if self.moe is not None and max(self.moe.sparse_layers, default=-1) >= self.num_hidden_layers:
+            raise ValueError(f"MoE sparse_layers name layer {max(self.moe.sparse_layers)} of "
+                             f"{self.num_hidden_layers}")
+        if self.model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and self.sliding_window is not None:
             raise UnsupportedModelError(f"{self.model_type} with use_sliding_window=true (per-layer windows) "
                                         "is not supported")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -120,6 +190,10 @@ class ModelConfig(ModelShape):
     def attention_scale(self) -> float:
         """The factor q.k is multiplied by before softmax."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts (``models/moe.py``)."""
+        return self.moe is not None and layer in self.moe.sparse_layers
 
     def layer_rope(self, layer: int) -> RopeConfig:
         """The RoPE of ``layer``: sliding-window layers may have their own (``rope_local``)."""
@@ -166,6 +240,9 @@ class ModelConfig(ModelShape):
                        query_pre_attn_scalar=int(scalar) if scalar is not None and scalar.is_integer() else scalar,
                        final_logit_softcapping=self.final_logit_softcapping, attention_bias=self.attention_bias,
                        attn_logit_softcapping=self.attn_logit_softcapping)
+        if self.moe is not None:  # read back as is by moe_from_hf
+            out["pagedkv_moe"] = {**asdict(self.moe), "sparse_layers": sorted(self.moe.sparse_layers)}
+            out.update(num_local_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size)
         if self.model_type == "gemma3":  # the sliding layers' own RoPE
             local = self.rope_local or self.rope
             out["rope_parameters"] = {"full_attention": rope_parameters,
@@ -178,6 +255,14 @@ class ModelConfig(ModelShape):
         :func:`~pagedkv.model_shape.shape_from_hf_dict`, then RMSNorm epsilon and RoPE. Raises
         UnsupportedModelError for other architectures, ValueError for a missing shape key."""
         model_type = _model_type(d)
+        quant = d.get("quantization_config")
+        if isinstance(quant, dict) and quant:
+            method = quant.get("quant_method") or quant.get("fmt") or "?"
+            block = f", weight_block_size {quant['weight_block_size']}" if quant.get("weight_block_size") else ""
+            raise UnsupportedModelError(
+                f"config.json quantization_config (quant_method {method!r}{block}): pre-quantized checkpoints "
+                "are not supported; give the model in bfloat16/float32 (for DeepSeek-V3/R1's FP8 weights, "
+                "dequantized first, e.g. with DeepSeek's fp8_cast_bf16.py) or as a GGUF file")
         d = hf_text_config(d)
         shape = shape_from_hf_dict({**d, "model_type": model_type})
         extra: dict[str, Any] = {}
@@ -192,15 +277,65 @@ class ModelConfig(ModelShape):
             for key in ("final_logit_softcapping", "attn_logit_softcapping"):
                 cap = d.get(key, caps.get(key))
                 extra[key] = float(cap) if cap is not None else None
+        if shape.num_experts:
+            extra["moe"] = moe_from_hf(d, shape)
         return cls.from_shape(shape, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope=_rope_from_hf(d), **extra)
+
+
+def moe_from_hf(d: dict[str, Any], shape: ModelShape) -> MoEConfig | None:
+    """The routing of a MoE config.json, by family (transformers' defaults for absent keys); None
+    for a family without MoE support here (``ModelConfig`` then refuses the experts by name).
+    ``pagedkv_moe`` (what :meth:`ModelConfig.to_hf_dict` writes) is read as is."""
+    saved = d.get("pagedkv_moe")
+    if isinstance(saved, dict):
+        return MoEConfig(**{**saved, "sparse_layers": frozenset(int(i) for i in saved["sparse_layers"])})
+    layers, mt = shape.num_hidden_layers, shape.model_type
+    top_k = int(d.get("num_experts_per_tok") or 2)
+    if mt == "mixtral":  # every layer sparse, always renormalized, experts of intermediate_size
+        return MoEConfig(num_experts=shape.num_experts, top_k=top_k, intermediate_size=shape.moe_intermediate_size,
+                         sparse_layers=frozenset(range(layers)), norm_topk_prob=True)
+    if mt in ("qwen2_moe", "qwen3_moe"):
+        step = int(d.get("decoder_sparse_step") or 1)
+        dense = {int(i) for i in d.get("mlp_only_layers") or ()}
+        shared = int(d.get("shared_expert_intermediate_size") or 0) if mt == "qwen2_moe" else 0
+        return MoEConfig(num_experts=shape.num_experts, top_k=top_k, intermediate_size=shape.moe_intermediate_size,
+                         sparse_layers=frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+                         norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                         shared_intermediate_size=shared, shared_gate=shared > 0)
+    if mt in ("deepseek_v2", "deepseek_v3"):
+        # the original modeling code's rule: sparse from first_k_dense_replace on, every moe_layer_freq-th
+        freq = int(d.get("moe_layer_freq") or 1)
+        v3 = mt == "deepseek_v3"
+        method = str(d.get("topk_method") or ("noaux_tc" if v3 else "greedy"))
+        if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+            raise UnsupportedModelError(f"topk_method {method!r} is not supported "
+                                        "(supported: greedy, group_limited_greedy, noaux_tc)")
+        grouped = method != "greedy"
+        return MoEConfig(num_experts=shape.num_experts, top_k=top_k, intermediate_size=shape.moe_intermediate_size,
+                         sparse_layers=frozenset(i for i in range(shape.first_k_dense, layers) if i % freq == 0),
+                         scoring=str(d.get("scoring_func") or ("sigmoid" if v3 else "softmax")),
+                         norm_topk_prob=bool(d.get("norm_topk_prob", v3)),
+                         routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
+                         n_group=int(d.get("n_group") or (8 if v3 else 1)) if grouped else 1,
+                         topk_group=int(d.get("topk_group") or (4 if v3 else 1)) if grouped else 1,
+                         group_score="top2_sum" if method == "noaux_tc" else "max",
+                         correction_bias=method == "noaux_tc",
+                         shared_intermediate_size=shape.num_shared_experts * shape.moe_intermediate_size)
+    return None
 
 
 def _model_type(d: dict[str, Any]) -> str:
     archs = d.get("architectures") or []
     for arch in archs:
+        if arch in REFUSED_ARCHITECTURES:
+            raise UnsupportedModelError(f"architecture {arch!r} is not supported: {REFUSED_ARCHITECTURES[arch]}")
+    for arch in archs:
         if arch in SUPPORTED_ARCHITECTURES:
             return SUPPORTED_ARCHITECTURES[arch]
     model_type = d.get("model_type")
+    if model_type == "deepseek_v32" or d.get("index_topk") is not None:
+        raise UnsupportedModelError(f"architecture {archs[0] if archs else model_type!r} is not supported: "
+                                    f"{REFUSED_ARCHITECTURES['DeepseekV32ForCausalLM']}")
     if isinstance(model_type, str):
         model_type = _MODEL_TYPE_ALIASES.get(model_type, model_type)
     if model_type in SUPPORTED_MODEL_TYPES and not archs:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.models.config import ModelConfig
+from pagedkv.models.moe import MoEMLP
 from pagedkv.models.rope import RotaryEmbedding, apply_rope
 
 
@@ -95,7 +96,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        # a mixture-of-experts layer (models/moe.py) has the same [T, hidden] -> [T, hidden] contract
+        self.mlp: nn.Module = MoEMLP(config) if config.is_moe_layer(layer_idx) else LlamaMLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
                 ) -> torch.Tensor:

@@ -136,7 +136,7 @@ def transpose_wide_linears(model: nn.Module) -> int:
     converted = 0
     for layer in getattr(model, "layers", ()):
         for parent, name in ((layer.self_attn, "qkv_proj"), (layer.mlp, "gate_up_proj")):
-            lin = getattr(parent, name)
+            lin = getattr(parent, name, None)  # None: a mixture-of-experts layer (models/moe.py)
             if type(lin) is nn.Linear:
                 setattr(parent, name, InputMajorLinear(lin.weight, lin.bias))
                 converted += 1

@@ -11,6 +11,7 @@ gets offsets when any of its parts has them; the rows of parts without stay 0.
 
 from __future__ import annotations
 
+import logging
 import re
 import warnings
 from collections.abc import Iterable, Mapping
@@ -24,6 +25,7 @@ from pagedkv.models.errors import MissingTensorError, ModelLoadError
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.quant_linear import QuantEmbedding, QuantLinear, tie_quantized_head
 
+logger = logging.getLogger(__name__)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # checkpoint suffix inside a layer -> (module suffix, shard name or None)
 _LAYER_MAP: dict[str, tuple[str, str | None]] = {
@@ -67,12 +69,28 @@ _LANGUAGE_MODEL = re.compile(r"^(?:language_model\.model\.|model\.language_model
 _VISION = re.compile(r"^(?:model\.)?(?:vision_tower|multi_modal_projector)\.")
 
 
+# Mixture-of-experts layers (models/moe.py): one expert's matrix per checkpoint tensor (HF's
+# per-expert names; Mixtral's w1/w3/w2 are gate/up/down), or all experts at once (transformers 5's
+# fused 3-D ``experts.gate_up_proj`` / ``experts.down_proj``).
+_EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_MOE_MAP: dict[str, str] = {
+    "mlp.gate.weight": "mlp.router", "block_sparse_moe.gate.weight": "mlp.router",
+    "mlp.gate.e_score_correction_bias": "mlp.e_score_correction_bias",
+    "mlp.experts.gate_up_proj": "mlp.gate_up", "mlp.experts.down_proj": "mlp.down",
+    "mlp.shared_expert_gate.weight": "mlp.shared_gate.weight",
+}
+_SHARED = re.compile(r"^mlp\.shared_experts?\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
 class Target(NamedTuple):
-    """Where one checkpoint tensor goes: a module parameter and the row range inside it."""
+    """Where one checkpoint tensor goes: a module parameter, the expert inside it (a 3-D expert
+    parameter's first index; None: not one) and the row range inside that."""
 
     param: str
     row_start: int
-    row_end: int | None  # None: the whole parameter
+    row_end: int | None  # None: the whole parameter (or expert)
+    expert: int | None = None
 
 
 def _shard_rows(config: ModelConfig, shard: str) -> tuple[int, int]:
@@ -104,6 +122,8 @@ def map_name(config: ModelConfig, name: str) -> Target | None:
             return None
         return Target(_TOP_MAP[name], 0, None)
     m = _LAYER.match(name)
+    if m and config.is_moe_layer(int(m.group(1))):
+        return _map_moe(config, int(m.group(1)), m.group(2))
     if m and m.group(2) in _LAYER_MAP:
         layer = int(m.group(1))
         if layer >= config.num_hidden_layers:
@@ -114,6 +134,30 @@ def map_name(config: ModelConfig, name: str) -> Target | None:
             return Target(param, 0, None)
         start, end = _shard_rows(config, shard)
         return Target(param, start, end)
+    return None
+
+
+def _map_moe(config: ModelConfig, layer: int, suffix: str) -> Target | None:
+    """The target of a MoE layer's checkpoint tensor ``suffix`` (attention and norms as in dense layers)."""
+    prefix = f"layers.{layer}."
+    inter = config.moe.intermediate_size if config.moe is not None else 0
+    if suffix in _MOE_MAP:
+        return Target(prefix + _MOE_MAP[suffix], 0, None)
+    if (m := _EXPERT.match(suffix)) is not None:
+        part = _EXPERT_PART[m.group(2)]
+        rows = {"gate": (0, inter), "up": (inter, 2 * inter), "down": (0, None)}[part]
+        return Target(prefix + ("mlp.down" if part == "down" else "mlp.gate_up"), *rows, expert=int(m.group(1)))
+    if (m := _SHARED.match(suffix)) is not None:
+        shared = config.moe.shared_intermediate_size if config.moe is not None else 0
+        if m.group(1) == "down_proj":
+            return Target(prefix + "mlp.shared.down_proj.weight", 0, None)
+        start = 0 if m.group(1) == "gate_proj" else shared
+        return Target(prefix + "mlp.shared.gate_up_proj.weight", start, start + shared)
+    if suffix in _LAYER_MAP and not suffix.startswith("mlp."):
+        module, shard = _LAYER_MAP[suffix]
+        if shard is None:
+            return Target(prefix + module, 0, None)
+        return Target(prefix + module, *_shard_rows(config, shard))
     return None
 
 
@@ -161,10 +205,15 @@ def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]
     params.update((f"{name}.{b}", getattr(m, b)) for name, m in model.named_modules()
                   if isinstance(m, (QuantLinear, QuantEmbedding)) for b in ("qweight", "scales", "offsets")
                   if getattr(m, b) is not None)
-    filled: dict[str, int] = {name: 0 for name in params}  # rows written per parameter
+    filled: dict[str, int] = {name: 0 for name in params}  # elements written per parameter
     unknown: list[str] = []
+    extra_layers: set[int] = set()  # layers past num_hidden_layers: DeepSeek-V3's multi-token prediction
     for name, tensor in tensors:
         target = map_name(config, name)
+        if target is None and (m := _LAYER.match(_LANGUAGE_MODEL.sub("model.", name))) is not None \
+                and int(m.group(1)) >= config.num_hidden_layers:
+            extra_layers.add(int(m.group(1)))
+            continue
         if target is None:
             if not _IGNORED.search(name) and not _VISION.match(name) and not name.endswith("lm_head.weight"):
                 unknown.append(name)
@@ -172,7 +221,12 @@ def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]
         if target.param not in params:
             raise ModelLoadError(f"checkpoint tensor {name!r} has no place in this config ({target.param})")
         dest = params[target.param].data
-        if target.row_end is not None:
+        if target.expert is not None:
+            if not 0 <= target.expert < dest.shape[0]:
+                raise ModelLoadError(f"checkpoint tensor {name!r} names expert {target.expert}; the config "
+                                     f"has {dest.shape[0]} experts")
+            dest = dest[target.expert]
+        if target.row_end is not None or target.row_start:
             dest = dest[target.row_start:target.row_end]
         if tuple(tensor.shape) != tuple(dest.shape):
             raise ModelLoadError(
@@ -181,14 +235,17 @@ def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]
         if config.is_gemma and target.param.endswith("norm.weight"):
             tensor = tensor.float() + 1.0  # gemma scales by (1 + w): stored as one weight
         dest.copy_(tensor)
-        filled[target.param] += dest.shape[0] if dest.dim() else 1
-    missing = [p for p, rows in filled.items()
-               if rows < (params[p].shape[0] if params[p].dim() else 1) and not p.endswith(".offsets")]
+        filled[target.param] += dest.numel()
+    missing = [p for p, n in filled.items() if n < params[p].numel() and not p.endswith(".offsets")]
     if missing:
         raise MissingTensorError(
             f"checkpoint lacks tensors for {len(missing)} parameters, e.g. {', '.join(missing[:4])} "
             f"(checkpoint names: {', '.join(_checkpoint_names(p) for p in missing[:4])})"
         )
+    if extra_layers:
+        logger.info("skipped the checkpoint's layers %s past num_hidden_layers=%d (multi-token-prediction "
+                    "layers, num_nextn_predict_layers: not used for decoding)",
+                    ", ".join(map(str, sorted(extra_layers))), config.num_hidden_layers)
     if unknown:
         warnings.warn(f"ignored {len(unknown)} unknown checkpoint tensors, e.g. {unknown[:3]}", stacklevel=2)
     tie_quantized_head(model)
