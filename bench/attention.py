@@ -122,11 +122,19 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-native", dest="native", action="store_false", help="time the plain path only")
+    ap.add_argument("--block-size-sweep", action="store_true",
+                    help="measure the native kernel's block-size preference over --contexts and --block-sizes "
+                         "and print the device row of pagedkv/block_size_table.json")
+    ap.add_argument("--write", action="store_true",
+                    help="with --block-size-sweep: store the row as the 'cpu' entry of the committed table")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.native and not native.available():
         print(f"native kernels unavailable ({native.why_unavailable()}): timing the plain path only")
         args.native = False
+    if args.block_size_sweep:
+        block_size_sweep(args)
+        return
     results = []
     with torch.inference_mode():
         for ctx in args.contexts:
@@ -154,6 +162,81 @@ def main() -> None:
         "max_ratio_block16_ctx_ge_512": max(gate) if gate else None, "results": results,
     }
     print(json.dumps(summary))
+
+
+def _sweep_context(ctx: int, sizes: list[int], args: argparse.Namespace) -> dict[int, float]:
+    """Median native decode time per block size at ``ctx`` (the step's metadata amortized over
+    ``--layers``), every size timed in turn within each repetition so load changes hit all alike."""
+    gen = torch.Generator().manual_seed(ctx)
+    b, kvh, d = args.batch, args.kv_heads, args.head_dim
+    k, v = torch.randn(b, ctx, kvh, d, generator=gen), torch.randn(b, ctx, kvh, d, generator=gen)
+    q = torch.randn(b, args.heads, d, generator=gen)
+    out = torch.empty(b, args.heads, d)
+    calls = {}
+    for bs in sizes:  # each size's own shuffled cache holding the same K/V
+        per_seq = -(-ctx // bs)
+        k_cache, v_cache = torch.zeros(b * per_seq + 8, bs, kvh, d), torch.zeros(b * per_seq + 8, bs, kvh, d)
+        perm = torch.randperm(b * per_seq + 8, generator=gen).tolist()
+        tables = [perm[i * per_seq:(i + 1) * per_seq] for i in range(b)]
+        pos = torch.arange(ctx)
+        for i, table in enumerate(tables):
+            write_kv(k_cache, v_cache, k[i], v[i], torch.tensor(table)[pos // bs] * bs + pos % bs)
+
+        def call(k_cache=k_cache, v_cache=v_cache, tables=tables) -> None:
+            meta = NativeMetadata.build(tables, list(range(b)), [ctx] * b)
+            for _ in range(args.layers):  # one step: metadata once, attention per layer
+                native_paged_attention(out, q, k_cache, v_cache, meta)
+        calls[bs] = call
+    for _ in range(args.warmup):
+        for call in calls.values():
+            call()
+    times: dict[int, list[float]] = {bs: [] for bs in sizes}
+    for _ in range(args.reps):
+        for bs, call in calls.items():
+            times[bs] += _time(call, 1)
+    return {bs: statistics.median(t) for bs, t in times.items()}
+
+
+def block_size_sweep(args: argparse.Namespace) -> None:
+    """The kernel's measured block-size preference on this machine, per context length: the row
+    ``block_size="auto"`` reads (``pagedkv/block_size.py``). For each context, each block size's
+    decode time (metadata amortized over ``--layers``) relative to block 16's; the preferred size is
+    the one with the least time per token held (``pagedkv.block_size.preferred_block_size``: a larger
+    block must be faster by more than the slots its tail wastes)."""
+    import platform
+
+    from pagedkv.block_size import AUTO_MIN_BLOCK_SIZE, preferred_block_size, write_device_row
+
+    if not args.native:
+        raise SystemExit("--block-size-sweep measures the native kernel, which is unavailable here")
+    sizes = sorted(set(args.block_sizes) | {AUTO_MIN_BLOCK_SIZE})
+    relative: dict[str, dict[str, float]] = {}
+    preferred: dict[str, int] = {}
+    with torch.inference_mode():
+        for ctx in args.contexts:
+            times = _sweep_context(ctx, sizes, args)
+            relative[str(ctx)] = {str(bs): round(t / times[AUTO_MIN_BLOCK_SIZE], 3) for bs, t in times.items()}
+            preferred[str(ctx)] = preferred_block_size(ctx, {bs: t / times[AUTO_MIN_BLOCK_SIZE]
+                                                             for bs, t in times.items()})
+            print(f"ctx {ctx:>6d}: " + "  ".join(f"{bs}:{r:.2f}" for bs, r in relative[str(ctx)].items())
+                  + f"  -> {preferred[str(ctx)]}", flush=True)
+    row = {
+        "source": "measured",
+        "command": (f"bench/attention.py --block-size-sweep --threads {args.threads} --batch {args.batch} "
+                    f"--heads {args.heads} --kv-heads {args.kv_heads} --head-dim {args.head_dim} --contexts "
+                    + " ".join(map(str, args.contexts)) + " --block-sizes " + " ".join(map(str, sizes))
+                    + f" --layers {args.layers} --reps {args.reps}"),
+        "kernel": "native (pagedkv/ops/csrc), float32, decode",
+        "shape": {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "batch": args.batch},
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip() + f", {os.cpu_count()} cores, "
+                   f"load {os.getloadavg()[0]:.2f}, torch {torch.__version__}",
+        "date": time.strftime("%Y-%m-%d"),
+        "preferred": preferred,
+        "relative_time": relative,
+    }
+    print(json.dumps(row, indent=2))
+    if args.write:
+        print(f"wrote the 'cpu' row of {write_device_row('cpu', row)}")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ ROOT = _repo_root()
 PACKAGE = "pagedkv"
 
 # Facts every layer may read: pure Python, importing nothing of pagedkv but each other.
-FACTS = frozenset({"errors", "units", "envs", "model_shape", "weight_quant", "kv_events"})
+FACTS = frozenset({"errors", "units", "envs", "model_shape", "block_size", "weight_quant", "kv_events"})
 
 # unit -> (the units it may import, why). Mirrors docs/architecture.md's table of packages.
 ALLOWED: dict[str, tuple[frozenset[str], str]] = {
@@ -98,6 +98,9 @@ ALLOWED: dict[str, tuple[frozenset[str], str]] = {
     "progress": (frozenset({"envs"}), "start-up phase lines on stderr (PAGEDKV_QUIET)"),
     "paths": (frozenset({"envs"}), "pagedkv's cache folder (PAGEDKV_CACHE_DIR)"),
     "model_shape": (frozenset({"errors", "units"}), "model dimensions and KV bytes, read by every layer"),
+    "block_size": (frozenset({"model_shape"}),
+                   "the block-size choice (auto: model, context, the device's measured kernel preference) and "
+                   "its warnings, made alike by the engine and `pagedkv size`"),
     "weight_quant": (frozenset({"errors"}), "the linear-weight formats (pure)"),
     "kv_events": (frozenset(), "KV cache event types, shared by memory (records), engine and server (publishes)"),
     "errors": (frozenset(), "PagedKVError, the base of every error raised on purpose"),

@@ -12,7 +12,10 @@ from pagedkv.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from pagedkv.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from pagedkv.lora.manager import LoRAManager
+    from pagedkv.model_shape import ModelShape
     from pagedkv.models.tokenizer import Tokenizer
     from pagedkv.runner.protocol import Runner
     from pagedkv.speculative.decoder import SpeculativeDecoder
@@ -58,12 +61,14 @@ def build_runner(config: EngineConfig) -> RunnerParts:
         quantization = "none"
     loaded = load_model(config.model, dtype=dtype, quantization=quantization, tokenizer=config.tokenizer,
                         revision=config.revision, download_dir=config.download_dir)
-    per_block = bytes_per_block(loaded.config, config.block_size, kv_dtype)  # scales included
+    block_size = resolve_block_size(config.block_size, loaded.config,
+                                    config.max_model_len or loaded.config.max_position_embeddings, device)
+    per_block = bytes_per_block(loaded.config, block_size, kv_dtype)  # scales included
     device_blocks = config.num_kv_blocks or num_blocks_for_memory(
-        loaded.config, config.block_size, config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, kv_dtype)
+        loaded.config, block_size, config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, kv_dtype)
     # More host blocks than 4x the device pool buy nothing.
     host_blocks = min(int(config.kv_offloading_size * (1 << 30)) // per_block, 4 * device_blocks)
-    runner = ModelRunner(loaded, block_size=config.block_size, num_blocks=device_blocks,
+    runner = ModelRunner(loaded, block_size=block_size, num_blocks=device_blocks,
                          num_host_blocks=host_blocks, kv_cache_dtype=kv_dtype, device=device,
                          max_loras=config.max_loras if config.enable_lora else 0,
                          max_lora_rank=config.max_lora_rank)
@@ -77,6 +82,26 @@ def build_runner(config: EngineConfig) -> RunnerParts:
     defaults = generation_defaults(config.generation_config, loaded.generation_defaults)
     return RunnerParts(runner, loaded.tokenizer, loaded.name, loaded.config.max_position_embeddings, identity,
                        defaults)
+
+
+def resolve_block_size(setting: int | str, shape: ModelShape, max_model_len: int, device: torch.device) -> int:
+    """The block size the runner is built with: ``"auto"`` resolved for the model, the context and
+    the device (``pagedkv/block_size.py``; the same call ``pagedkv size`` makes), logged with its
+    reason; an explicit size as given, with a warning when it is costly (below 4, or below 16 past
+    8k tokens of context)."""
+    import torch
+
+    from pagedkv.block_size import Device, block_size_warning, choose_block_size, is_auto
+
+    dev = Device(device.type, torch.cuda.get_device_name(device) if device.type == "cuda" else "")
+    if is_auto(setting):
+        choice = choose_block_size(shape, max_model_len, dev)
+        logger.info("%s", choice)
+        return choice.block_size
+    assert isinstance(setting, int)  # EngineConfig checked it
+    if (warning := block_size_warning(setting, max_model_len, dev)) is not None:
+        logger.warning("%s", warning)
+    return setting
 
 
 def generation_defaults(setting: str, model_defaults: dict[str, Any]) -> dict[str, Any]:
@@ -126,14 +151,14 @@ def build_speculative_decoder(config: EngineConfig, runner: Runner, tokenizer: T
         from pagedkv.speculative.draft_model import DraftModelProposer
 
         target_vocab = runner.config.vocab_size
-        draft_config = EngineConfig(model=spec.model, block_size=config.block_size,
+        draft_config = EngineConfig(model=spec.model, block_size=runner.block_size,
                                     num_kv_blocks=spec.draft_kv_blocks or runner.num_blocks, kv_offloading_size=0,
                                     max_num_seqs=config.max_num_seqs, dtype=config.dtype,
                                     quantization=config.quantization, generation_config="vllm",
                                     tokenizer=config.tokenizer, device=config.device)
         draft_runner, draft_tokenizer, draft_name, *_ = build_runner(draft_config)
         check_same_tokenizer(tokenizer, draft_tokenizer, draft_name)
-        draft_kv = KVCacheManager(draft_runner.num_blocks, config.block_size, watermark=0.0,
+        draft_kv = KVCacheManager(draft_runner.num_blocks, runner.block_size, watermark=0.0,
                                   kv_group_windows=kv_group_windows(draft_runner))
         draft = DraftModelProposer(draft_runner, draft_kv, config.max_num_batched_tokens,
                                    target_vocab)

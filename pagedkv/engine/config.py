@@ -7,11 +7,12 @@ import logging
 from dataclasses import dataclass, field
 
 from pagedkv import envs
+from pagedkv.block_size import check_block_size_setting
 from pagedkv.engine.faults import FaultSpec
 from pagedkv.memory import EVICTION_POLICIES
 from pagedkv.memory.prefix_index import PREFIX_INDEXES
 from pagedkv.memory.tenant_ledger import check_fraction, parse_quotas
-from pagedkv.model_shape import KV_CACHE_DTYPES, check_block_size
+from pagedkv.model_shape import KV_CACHE_DTYPES
 from pagedkv.speculative.config import SpeculativeConfig
 from pagedkv.units import parse_bytes
 from pagedkv.weight_quant import QUANTIZATIONS
@@ -57,7 +58,10 @@ class EngineConfig:
     download_dir: str | None = field(default=None, metadata={"help": (
         "the Hugging Face cache a repo id given as the model is looked up in and downloaded into (vLLM's "
         "--download-dir; default: Hugging Face's own, $HF_HUB_CACHE or ~/.cache/huggingface/hub)")})
-    block_size: int = field(default=16, metadata={"help": "token slots per KV block"})
+    block_size: int | str = field(default=16, metadata={"help": (
+        "token slots per KV block, or auto: chosen from the model, max_model_len and the device's measured "
+        "kernel preference, and logged with its reason (docs/block_size.md; `pagedkv serve`'s default); "
+        "below 4, or below 16 with contexts beyond 8k tokens, logs a warning naming the cost")})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "share KV blocks of common prompt prefixes"})
     kv_cache_memory: str | int | None = field(default=None, metadata={"help": (
         "memory for the device KV pool: bytes or a size such as 512MiB, 2GiB, 4G (= 4GiB, as vLLM's "
@@ -161,7 +165,7 @@ class EngineConfig:
         "memory for compiled grammars kept for reuse, by their text (MiB)")})
 
     def __post_init__(self) -> None:
-        check_block_size(self.block_size)
+        check_block_size_setting(self.block_size)
         _int_in("max_num_seqs", self.max_num_seqs, 1, 1 << 20)
         _int_in("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 24)
         if isinstance(self.max_step_time_s, bool) or not isinstance(self.max_step_time_s, (int, float)) \

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 from typing import Any
 
+from pagedkv.block_size import parse_block_size
 from pagedkv.engine.config import DEVICES, DTYPES, PREEMPTION_MODES, EngineConfig
 from pagedkv.memory import EVICTION_POLICIES
 from pagedkv.memory.prefix_index import PREFIX_INDEXES
@@ -34,7 +35,7 @@ _ARGPARSE: dict[str, dict[str, Any]] = {
     "tokenizer": {"type": str},
     "revision": {"type": str},
     "download_dir": {"type": str},
-    "block_size": {"type": int},
+    "block_size": {"type": parse_block_size, "metavar": "N|auto"},
     "enable_prefix_caching": _SWITCH,
     "kv_cache_memory": {"type": _size},
     "num_kv_blocks": {"type": int},
@@ -136,7 +137,8 @@ def _values(keywords: dict[str, Any]) -> str:
         return "switch (`--no-` form)"
     if keywords.get("action") == "append":
         return f"`{keywords['metavar']}`, repeatable"
-    kind = {int: "integer", float: "number", str: "text", _size: "bytes or a size"}[keywords["type"]]
+    kind = {int: "integer", float: "number", str: "text", _size: "bytes or a size",
+            parse_block_size: "integer or auto"}[keywords["type"]]
     metavar = keywords.get("metavar")
     return f"`{metavar}` ({kind})".replace("|", "\\|") if metavar else kind
 

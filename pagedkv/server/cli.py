@@ -18,6 +18,7 @@ import os
 import sys
 
 from pagedkv import envs
+from pagedkv.block_size import AUTO
 from pagedkv.engine.flags import add_engine_arguments, engine_options
 from pagedkv.server.cors import add_cors_arguments
 from pagedkv.server.limits import CONNECTION_HELP, LIMIT_HELP, ConnectionLimits, RequestLimits
@@ -107,6 +108,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="sampling defaults over the model's generation_config.json, as vLLM's: e.g. "
                         "'{\"max_new_tokens\": 512, \"temperature\": 0.6}'")
     add_engine_arguments(p.add_argument_group("engine"))
+    # A server runs on one device for a long time: the block size fitted to its model, context and
+    # kernels (logged with its reason) pays there; the Python API keeps a fixed 16 (docs/block_size.md).
+    p.set_defaults(block_size=AUTO)
     add_vllm_flags(p)  # last: vLLM's flags pagedkv lacks, as no-ops with a warning or refused
 
 

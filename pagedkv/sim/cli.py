@@ -101,6 +101,7 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def add_size_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``size`` on an ``argparse`` subparsers object; returns the new parser."""
+    from pagedkv.block_size import AUTO, DEVICE_KINDS, parse_block_size
     from pagedkv.model_shape import KV_DTYPE_BYTES, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
     from pagedkv.sim.presets import PRESETS
 
@@ -116,8 +117,12 @@ def add_size_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--reserved-fraction", type=float, default=0.10,
                    help="device memory kept for activations, graphs and the runtime")
     p.add_argument("--kv-dtype", default="fp16", help=", ".join(KV_DTYPE_BYTES))
-    p.add_argument("--block-size", type=int, default=16,
-                   help=f"tokens per KV block, {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE} (the engine's bounds)")
+    p.add_argument("--block-size", type=parse_block_size, default=AUTO,
+                   help=f"tokens per KV block, {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE} (the engine's bounds), or auto "
+                        f"(default): the size `pagedkv serve` picks for this model, --max-len and --device")
+    p.add_argument("--device", default="auto", choices=("auto", *DEVICE_KINDS),
+                   help="the device --block-size auto chooses for (its row of pagedkv/block_size_table.json); "
+                        "auto: cuda where an NVIDIA driver is loaded, else cpu")
     p.add_argument("--max-len", type=int, help="max context (default: the model's)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--max-waste", type=float, default=0.02,
@@ -153,12 +158,38 @@ def run_size(args: argparse.Namespace) -> int:
     try:
         spec = load_model_spec(args.model)
         shape = resolve_shape(args.dataset, args.prompt_len, args.output_len)
-        result = size_kv_cache(spec, _sizing_inputs(args, args.block_size), shape)
+        block_size, note = _block_size(args, spec)
+        result = size_kv_cache(spec, _sizing_inputs(args, block_size), shape)
     except ValueError as exc:
         print(f"pagedkv size: error: {exc}", file=sys.stderr)
         return 2
+    result.block_size_choice = note
     print(json.dumps(result.as_dict(), indent=2) if args.json else size_table(result))
     return 0
+
+
+def _block_size(args: argparse.Namespace, spec: Any) -> tuple[int, str]:
+    """``--block-size`` resolved as the engine resolves ``block_size`` (``auto``: the same
+    :func:`choose_block_size` call, for --device and the max length), with the choice's reason or
+    an explicit size's warning ("" when none)."""
+    from pagedkv.block_size import Device, block_size_warning, check_block_size_setting, choose_block_size, is_auto
+
+    setting = check_block_size_setting(args.block_size, "--block-size")
+    max_len = args.max_len or spec.max_position_embeddings
+    device = Device(local_device_kind() if args.device == "auto" else args.device)
+    if is_auto(setting):
+        choice = choose_block_size(spec, max_len, device)
+        return choice.block_size, str(choice)
+    assert isinstance(setting, int)
+    return setting, f"warning: {warning}" if (warning := block_size_warning(setting, max_len, device)) else ""
+
+
+def local_device_kind() -> str:
+    """``cuda`` where an NVIDIA driver is loaded, else ``cpu``: what the engine's ``device="auto"``
+    finds with a CUDA build of torch (this tool imports no torch)."""
+    from pathlib import Path
+
+    return "cuda" if Path("/proc/driver/nvidia/version").exists() else "cpu"
 
 
 def _capacity(args: argparse.Namespace) -> int:

@@ -165,9 +165,28 @@ class PolicyResult:
     evictions: int
     cow_copies: int
     tenants: dict[str, TenantResult] | None = None
+    # block resizing (merge / vtail, sim/resizing.py): token slots copied, and tokens decode
+    # attention read; 0 for the other policies
+    resize_copies: int = 0
+    attended_tokens: int = 0
+
+    @property
+    def copy_cost(self) -> float | None:
+        """The resizing copies' time as a share of decode attention's KV reads (``2 * copies /
+        attended``: a copy reads and writes each token; sim/resizing.py); None without copies
+        counted."""
+        return 2 * self.resize_copies / self.attended_tokens if self.attended_tokens else None
+
+    @property
+    def net_concurrency(self) -> float | None:
+        """``saturated_concurrency`` less the copies' share: the sequences the memory holds,
+        net of the modelled time of the copies (docs/block_size.md)."""
+        if self.saturated_concurrency is None:
+            return None
+        return self.saturated_concurrency * (1 - (self.copy_cost or 0.0))
 
     def as_dict(self) -> dict[str, object]:
-        return asdict(self)
+        return {**asdict(self), "copy_cost": self.copy_cost, "net_concurrency": self.net_concurrency}
 
 
 class MetricsAccumulator:
@@ -229,4 +248,5 @@ class MetricsAccumulator:
             throughput=completed / steps if steps else 0.0,
             prefix_hit_rate=hit_rate,
             evictions=counters.get("evictions", 0), cow_copies=counters.get("cow_copies", 0),
+            resize_copies=counters.get("resize_copies", 0), attended_tokens=counters.get("attended_tokens", 0),
             tenants=tenants.result(spec.prefix) if tenants is not None else None)

@@ -12,6 +12,11 @@ Names (``--policies``, comma-separated):
                         caching, ``+cow`` forks parallel samples and beams from the prompt
                         (copy-on-write) instead of giving each its own copy. Without ``@B`` the
                         policy runs once per ``--block-sizes`` entry.
+    merge[@G-L]         merge-on-fragmentation: blocks of L, a sequence's under-used last block
+                        split into blocks of G (copied) when the pool's waste passes 10%, merged
+                        back (copied) once full (default 16-64; ``pagedkv/sim/resizing.py``)
+    vtail[@G-L]         variable-size tail block: full blocks of L and one tail of G, 2G ... L,
+                        copied up as it grows (default 16-64)
 
 Tenant KV quotas (``tenant_quotas``, ``default_tenant_quota``) apply to the paged policies only:
 contiguous and buddy reservations have no prefix cache to isolate and ignore tenants.
@@ -26,25 +31,31 @@ from pagedkv.sim.buddy import BuddyAllocator
 from pagedkv.sim.contiguous import ExtentAllocator, ReservationPolicy
 from pagedkv.sim.memory_policy import MemoryPolicy
 from pagedkv.sim.paged import PagedPolicy
+from pagedkv.sim.resizing import RESIZE_KINDS, ResizingPolicy
 from pagedkv.sim.workload import Request
 
 RESERVATION_KINDS = ("contiguous-max", "contiguous-oracle", "buddy")
 PAGED_OPTIONS = ("prefix", "cow")
 DEFAULT_POLICIES = "contiguous-max,contiguous-oracle,buddy,paged,paged+prefix@16,paged+cow@16"
 DEFAULT_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DEFAULT_RESIZE_SIZES = (16, 64)  # (G, L) of merge / vtail without @G-L
 
 
 @dataclass(frozen=True, slots=True)
 class PolicySpec:
-    """One policy to simulate: ``kind`` is a reservation kind or ``paged``."""
+    """One policy to simulate: ``kind`` is a reservation kind, ``paged``, or a resizing kind
+    (``merge``, ``vtail``: blocks of ``block_size`` and granules of ``small``)."""
 
     kind: str
     block_size: int | None = None
     prefix: bool = False
     cow: bool = False
+    small: int | None = None
 
     @property
     def name(self) -> str:
+        if self.kind in RESIZE_KINDS:
+            return f"{self.kind}@{self.small}-{self.block_size}"
         if self.kind != "paged":
             return self.kind
         return "paged" + "+prefix" * self.prefix + "+cow" * self.cow + f"@{self.block_size}"
@@ -76,12 +87,16 @@ def parse_policies(text: str, block_sizes: tuple[int, ...]) -> list[PolicySpec]:
         if entry in RESERVATION_KINDS:
             specs.append(PolicySpec(entry))
             continue
+        if entry.partition("@")[0] in RESIZE_KINDS:
+            specs.append(_resize_spec(entry))
+            continue
         base, at, size_text = entry.partition("@")
         head, *options = base.split("+")
         if head != "paged" or any(o not in PAGED_OPTIONS for o in options) or \
                 len(set(options)) != len(options):
             raise ValueError(f"--policies: unknown policy {entry!r}; expected one of "
-                             f"{', '.join(RESERVATION_KINDS)} or paged[+prefix][+cow][@B]")
+                             f"{', '.join(RESERVATION_KINDS)}, paged[+prefix][+cow][@B], merge[@G-L] "
+                             f"or vtail[@G-L]")
         sizes = block_sizes
         if at:
             sizes = parse_block_sizes(size_text)
@@ -111,10 +126,29 @@ def build_policy(spec: PolicySpec, capacity: int, max_model_len: int, *,
     if spec.kind == "buddy":
         return ReservationPolicy(spec.name, BuddyAllocator(capacity), _final_len)
     assert spec.block_size is not None
+    if spec.kind in RESIZE_KINDS:
+        if len(kv_group_windows) > 1:
+            raise ValueError(f"--policies: {spec.name} models one KV group; a hybrid --model has "
+                             f"{len(kv_group_windows)} (compare paged@B there)")
+        assert spec.small is not None
+        return ResizingPolicy(spec.name, spec.kind, capacity, spec.small, spec.block_size, watermark=watermark)
     return PagedPolicy(spec.name, capacity, spec.block_size, prefix_caching=spec.prefix,
                        cow=spec.cow, watermark=watermark, eviction_policy=eviction_policy,
                        kv_group_windows=kv_group_windows, tenant_quotas=tenant_quotas,
                        default_tenant_quota=default_tenant_quota)
+
+
+def _resize_spec(entry: str) -> PolicySpec:
+    """``merge``, ``vtail@8-64`` -> a spec; ValueError names the entry and the form."""
+    kind, at, sizes = entry.partition("@")
+    small, large = DEFAULT_RESIZE_SIZES
+    if at:
+        lo, dash, hi = sizes.partition("-")
+        if not (dash and lo.isdigit() and hi.isdigit() and 1 <= int(lo) < int(hi) <= MAX_BLOCK_SIZE):
+            raise ValueError(f"--policies: {entry!r}: expected {kind}@G-L with 1 <= G < L <= {MAX_BLOCK_SIZE}, "
+                             f"e.g. {kind}@16-64")
+        small, large = int(lo), int(hi)
+    return PolicySpec(kind, large, small=small)
 
 
 def _final_len(request: Request) -> int:

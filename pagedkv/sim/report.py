@@ -32,6 +32,10 @@ def simulate_table(results: Sequence[PolicyResult]) -> str:
              "-" if r.saturated_concurrency is None else f"{r.saturated_concurrency:.1f}",
              str(r.peak_concurrency), str(r.preemptions), _pct(r.prefix_hit_rate), str(r.steps),
              f"{r.throughput:.3f}"] for r in results]
+    if any(r.attended_tokens for r in results):  # block resizing ran: its copies and their cost
+        headers += ["copies", "copy cost", "net busy"]
+        for row, r in zip(rows, results):
+            row += [f"{r.resize_copies:,}", _pct(r.copy_cost), _num(r.net_concurrency)]
     return _table(headers, rows)
 
 
@@ -61,6 +65,7 @@ def size_table(result: SizingResult) -> str:
     pairs = [
         ("model", r.model),
         ("KV dtype / block size / TP", f"{r.kv_dtype} / {r.block_size} / {r.tp}"),
+        *([("block size", r.block_size_choice)] if r.block_size_choice else []),
         ("KV heads per rank", str(r.kv_heads_per_rank)),
         ("KV bytes per token" + (" in one group" if r.kv_groups else ""),
          f"{r.kv_bytes_per_token:,} ({format_bytes(r.kv_bytes_per_token)})"),

@@ -135,6 +135,9 @@ class SizingResult:
     kv_groups: str = ""
     seq_bytes_at_max_len: int = 0
     full_cache_seq_bytes_at_max_len: int = 0
+    # --block-size auto: the choice and its reason, as the engine logs it; an explicit size: its
+    # warning (pagedkv/block_size.py), or ""
+    block_size_choice: str = ""
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
