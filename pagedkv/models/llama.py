@@ -22,6 +22,7 @@ from torch import nn
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.moe import MoEMLP
 from pagedkv.models.rope import RotaryEmbedding, apply_rope
+from pagedkv.ops.fused import add_rms_norm, rope_qk, silu_mul
 
 
 class AttentionFn(Protocol):
@@ -59,6 +60,7 @@ class LlamaAttention(nn.Module):
         # qwen3: RMSNorm over each head of q and of k, before RoPE
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.native = False  # set by the runner where the native kernels are loaded: fused RoPE
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
                 ) -> torch.Tensor:
@@ -68,8 +70,11 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:  # k_norm is set with q_norm (qk_norm): not tested again on the hot path
             qkv = torch.cat((self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h:h + kvh]),  # type: ignore[misc]
                              qkv[:, h + kvh:]), dim=1)
-        qk = apply_rope(qkv[:, : h + kvh], cos, sin)  # q and k rotated in one op
-        q, k = qk[:, :h], qk[:, h:]
+        if self.native:  # one pass (ops/fused.py): q out contiguous, k rotated in place in qkv
+            q, k = rope_qk(qkv, cos, sin, h, kvh, True)
+        else:
+            qk = apply_rope(qkv[:, : h + kvh], cos, sin)  # q and k rotated in one op
+            q, k = qk[:, :h], qk[:, h:]
         v = qkv[:, h + kvh:]
         out = attention(self.layer_idx, q, k, v)  # [T, H, d]
         return self.o_proj(out.reshape(t, h * self.head_dim))
@@ -82,9 +87,12 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # GeGLU (gemma) instead of SwiGLU
+        self.native = False  # set by the runner where the native kernels are loaded: fused SiLU x up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * I]
+        if self.native and not self.gelu:  # one pass, no [T, I] temporary (ops/fused.py)
+            return self.down_proj(silu_mul(gate_up, True))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj(act.mul_(up))  # in place: no second [T, I] temporary
@@ -102,8 +110,14 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
                 ) -> torch.Tensor:
         # the sublayers return fresh tensors, so adding the residual in place into them is safe
-        x = self.self_attn(self.input_layernorm(x), cos, sin, attention).add_(x)
-        return self.mlp(self.post_attention_layernorm(x)).add_(x)
+        h = self.self_attn(self.input_layernorm(x), cos, sin, attention)
+        norm = self.post_attention_layernorm
+        if norm.native:  # the residual add and the norm after it in one pass (ops/fused.py)
+            h, x = add_rms_norm(h, x, norm.weight, norm.eps, True)
+        else:
+            x = h.add_(x)
+            h = norm(x)
+        return self.mlp(h).add_(x)
 
 
 class GemmaDecoderLayer(nn.Module):

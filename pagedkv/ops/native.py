@@ -31,6 +31,7 @@ from pagedkv.progress import phase
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp", Path(__file__).parent / "csrc" / "quant_matmul.cpp"]
+_SOURCES.append(Path(__file__).parent / "csrc" / "fused_ops.cpp")  # rope_qk, silu_mul, add_rms_norm (ops/fused.py)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}

@@ -18,7 +18,7 @@ from pagedkv.lora.adapter import LoRAWeights
 from pagedkv.lora.layers import LoRAStack, apply_lora
 from pagedkv.model_shape import KVGroup
 from pagedkv.models.config import ModelConfig
-from pagedkv.models.llama import LlamaForCausalLM, RMSNorm
+from pagedkv.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm
 from pagedkv.models.loader import LoadedModel
 from pagedkv.models.packed_linear import pack_lm_head as pack_head
 from pagedkv.models.packed_linear import transpose_wide_linears
@@ -251,7 +251,7 @@ class ModelRunner:
             self.rotation = self.rotation.to(self.device)
         if self.native_attention:
             for module in net.modules():
-                if isinstance(module, RMSNorm):
+                if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP)):  # fused ops (ops/fused.py)
                     module.native = True
         self.lora: LoRAStack | None = apply_lora(net, max_loras, max_lora_rank) if max_loras else None
 
