@@ -26,7 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-MEDIUMS = {"device": "GPU", "host": "CPU", "disk": "DISK"}  # vLLM's names (the "GPU" may be a CPU here)
+MEDIUMS = {"device": "GPU", "host": "CPU", "disk": "DISK",  # vLLM's names (the "GPU" may be a CPU here)
+           "remote": "REMOTE"}  # a server shared by replicas (memory/tiers/remote.py)
 
 
 @dataclass(frozen=True, slots=True)

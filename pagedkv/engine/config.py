@@ -12,6 +12,7 @@ from pagedkv.engine.faults import FaultSpec
 from pagedkv.memory import EVICTION_POLICIES
 from pagedkv.memory.prefix_index import PREFIX_INDEXES
 from pagedkv.memory.tenant_ledger import check_fraction, parse_quotas
+from pagedkv.memory.tiers.remote_store import check_url
 from pagedkv.model_shape import KV_CACHE_DTYPES
 from pagedkv.speculative.config import SpeculativeConfig
 from pagedkv.units import parse_bytes
@@ -80,6 +81,12 @@ class EngineConfig:
         "docs/kv_tiers.md)")})
     kv_offload_disk_size: str | int | None = field(default=None, metadata={"help": (
         "size of the disk tier, e.g. 20GiB (default 20GiB; needs kv_offload_dir)")})
+    kv_remote_url: str | None = field(default=None, repr=False, metadata={"help": (
+        "a KV tier shared by every replica, below the disk (or host) tier: redis://[USER:PASSWORD@]HOST:PORT[/DB] "
+        "(rediss:// for TLS) of a Redis 7 or Valkey server; blocks one replica computed, the others load "
+        "instead of recomputing (needs the redis extra: pip install 'pagedkv[redis]'; docs/kv_tiers.md)")})
+    kv_remote_key_prefix: str = field(default="pagedkv:", metadata={"help": (
+        "start of every key the remote tier writes, to share one server among deployments")})
     max_num_seqs: int = field(default=64, metadata={"help": "most sequences in one batch"})
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "most tokens in one step (chunked prefill)"})
     max_step_time_s: float = field(default=1.5, metadata={"help": (
@@ -242,6 +249,17 @@ class EngineConfig:
             if not self.enable_prefix_caching:
                 raise ValueError("the disk tier (kv_offload_dir) holds prefix-cache blocks: it needs "
                                  "enable_prefix_caching")
+        if self.kv_remote_url is not None:
+            check_url(self.kv_remote_url)  # (the client library is imported when the tier opens)
+            if self.kv_offloading_size <= 0:
+                raise ValueError("the remote tier (kv_remote_url) loads blocks through the host tier: give "
+                                 "kv_offloading_size > 0 (GiB)")
+            if not self.enable_prefix_caching:
+                raise ValueError("the remote tier (kv_remote_url) shares prefix-cache blocks: it needs "
+                                 "enable_prefix_caching")
+        if not isinstance(self.kv_remote_key_prefix, str) or len(self.kv_remote_key_prefix) > 256:
+            raise ValueError(f"kv_remote_key_prefix must be a string of at most 256 characters, got "
+                             f"{self.kv_remote_key_prefix!r:.80}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         _one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)

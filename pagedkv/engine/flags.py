@@ -43,6 +43,8 @@ _ARGPARSE: dict[str, dict[str, Any]] = {
     "swap_space": {"type": float},
     "kv_offload_dir": {"type": str},
     "kv_offload_disk_size": {"type": _size},
+    "kv_remote_url": {"type": str, "metavar": "URL"},
+    "kv_remote_key_prefix": {"type": str},
     "max_num_seqs": {"type": int},
     "max_num_batched_tokens": {"type": int},
     "max_step_time_s": {"type": float, "metavar": "SECONDS"},

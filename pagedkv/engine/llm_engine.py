@@ -26,7 +26,7 @@ from pagedkv.engine.faults import FaultInjectingScheduler, FaultInjector, instal
 from pagedkv.engine.grammar_compiler import CompiledGrammar, GrammarLimits
 from pagedkv.engine.input_processor import InputProcessor, PromptInput, TokenizedPrompt
 from pagedkv.engine.kv_quality import KVQuantGuard, max_quant_error
-from pagedkv.engine.kv_tiers import TierMover, disk_write_queue, open_disk_store
+from pagedkv.engine.kv_tiers import TierMover, disk_write_queue, open_disk_store, remote_tiers
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
 from pagedkv.engine.scheduler_output import ScheduledSeq, SchedulerOutput, StepResult
@@ -38,6 +38,7 @@ from pagedkv.engine.structured_output import GrammarError, GrammarState, Structu
 from pagedkv.kv_events import KVEvent
 from pagedkv.lora.request import LoRARequest
 from pagedkv.memory import KVCacheManager
+from pagedkv.memory.tiers.costs import TierCosts
 from pagedkv.models.tokenizer import Tokenizer
 from pagedkv.outputs import RequestOutput
 from pagedkv.runner.batch import SeqChunk
@@ -79,8 +80,11 @@ class LLMEngine:
         if config.kv_offload_dir is not None and runner.num_host_blocks == 0:
             raise ValueError("the disk tier (kv_offload_dir) reads blocks back through the host tier, "
                              "which has no blocks: give a larger kv_offloading_size")
+        costs = TierCosts(B)  # (the remote tier decides with the manager's costs)
+        remote = remote_tiers(config, runner, self.model_name, model_identity, costs)
         disk = open_disk_store(config, runner, self.model_name, model_identity)
-        self.kv = KVCacheManager(runner.num_blocks, B, num_host_blocks=runner.num_host_blocks,
+        self.kv = KVCacheManager(runner.num_blocks, B, num_host_blocks=runner.num_host_blocks, costs=costs,
+                                 more_tiers=remote,
                                  enable_prefix_caching=config.enable_prefix_caching,
                                  eviction_policy=config.eviction_policy, watermark=config.watermark,
                                  prefix_index=config.prefix_index, offload_to_host=True, disk=disk,

@@ -520,7 +520,12 @@ class KVCacheManager:
                              f"({seq.num_computed} computed, {len(seq.token_ids)} known, {slots} slots)")
         seq.num_computed = n
         if self.enable_prefix_caching and n // self.block_size > seq.num_cached_blocks:
+            start = seq.num_cached_blocks
             self.prefix.cache_full_blocks(seq)
+            if self.lower_tiers:  # a tier shared by replicas writes blocks as they become cached
+                blocks, end = self.pool.blocks, seq.num_cached_blocks
+                self.lower_tiers.on_cached([blocks[t[i]] for t in seq.tables for i in range(start, end)
+                                            if t[i] != RELEASED and blocks[t[i]].block_hash is not None])
         if self._sliding:  # cached first: a released block stays cached-free
             self.released_blocks += release_out_of_window(self.pool, seq, self.groups, self.block_size)
 

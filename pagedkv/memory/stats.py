@@ -58,6 +58,22 @@ class KVStats:
     disk_blocked_writes: int = 0  # blocks not written: their path was taken (writing goes on)
     disk_queue_depth: int = 0  # blocks waiting for the disk writer
     disk_writes_dropped: int = 0  # evicted blocks not written: the queue was full
+    # The remote tier, a server shared by replicas (0 / False without one); bytes are whole values
+    remote_enabled: bool = False
+    remote_connected: bool = False  # its last round trip worked (False while backing off)
+    remote_query_tokens: int = 0  # prompt tokens looked up there (past every local tier)
+    remote_hit_tokens: int = 0  # tokens read from it into the host tier (then reloaded from there)
+    remote_blocks_read: int = 0
+    remote_blocks_written: int = 0
+    remote_bytes_read: int = 0
+    remote_bytes_written: int = 0
+    remote_already_present: int = 0  # writes skipped: the server had the block (another replica's)
+    remote_misses: int = 0  # blocks read that the server no longer had (evicted, flushed)
+    remote_corrupt_discarded: int = 0  # values that failed a check (checksum, version, key, size): deleted
+    remote_errors: int = 0  # failed round trips: the server down, slow or refusing (blocks recomputed)
+    remote_reconnects: int = 0
+    remote_queue_depth: int = 0  # blocks waiting for the remote writer
+    remote_writes_dropped: int = 0  # blocks not written: the queue was full or the server unreachable
     # Per-tenant quotas (empty when off): {tenant: (blocks held, of them cached-free, limit or None)}
     tenants: dict[str, tuple[int, int, int | None]] = field(default_factory=dict)
     tenant_quota_waits: dict[str, int] = field(default_factory=dict)  # allocations a quota refused
@@ -87,17 +103,23 @@ class KVStats:
 
     @property
     def tier_hit_tokens(self) -> dict[str, int]:
-        """Prompt tokens found in each tier (disk hits are reloaded through the host tier and
-        counted there too)."""
-        return {"device": self.prefix_hit_tokens - self.host_hit_tokens, "host": self.host_hit_tokens,
+        """Prompt tokens found in each tier (disk and remote hits are reloaded through the host
+        tier and counted there too; "remote" only with a remote tier)."""
+        hits = {"device": self.prefix_hit_tokens - self.host_hit_tokens, "host": self.host_hit_tokens,
                 "disk": self.disk_hit_tokens}
+        if self.remote_enabled:
+            hits["remote"] = self.remote_hit_tokens
+        return hits
 
     @property
     def tier_miss_tokens(self) -> dict[str, int]:
         """Prompt tokens each tier was asked for and did not have (nor did a tier above it)."""
         device = self.prefix_query_tokens - (self.prefix_hit_tokens - self.host_hit_tokens)
-        return {"device": device, "host": max(device - self.host_hit_tokens, 0),
-                "disk": max(self.disk_query_tokens - self.disk_hit_tokens, 0)}
+        misses = {"device": device, "host": max(device - self.host_hit_tokens, 0),
+                  "disk": max(self.disk_query_tokens - self.disk_hit_tokens, 0)}
+        if self.remote_enabled:
+            misses["remote"] = max(self.remote_query_tokens - self.remote_hit_tokens, 0)
+        return misses
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -263,7 +263,7 @@ class EngineStatsCollector(Collector):
 
 
     def _tier_metrics(self, s: Any, kv: Any, gauge, counter) -> Iterator[Metric]:
-        """Per-tier hits and misses, the disk tier's I/O and the reload-or-recompute decisions."""
+        """Per-tier hits and misses, the disk and remote tiers' I/O and the reload-or-recompute decisions."""
         def per_tier(name: str, doc: str, values: dict[str, int]) -> CounterMetricFamily:
             c = CounterMetricFamily(f"pagedkv_{name}", doc, labels=["model_name", "tier"])
             for tier, v in values.items():
@@ -280,10 +280,6 @@ class EngineStatsCollector(Collector):
             yield gauge("kv_disk_blocks", "Blocks stored in the disk tier.", kv.disk_blocks)
             yield gauge("kv_disk_bytes_used", "Bytes of block files in the disk tier.", kv.disk_bytes_used)
             yield gauge("kv_disk_capacity_bytes", "Size of the disk tier.", kv.disk_capacity_bytes)
-            yield per_tier("kv_tier_bytes_written", "Bytes written to a KV tier below the device.",
-                           {"disk": kv.disk_bytes_written})
-            yield per_tier("kv_tier_bytes_read", "Bytes read from a KV tier below the device.",
-                           {"disk": kv.disk_bytes_read})
             yield gauge("kv_offload_queue_depth", "Blocks waiting for the disk writer.", kv.disk_queue_depth)
             yield counter("kv_disk_writes_dropped", "Evicted blocks not written to disk: the queue was full.",
                           kv.disk_writes_dropped)
@@ -293,6 +289,35 @@ class EngineStatsCollector(Collector):
                           kv.disk_read_errors)
             yield counter("kv_disk_write_errors", "Disk tier writes that failed (writing stops).",
                           kv.disk_write_errors)
+        remote = getattr(kv, "remote_enabled", False)
+        written = {**({"disk": kv.disk_bytes_written} if kv.disk_capacity_bytes else {}),
+                   **({"remote": kv.remote_bytes_written} if remote else {})}
+        if written:
+            yield per_tier("kv_tier_bytes_written", "Bytes written to a KV tier below the device.", written)
+            yield per_tier("kv_tier_bytes_read", "Bytes read from a KV tier below the device.",
+                           {**({"disk": kv.disk_bytes_read} if kv.disk_capacity_bytes else {}),
+                            **({"remote": kv.remote_bytes_read} if remote else {})})
+        if remote:  # a server shared by replicas (its URL is never shown: it may hold a password)
+            yield gauge("kv_remote_connected", "1 while the remote tier's server answers (0 while backing off).",
+                        kv.remote_connected)
+            yield gauge("kv_remote_queue_depth", "Blocks waiting for the remote tier's writer.", kv.remote_queue_depth)
+            yield counter("kv_remote_blocks_written", "Blocks this replica wrote to the remote tier.",
+                          kv.remote_blocks_written)
+            yield counter("kv_remote_blocks_read", "Blocks read from the remote tier (written by any replica).",
+                          kv.remote_blocks_read)
+            yield counter("kv_remote_already_present", "Remote writes skipped: the server had the block.",
+                          kv.remote_already_present)
+            yield counter("kv_remote_writes_dropped", "Blocks not written to the remote tier: its queue was full "
+                          "or the server unreachable.", kv.remote_writes_dropped)
+            yield counter("kv_remote_misses", "Remote reads of blocks the server no longer had (evicted, "
+                          "flushed).", kv.remote_misses)
+            yield counter("kv_remote_corrupt_discarded", "Remote values that failed a check (checksum, format "
+                          "version, key, size) and were deleted (their tokens recomputed).",
+                          kv.remote_corrupt_discarded)
+            yield counter("kv_remote_errors", "Remote tier round trips that failed: the server down, slow or "
+                          "refusing (blocks recomputed or not written).", kv.remote_errors)
+            yield counter("kv_remote_reconnects", "Times the remote tier's server answered again after failing.",
+                          kv.remote_reconnects)
         costs = getattr(s, "tier_costs", None)
         if costs:
             decisions = CounterMetricFamily(

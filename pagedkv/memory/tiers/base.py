@@ -2,16 +2,18 @@
 
 The prefix cache is a stack of tiers, fastest first::
 
-    device pool  ->  host tier  ->  disk tier  ->  (a store shared by replicas: one more class)
-    BlockPool        HostTier       DiskTier
-                     tiers/host.py  tiers/disk.py (over tiers/disk_store.py)
+    device pool  ->  host tier  ->  disk tier  ->  remote tier (a Redis server shared by replicas)
+    BlockPool        HostTier       DiskTier         RemoteTier
+                     tiers/host.py  tiers/disk.py    tiers/remote.py (over tiers/remote_store.py)
+                                    (disk_store.py)
 
 A cached device block that is evicted is offered to every lower tier (``offer``); each keeps it
 or not by its own rules. A prompt whose hash chain continues below the device is served from
 the tier that holds it: the host tier's blocks are reloaded straight into device blocks while
 the prompt is admitted (its admission verbs: ``HostTier.match`` / ``hold`` / ``reload``); a
 deeper tier first loads them into the tier above it, in the background, while the prompt waits
-(``prepare_load``, then ``complete_loads`` on a later step). The bytes move in the runner, before
+(``prepare_load``, then ``complete_loads`` on a later step). A tier shared by replicas also hears
+of each block as it becomes cached (``on_cached``), to share it while it is hot. The bytes move in the runner, before
 the step's forward pass: each tier adds its copies to the step's ``TierCopies`` (``take_copies``)
 and is told when they are done, or failed (``finish_step``).
 
@@ -34,6 +36,7 @@ from pagedkv.memory.block_pool import BlockPool
 DEVICE = "device"
 HOST = "host"
 DISK = "disk"
+REMOTE = "remote"
 
 CopyPair = tuple[int, int]  # (source block id, destination block id)
 
@@ -47,7 +50,7 @@ class TierCopies:
 
     offloads: tuple[tuple[int, int], ...] = ()  # (device block, host block)
     reloads: tuple[tuple[int, int], ...] = ()  # (host block, device block)
-    to_disk: tuple[tuple[int, bytes], ...] = ()  # (device block, key)
+    to_disk: tuple[tuple[int, bytes], ...] = ()  # (device block, key): serialized for the disk or remote tier
     from_disk: tuple[tuple[int, bytes], ...] = ()  # (host block, payload)
 
 
@@ -97,6 +100,11 @@ class LowerTier(Protocol):
 
     def offer(self, block: Block) -> None:
         """A cached device block is being evicted: keep a copy of it, or not (this tier's rules)."""
+        ...
+
+    def on_cached(self, blocks: Sequence[Block]) -> None:
+        """Device blocks just became cached (full, computed): a tier shared by replicas lists them
+        to write now (``take_copies``), while they are hot; the others do nothing."""
         ...
 
     def take_copies(self, copies: StepCopies) -> None:

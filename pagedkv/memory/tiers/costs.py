@@ -5,7 +5,7 @@ steps, seconds per block of its host copies (down: swap-outs and offloads; up: s
 reloads) and of the disk tier's reads. Each figure is an exponential moving average. The memory
 core and the scheduler ask:
 
-- ``reload_cheaper(tier, blocks)``: load a prefix found in ``tier`` ("host" or "disk") rather
+- ``reload_cheaper(tier, blocks)``: load a prefix found in ``tier`` ("host", "disk" or "remote") rather
   than recompute its tokens? Reading from disk also pays the host copy up.
 - ``swap_cheaper(blocks, tokens)``: preempt by swap (copy down now, up later) rather than by
   recompute (prefill the sequence's tokens again)?
@@ -22,6 +22,8 @@ from collections import Counter
 HOST_READ = "host_read"  # host -> device, seconds per block
 HOST_WRITE = "host_write"  # device -> host, seconds per block
 DISK_READ = "disk_read"  # a block file read and checked, seconds per block
+REMOTE_READ = "remote_read"  # a block read from the remote tier's server and checked, seconds per block
+_READS = {"disk": DISK_READ, "remote": REMOTE_READ}  # a lower tier's read, before the host copy up
 
 
 class TierCosts:
@@ -29,7 +31,8 @@ class TierCosts:
         self.block_size = block_size
         self.smoothing = smoothing
         self.prefill_s_per_token: float | None = None
-        self.s_per_block: dict[str, float | None] = {HOST_READ: None, HOST_WRITE: None, DISK_READ: None}
+        self.s_per_block: dict[str, float | None] = {HOST_READ: None, HOST_WRITE: None, DISK_READ: None,
+                                                     REMOTE_READ: None}
         self.decisions: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ measurements
@@ -46,11 +49,11 @@ class TierCosts:
 
     # ------------------------------------------------------------------ decisions
     def reload_cheaper(self, tier: str, blocks: int, *, record: bool = True) -> bool:
-        """Load ``blocks`` found in ``tier`` ("host" or "disk") instead of recomputing them.
+        """Load ``blocks`` found in ``tier`` ("host", "disk" or "remote") instead of recomputing them.
         ``record=False`` asks without counting the decision (the caller counts it with
         :meth:`record` once the answer was acted on)."""
         cost = self.s_per_block
-        read = cost[HOST_READ] if tier == "host" else _sum(cost[DISK_READ], cost[HOST_READ])
+        read = cost[HOST_READ] if tier == "host" else _sum(cost[_READS[tier]], cost[HOST_READ])
         prefill = self.prefill_s_per_token
         cheaper = read is None or prefill is None or read < self.block_size * prefill
         if record:
@@ -77,8 +80,8 @@ class TierCosts:
             "recompute_s_per_block": None if prefill is None else prefill * self.block_size}
         for what, cost in self.s_per_block.items():
             out[f"{what}_s_per_block"] = cost
-        for name in ("host_reload", "host_recompute", "disk_reload", "disk_recompute",
-                     "preempt_swap", "preempt_recompute"):
+        for name in ("host_reload", "host_recompute", "disk_reload", "disk_recompute", "remote_reload",
+                     "remote_recompute", "preempt_swap", "preempt_recompute"):
             out[f"decisions_{name}"] = self.decisions[name]
         return out
 

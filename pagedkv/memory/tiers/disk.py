@@ -134,6 +134,9 @@ class DiskTier:
         if not self.has(key) and not self.queue_full():
             self.to_disk.append((block.block_id, key))
 
+    def on_cached(self, blocks: Sequence[Block]) -> None:
+        """Nothing to do: blocks are written here when evicted (``offer``)."""
+
     def take_copies(self, copies: StepCopies) -> None:
         """This step's evicted blocks to write, handed over once; a new step begins."""
         copies.to_disk += self.to_disk

@@ -57,6 +57,23 @@ def block_file_size(key: bytes, payload: bytes) -> int:
 
 
 
+def block_head(key: bytes, payload: bytes) -> bytes:
+    """The header and key that go before ``payload`` in a block file (and in a remote tier's
+    value: ``tiers/remote_store.py`` stores the same bytes, so the format lives here once)."""
+    checksum = hashlib.blake2b(key, digest_size=32)
+    checksum.update(payload)
+    return HEADER.pack(MAGIC, LAYOUT_VERSION, len(key), len(payload), checksum.digest()) + key
+
+
+def unpack_block(key: bytes, data: bytes, payload_bytes: int | None = None) -> bytes:
+    """The payload of ``data``, a whole block (``block_head`` + payload) stored for ``key``;
+    raises CorruptBlock like ``check_block``."""
+    split = HEADER_SIZE + len(key)
+    payload = data[split:]
+    check_block(key, data[:split], payload, payload_bytes)
+    return payload
+
+
 def check_block(key: bytes, head: bytes, payload: bytes, payload_bytes: int | None = None) -> None:
     """Raise CorruptBlock unless ``head`` (header and key) and ``payload`` make a good block file
     for ``key``; ``payload_bytes``: the exact payload size the reader's blocks take (a file that

@@ -49,7 +49,6 @@ its key becomes visible only once the file is complete.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -70,13 +69,13 @@ from pagedkv.memory.tiers.disk_files import (
     HEADER_SIZE,
     LAYOUT_VERSION,
     LOCK_FILE,
-    MAGIC,
     MAX_KEY_BYTES,
     TMP_SUFFIX,
     BlockedPath,
     CorruptBlock,
     DiskTierError,
     block_file_size,
+    block_head,
     check_block,
     describe_change,
     is_block_file,
@@ -400,11 +399,8 @@ class DiskStore:
     def _write_block(self, key: bytes, payload: bytes) -> None:
         final = self._block_path(key)
         self._clear_way(final)
-        checksum = hashlib.blake2b(key, digest_size=32)
-        checksum.update(payload)
-        head = HEADER.pack(MAGIC, LAYOUT_VERSION, len(key), len(payload), checksum.digest()) + key
         try:
-            write_durably(final, self._tmp_path(final), (head, payload))
+            write_durably(final, self._tmp_path(final), (block_head(key, payload), payload))
         except (IsADirectoryError, NotADirectoryError) as e:  # taken since _clear_way looked
             raise BlockedPath(f"{final}: {e}") from e
 

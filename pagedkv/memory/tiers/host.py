@@ -61,6 +61,9 @@ class HostTier:
     def complete_loads(self, device: BlockPool) -> None:
         """Nothing in flight: a reload is listed as it is decided."""
 
+    def on_cached(self, blocks: Sequence[Block]) -> None:
+        """Nothing to do: blocks come here when evicted from the device (``offer``)."""
+
     def take_events(self) -> None:
         """Nothing queued: the host pool records its removals and this tier its stores as they happen."""
 

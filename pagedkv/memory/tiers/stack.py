@@ -12,7 +12,7 @@ reads, and the shutdown writes).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 from pagedkv.memory.block import Block
@@ -49,6 +49,11 @@ class TierStack:
             for tier in self.tiers:
                 tier.offer(block)
 
+    def on_cached(self, blocks: Sequence[Block]) -> None:
+        """Device blocks just became cached: every tier hears of them (a shared one writes them)."""
+        for tier in self.tiers:
+            tier.on_cached(blocks)
+
     def take_copies(self) -> TierCopies:
         """This step's copies between the tiers, handed over once (see ``TierCopies``)."""
         if not self.tiers:
@@ -73,7 +78,8 @@ class TierStack:
         """A one-group prompt's read-ahead; ``hashes``: its block hashes that could be hits. Past
         the run the device and the host tier hold, each tier below the host starts loading the run
         of the next blocks it holds, no more than the host tier has room for (more would evict the
-        chain's own first blocks). True while some are on their way (admit the prompt later)."""
+        chain's own first blocks); a tier further down is asked for the blocks past the run the
+        ones above it hold. True while some are on their way (admit the prompt later)."""
         host = self.host
         if host is None:
             return False
@@ -89,6 +95,8 @@ class TierStack:
         for tier in self.below_host:
             keys = window[:tier.lookup(window)]
             waiting |= tier.prepare_load(seq_id, keys, query_tokens, count)
+            window = window[len(keys):]
+            query_tokens -= len(keys) * block_size
         return waiting
 
     def complete_loads(self, device: BlockPool) -> None:

@@ -56,6 +56,9 @@ class RecordingTier:
     def offer(self, block: Block) -> None:
         self.calls.append(("offer", block.block_id))
 
+    def on_cached(self, blocks: Sequence[Block]) -> None:
+        self.calls.append(("on_cached", [b.block_id for b in blocks]))
+
     def take_copies(self, copies: StepCopies) -> None:
         self.calls.append(("take_copies",))
         copies.to_disk.append((99, b"remote"))
@@ -103,7 +106,7 @@ def test_host_and_disk_tiers_implement_the_one_protocol(tmp_path):
     try:
         tiers: list[LowerTier] = [host, disk, RecordingTier()]  # (mypy checks the structure)
         verbs = [name for name in vars(LowerTier) if not name.startswith("_")]
-        assert {"lookup", "holds", "prepare_load", "complete_loads", "offer", "take_copies", "finish_step",
+        assert {"lookup", "holds", "prepare_load", "complete_loads", "offer", "on_cached", "take_copies", "finish_step",
                 "take_events", "forget", "stats", "check_integrity"} <= set(verbs)
         for tier in tiers:
             for verb in verbs:
@@ -120,6 +123,7 @@ def test_the_stack_hands_each_verb_to_every_tier_in_order():
     assert list(stack) == [host, remote]
     stack.on_evict(_block(3, b"k3"), "lru")
     stack.on_evict(_block(4, b"k4"), DROPPED)  # its KV is not to be trusted: no tier copies it
+    stack.on_cached([_block(5, b"k5")])  # just cached on the device: a shared tier writes it now
     copies = stack.take_copies()
     assert isinstance(copies, TierCopies)
     assert copies.offloads == ((3, 0),) and copies.to_disk == ((99, b"remote"),)
@@ -129,7 +133,7 @@ def test_the_stack_hands_each_verb_to_every_tier_in_order():
     stack.complete_loads(BlockPool(2))
     assert stack.stats()["offloaded_blocks"] == 1 and "remote_calls" in stack.stats()
     stack.check_integrity()
-    assert remote.calls == [("offer", 3), ("take_copies",), ("finish_step", True), ("forget", "s"),
+    assert remote.calls == [("offer", 3), ("on_cached", [5]), ("take_copies",), ("finish_step", True), ("forget", "s"),
                             ("take_events",), ("complete_loads",), ("check_integrity",)]
     assert host.pool.cached.keys() == {b"k3"} and host.held == []
 
