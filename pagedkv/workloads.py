@@ -20,7 +20,8 @@ Length shapes (``NAMED_SHAPES``, ``--dataset``):
 
 Benchmark cases (``BENCHMARK_CASES``, all requests at once, see BENCHMARKS.md): ``case_a`` 1 x 128
 -> 128, ``case_b`` 32 x uniform 32..256 -> 128, ``case_c`` 64 x (one shared 512-token prefix + 32)
--> 128, and ``sharegpt``: 64 requests of the shape above.
+-> 128, ``case_d`` 32 x (one shared 2,048-token prefix + 32) -> 128, and ``sharegpt``: 64 requests
+of the shape above. Every prompt token is a seeded random id (``pagedkv.benchmark``).
 """
 
 from __future__ import annotations
@@ -195,5 +196,9 @@ BENCHMARK_CASES: dict[str, WorkloadConfig] = {
                              num_requests=32),
     "case_c": WorkloadConfig(WorkloadShape("case_c", _fixed(32), _fixed(128)), num_requests=64,
                              prefix_len=512),
+    # a long shared context (agents, RAG, long system prompts): 2,080-token prompts + 128 new
+    # tokens exceed the default 2,048, hence its own max_model_len
+    "case_d": WorkloadConfig(WorkloadShape("case_d", _fixed(32), _fixed(128)), num_requests=32,
+                             prefix_len=2048, max_model_len=4096),
     "sharegpt": WorkloadConfig(SHAREGPT, num_requests=64),
 }

@@ -50,6 +50,9 @@ def _old_definitions(vocab: int, seed: int) -> dict[str, tuple[list[list[int]], 
     rng = random.Random(f"case_c-{seed}")
     shared = tokens(rng, 512)
     out["case_c"] = ([shared + tokens(rng, 32) for _ in range(64)], [128] * 64)
+    rng = random.Random(f"case_d-{seed}")  # added with issue 30: a 2,048-token shared prefix
+    shared = tokens(rng, 2048)
+    out["case_d"] = ([shared + tokens(rng, 32) for _ in range(32)], [128] * 32)
     rng = random.Random(f"sharegpt-{seed}")
     prompts, news = [], []
     for _ in range(64):
@@ -85,3 +88,20 @@ def test_workload_module_does_not_import_torch() -> None:
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False"]
+
+
+def test_simulator_runs_a_benchmark_case(capsys: pytest.CaptureFixture[str]) -> None:
+    """``pagedkv simulate --case case_d`` replays the benchmark's own definition: its requests,
+    shared prefix and context length (2,080-token prompts need more than the default 2,048)."""
+    import json
+
+    from pagedkv.cli import main
+
+    assert main(["simulate", "--case", "case_d", "--quiet", "--json", "--policies", "paged+prefix",
+                 "--block-sizes", "16", "--kv-tokens", "12000"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    case = BENCHMARK_CASES["case_d"]
+    assert out["workload"]["num_requests"] == case.num_requests == 32
+    assert out["workload"]["mean_prompt_len"] == case.prefix_len + 32
+    assert out["max_model_len"] == case.max_model_len
+    assert out["workload"]["trace"].startswith("case_d")

@@ -8,13 +8,14 @@ the process exit code (2 and a one-line message on stderr for a bad argument).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
 import sys
 from typing import Any
 
-from pagedkv.workloads import NAMED_SHAPES, resolve_shape
+from pagedkv.workloads import BENCHMARK_CASES, NAMED_SHAPES, resolve_shape
 
 _DATASETS = [*NAMED_SHAPES, "custom"]
 
@@ -50,6 +51,9 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "prompt=DIST and output=DIST (as --prompt-len; prompt counts the tokens after the "
                         "system prompt; default: --dataset's); e.g. noisy:requests=48,every=60,burst=8,"
                         "prompt=fixed:400,output=fixed:48")
+    w.add_argument("--case", choices=list(BENCHMARK_CASES),
+                   help="a benchmark case of pagedkv.workloads (e.g. case_d: 32 requests sharing a 2,048-token "
+                        "prefix); replaces --dataset, --num-requests, --prefix-len and --max-model-len")
     w.add_argument("--num-requests", type=int, default=500)
     w.add_argument("--rate", type=float, default=math.inf,
                    help="Poisson arrivals in requests per step (default inf: all at step 0)")
@@ -243,6 +247,9 @@ def run_simulate(args: argparse.Namespace) -> int:
             rate=args.rate, clients=args.clients, think_steps=args.think_steps, turns=args.turns,
             prefix_len=args.prefix_len, num_prefixes=args.num_prefixes, n=args.n,
             beam_width=args.beam_width, seed=args.seed)
+        if args.case:  # the benchmark's own definition, with this run's seed
+            workload = dataclasses.replace(BENCHMARK_CASES[args.case], seed=args.seed)
+            shape, args.max_model_len = workload.shape, workload.max_model_len
         if args.tenants and args.trace:
             raise ValueError("--tenant and --trace: give one or the other (a trace names tenants in a column)")
         if args.tenants:
