@@ -2,7 +2,7 @@
 tests.
 
 The gguf package quantizes only Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 in Python; the K-quant tensors
-(Q4_K, Q5_K, Q6_K) are random blocks (any bytes are a valid block) with their fp16 scales set so
+(Q3_K, Q4_K, Q5_K, Q6_K) and IQ4_NL ones are random blocks (any bytes are a valid block) with their fp16 scales set so
 the values have the wanted spread."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB = 64, 2, 4, 2, 96, 128
 
 
 # fp16 fields of K-quant blocks (byte offset -> value before scaling): d, and dmin balancing the mean
-_K_FIELDS = {Q.Q4_K: {0: 1.0, 2: 7.5}, Q.Q5_K: {0: 1.0, 2: 15.5}, Q.Q6_K: {208: 1.0}}
+_K_FIELDS = {Q.Q4_K: {0: 1.0, 2: 7.5}, Q.Q5_K: {0: 1.0, 2: 15.5}, Q.Q6_K: {208: 1.0}, Q.IQ4_NL: {0: 1.0},
+            Q.Q3_K: {108: 1.0}}
 
 
 def _random_k_quant(shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType, std: float,

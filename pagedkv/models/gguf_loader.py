@@ -10,9 +10,12 @@ With quantization "none" every tensor is dequantized to float32 (``gguf.quants.d
 matrices (linear weights, LM head, embedding) can be written in pagedkv's 8-bit layout instead: int8
 values, float32 scales and, for types with a minimum, float32 offsets per 32 values
 (``models/weights.py`` names them). The types in ``gguf_quants.EXACT_TYPES`` (Q8_0, Q4_0, Q5_0, Q4_1,
-Q5_1, Q4_K, Q5_K) go there bit for bit. "auto" writes those and dequantizes every other matrix
-(Q6_K, Q2_K, Q3_K, IQ*, floats), so its values are the file's, as "none"'s; a fused module (q/k/v,
-gate/up) is 8-bit only when all its parts are. "q8_0" writes every matrix in the 8-bit layout,
+Q5_1, Q4_K, Q5_K) go there bit for bit. "auto" keeps the 4-, 5- and 6-bit types (Q4_0, Q4_1, Q4_K,
+IQ4_NL, Q5_0, Q5_1, Q5_K, Q6_K) at their own width instead (``gguf_quants.unpack_lowbit``; names
+in ``models/weights.py``), Q8_0 in the 8-bit layout, and dequantizes every other matrix (Q2_K,
+Q3_K, other IQ types, floats), so its values are the file's, as "none"'s; a fused module (q/k/v,
+gate/up) takes one layout holding all its parts (:func:`module_layout`), else is dequantized.
+"q8_0" writes every matrix in the 8-bit layout,
 requantizing the others (absmax / 127 per 32, lossy). The rest is float32. ``key`` hashes (path,
 size, mtime, converter version, quantization), so an edited file converts again and the choices
 never share a folder.
@@ -39,7 +42,7 @@ from pagedkv.model_shape import ModelShape, shape_from_gguf
 from pagedkv.models.config import ModelConfig, RopeConfig
 from pagedkv.models.errors import ModelLoadError, UnsupportedModelError
 from pagedkv.models.gguf_file import check_model_metadata, open_gguf
-from pagedkv.models.gguf_quants import EXACT_TYPES, unpack
+from pagedkv.models.gguf_quants import EXACT_TYPES, LOWBIT_TYPES, as_unsigned, unpack, unpack_lowbit
 from pagedkv.models.gguf_tokenizer import build_gguf_tokenizer
 from pagedkv.models.quant_linear import quantize_q8_0
 from pagedkv.models.weights import map_name
@@ -47,7 +50,7 @@ from pagedkv.paths import cache_root, file_key
 from pagedkv.progress import phase
 from pagedkv.weight_quant import Q8_0_GROUP, check_quantization
 
-CONVERTER_VERSION = "4"
+CONVERTER_VERSION = "5"
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")  # mistral GGUFs use the llama architecture
 _DONE = ".complete"
 
@@ -213,12 +216,43 @@ def _q8_0(t: Any, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndar
     return qt.numpy(), dt.numpy(), None
 
 
-def _kept_quantized(reader: Any, config: ModelConfig, arch: str, quantization: str) -> set[str]:
-    """The GGUF names of the matrices to write in the 8-bit layout (the module docstring): every one
-    whose input is a multiple of 32 for "q8_0"; for "auto" those of the modules (a fused q/k/v or
-    gate/up counts as one) whose parts all have an exact type; none for "none"."""
+def module_layout(types: list[str]) -> str | None:
+    """The layout that holds a module whose parts have GGUF ``types`` exactly under "auto": the
+    low-bit format of them all (Q4_0 beside Q4_1 / Q4_K is u4, Q5_0 beside Q5_1 / Q5_K u5: their
+    zero becomes an offset), else "q8_0" where all are exact in the 8-bit layout, else None (float)."""
+    if all(t in LOWBIT_TYPES for t in types):
+        fmts = {LOWBIT_TYPES[t] for t in types}
+        if len(fmts) == 1:
+            return fmts.pop()
+        for signed, unsigned in (("i4", "u4"), ("i5", "u5")):
+            if fmts <= {signed, unsigned}:
+                return unsigned
+    if all(t in EXACT_TYPES for t in types):
+        return "q8_0"
+    return None
+
+
+def _lowbit(t: Any, rows: int, fmt: str) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray | None]:
+    """(nibbles ``[rows, cols / 2]``, planes or None, scales, offsets or None) of GGUF tensor ``t``
+    in low-bit format ``fmt``, rows first."""
+    lb = unpack_lowbit(np.asarray(t.data), t.tensor_type.name)
+    if lb.format.name != fmt:
+        lb = as_unsigned(lb)
+    assert lb.format.name == fmt, (t.name, lb.format.name, fmt)  # module_layout chose a joinable format
+
+    def rowwise(a: np.ndarray | None) -> np.ndarray | None:
+        return None if a is None else a.reshape(rows, -1)
+    nibbles, scales = rowwise(lb.nibbles), rowwise(lb.scales)
+    assert nibbles is not None and scales is not None
+    return nibbles, rowwise(lb.planes), scales, rowwise(lb.offsets)
+
+
+def _kept_quantized(reader: Any, config: ModelConfig, arch: str, quantization: str) -> dict[str, str]:
+    """GGUF name -> layout ("q8_0" or a low-bit format) of the matrices kept quantized (the module
+    docstring): every one whose input is a multiple of 32 in "q8_0" for "q8_0"; for "auto" those
+    of the modules (a fused q/k/v or gate/up counts as one) with a :func:`module_layout`; none for "none"."""
     if quantization == "none":
-        return set()
+        return {}
     modules: dict[str, list[Any]] = {}
     for t in reader.tensors:
         name = hf_name(t.name, arch)
@@ -226,8 +260,12 @@ def _kept_quantized(reader: Any, config: ModelConfig, arch: str, quantization: s
             continue  # GGML lists dims innermost first: shape[0] is the input
         target = map_name(config, name)
         modules.setdefault(name if target is None else target.param, []).append(t)
-    return {t.name for parts in modules.values()
-            if quantization == "q8_0" or all(t.tensor_type.name in EXACT_TYPES for t in parts) for t in parts}
+    kept: dict[str, str] = {}
+    for parts in modules.values():
+        layout = "q8_0" if quantization == "q8_0" else module_layout([t.tensor_type.name for t in parts])
+        if layout is not None:
+            kept.update((t.name, layout) for t in parts)
+    return kept
 
 
 def _iter_tensors(reader: Any, config: ModelConfig, arch: str, quantization: str = "none"
@@ -244,6 +282,13 @@ def _iter_tensors(reader: Any, config: ModelConfig, arch: str, quantization: str
             heads = config.num_key_value_heads
         else:
             heads = None
+        if kept.get(t.name, "q8_0") != "q8_0":
+            fmt = kept[t.name]
+            for suffix, arr in zip(("", "_planes", "_scales", "_offsets"), _lowbit(t, shape[0], fmt)):
+                if arr is not None:
+                    arr = arr if heads is None else unpermute_rows(arr, heads)
+                    yield f"{name}_lb_{fmt}{suffix}", torch.from_numpy(np.ascontiguousarray(arr))
+            continue
         if t.name in kept:
             for suffix, arr in zip(("_q8_0", "_q8_0_scales", "_q8_0_offsets"), _q8_0(t, *shape)):
                 if arr is not None:
@@ -262,7 +307,7 @@ def has_exact_quantized_matrices(path: Path) -> bool:
 
     Reading a GGUF's header takes seconds (its vocabulary), so the answer is remembered in the
     cache, keyed by the file's (path, size, mtime)."""
-    stamp = cache_root() / "gguf" / f"{path.stem}-{file_key(path, 'matrix-types')}.json"
+    stamp = cache_root() / "gguf" / f"{path.stem}-{file_key(path, 'matrix-types-2')}.json"
     try:
         return bool(json.loads(stamp.read_text())["exact_quantized"])
     except (OSError, ValueError, KeyError):
@@ -271,7 +316,7 @@ def has_exact_quantized_matrices(path: Path) -> bool:
     arch = _field(reader, "general.architecture")
     types = {t.tensor_type.name for t in reader.tensors if (name := hf_name(t.name, arch)) is not None
              and _is_matrix(name)}
-    answer = bool(types & EXACT_TYPES)
+    answer = bool(types & (EXACT_TYPES | set(LOWBIT_TYPES)))
     try:
         stamp.parent.mkdir(parents=True, exist_ok=True)
         stamp.write_text(json.dumps({"path": str(path), "matrix_types": sorted(types), "exact_quantized": answer}))
@@ -405,4 +450,4 @@ def converted_folder(path: Path, quantization: str = "none") -> Path:
 
 
 __all__ = ["converted_folder", "convert_gguf", "gguf_config", "has_exact_quantized_matrices", "hf_name",
-           "tokenizer_folder", "unpermute_rows"]
+           "module_layout", "tokenizer_folder", "unpermute_rows"]

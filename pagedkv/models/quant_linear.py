@@ -17,8 +17,20 @@ where the native kernels are built, else a plain-PyTorch path that dequantizes 2
 ``QuantEmbedding`` dequantizes only the rows it gathers; a tied LM head is a ``QuantLinear`` over
 the embedding's own tensors (no second copy).
 
+The same modules hold the low-bit layouts (``fmt`` one of ``weight_quant.LOWBIT_FORMATS``: GGUF's
+4-, 5- and 6-bit types at their own width, ``models/gguf_quants.py``)::
+
+    qweight row n:  | 16 bytes: values 0..15 low, 16..31 high | ...   uint8, K / 2 bytes
+    planes row n:   | P x 4 bytes: bit j = value j's bit 4 + p | ...   uint8, K / 8 * P bytes (None: P = 0)
+    scales row n:   | one float32 per 32 (per 16 for Q6_K) ...
+    offsets row n:  | one float32 per 32, or no tensor
+
+run by ``torch.ops.pagedkv.lowbit_linear`` (``ops/csrc/lowbit_matmul.cpp``: registers, no float
+copy of the weight at batch 1; dequantized tiles and the BLAS matmul for many rows), else the
+plain-PyTorch path, which dequantizes 256 rows at a time exactly as ``gguf`` does.
+
 The model code is untouched: ``build_model`` puts these modules where the checkpoint holds Q8_0
-tensors, and ``quantize_model`` swaps a float model's modules for them.
+or low-bit tensors, and ``quantize_model`` swaps a float model's modules for Q8_0 ones.
 """
 
 from __future__ import annotations
@@ -27,7 +39,9 @@ import torch
 from torch import nn
 
 from pagedkv.ops import native
-from pagedkv.weight_quant import Q8_0_GROUP
+from pagedkv.weight_quant import LOWBIT_FORMATS, Q8_0_GROUP, LowBitFormat
+
+FORMATS = ("q8_0", *LOWBIT_FORMATS)  # the ``fmt`` of QuantLinear / QuantEmbedding
 
 _FALLBACK_TILE = 256  # weight rows dequantized at a time by the plain-PyTorch path
 
@@ -57,6 +71,53 @@ def dequantize_q8_0(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.
     return w.view(n, k).to(dtype)
 
 
+_LUTS: dict[str, torch.Tensor] = {}  # format name -> its int8 lookup table (IQ4_NL)
+_BIT = torch.arange(8, dtype=torch.uint8)
+
+
+def _lut(fmt: LowBitFormat) -> torch.Tensor | None:
+    if fmt.lut is None:
+        return None
+    if fmt.name not in _LUTS:
+        _LUTS[fmt.name] = torch.tensor(fmt.lut, dtype=torch.int8)
+    return _LUTS[fmt.name]
+
+
+def dequantize_lowbit(qweight: torch.Tensor, planes: torch.Tensor | None, scales: torch.Tensor,
+                      offsets: torch.Tensor | None, fmt: str | LowBitFormat,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float weight ``[N, K]`` of a low-bit weight (any leading rows): ``scale * value + offset``
+    in float32, bit for bit GGUF's own dequantization of the type it holds."""
+    f = LOWBIT_FORMATS[fmt] if isinstance(fmt, str) else fmt
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    runs = qweight.view(n, k // Q8_0_GROUP, 16)
+    codes = torch.cat([runs & 0x0F, runs >> 4], dim=-1)  # [N, K / 32, 32] uint8
+    if planes is not None:
+        bits = ((planes.view(n, k // Q8_0_GROUP, f.planes, 4, 1) >> _BIT) & 1).view(n, k // Q8_0_GROUP, f.planes, 32)
+        for p in range(f.planes):
+            codes |= bits[:, :, p] << (4 + p)
+    lut = _lut(f)
+    values = lut.to(torch.float32)[codes.long()] if lut is not None else codes.to(torch.float32) - f.zero
+    w = values.view(n, k // f.group, f.group) * scales[..., None]
+    if offsets is not None:
+        w = w.view(n, k // Q8_0_GROUP, Q8_0_GROUP) + offsets[..., None]
+    return w.reshape(n, k).to(dtype)
+
+
+def _dequantize(module: QuantLinear | QuantEmbedding, rows: slice | torch.Tensor,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``module``'s float weight rows ``rows`` (a slice or a gather of row ids), in its format."""
+    def take(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
+    q, scales = take(module.qweight), take(module.scales)
+    assert q is not None and scales is not None  # buffers every module has
+    if module.fmt == "q8_0":
+        return dequantize_q8_0(q, scales, take(module.offsets), dtype)
+    return dequantize_lowbit(q, take(module.planes), scales, take(module.offsets), module.fmt, dtype)
+
+
 def q8_0_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                           offsets: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ W^T`` in plain PyTorch, dequantizing ``_FALLBACK_TILE`` weight rows at a time
@@ -70,22 +131,48 @@ def q8_0_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
     return out
 
 
-def _register(module: nn.Module, rows: int, cols: int, offsets: bool) -> None:
-    """The ``qweight``, ``scales`` and (None unless ``offsets``) ``offsets`` buffers of a Q8_0 module."""
+def _register(module: QuantLinear | QuantEmbedding, rows: int, cols: int, offsets: bool,
+              fmt: str = "q8_0") -> None:
+    """The ``qweight``, ``planes`` (None but for 5 and 6 bits), ``scales`` and (None unless
+    ``offsets``) ``offsets`` buffers of a module in format ``fmt`` (the module docstring)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"weight format must be one of {FORMATS}, got {fmt!r}")
     if cols % Q8_0_GROUP:
-        raise ValueError(f"Q8_0 needs in_features to be a multiple of {Q8_0_GROUP}, got {cols}")
-    module.register_buffer("qweight", torch.zeros(rows, cols, dtype=torch.int8))
-    module.register_buffer("scales", torch.zeros(rows, cols // Q8_0_GROUP))
+        raise ValueError(f"{fmt} needs in_features to be a multiple of {Q8_0_GROUP}, got {cols}")
+    module.fmt = fmt
+    if fmt == "q8_0":
+        module.register_buffer("qweight", torch.zeros(rows, cols, dtype=torch.int8))
+        module.register_buffer("planes", None)
+        module.register_buffer("scales", torch.zeros(rows, cols // Q8_0_GROUP))
+    else:
+        f = LOWBIT_FORMATS[fmt]
+        module.register_buffer("qweight", torch.zeros(rows, cols // 2, dtype=torch.uint8))
+        module.register_buffer("planes", torch.zeros(rows, cols // 8 * f.planes, dtype=torch.uint8)
+                               if f.planes else None)
+        module.register_buffer("scales", torch.zeros(rows, cols // f.group))
     module.register_buffer("offsets", torch.zeros(rows, cols // Q8_0_GROUP) if offsets else None)
 
 
-def _native_ok() -> bool:
-    return native.available()
+def _native_ok(fmt: str = "q8_0") -> bool:
+    if not native.available():
+        return False
+    # an extension built from older sources lacks the low-bit op: the plain-PyTorch path then
+    return fmt == "q8_0" or hasattr(torch.ops.pagedkv, "lowbit_linear")
+
+
+def lowbit_linear_reference(x: torch.Tensor, module: QuantLinear) -> torch.Tensor:
+    """``x [M, K] @ W^T`` for a low-bit ``module`` in plain PyTorch, ``_FALLBACK_TILE`` rows at a time."""
+    n = module.out_features
+    out = x.new_empty(x.shape[0], n)
+    for n0 in range(0, n, _FALLBACK_TILE):
+        n1 = min(n, n0 + _FALLBACK_TILE)
+        out[:, n0:n1] = x @ _dequantize(module, slice(n0, n1)).t()
+    return out
 
 
 class QuantLinear(nn.Module):
-    """``y = x W^T + b`` with ``W`` in Q8_0 (buffers ``qweight``, ``scales`` and ``offsets``, None
-    unless ``offsets``; see the module docstring).
+    """``y = x W^T + b`` with ``W`` in Q8_0 or, by ``fmt``, a low-bit layout (buffers ``qweight``,
+    ``planes``, ``scales`` and ``offsets``, None unless ``offsets``; see the module docstring).
 
     ``x`` may be any float dtype and shape ``[..., in_features]``; it is computed in float32 and
     the result returned in ``x``'s dtype. ``native`` None (default) uses the native kernel where it
@@ -93,15 +180,17 @@ class QuantLinear(nn.Module):
     """
 
     # buffers (see _register), declared so that their type is not nn.Module's __getattr__'s
-    qweight: torch.Tensor  # [out, in] int8
-    scales: torch.Tensor  # [out, in // 32]
+    qweight: torch.Tensor  # [out, in] int8 (q8_0) or [out, in // 2] uint8 (low-bit)
+    planes: torch.Tensor | None
+    scales: torch.Tensor  # [out, in // 32] (in // 16: i6)
     offsets: torch.Tensor | None
+    fmt: str
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 bias_dtype: torch.dtype = torch.float32, offsets: bool = False) -> None:
+                 bias_dtype: torch.dtype = torch.float32, offsets: bool = False, fmt: str = "q8_0") -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        _register(self, out_features, in_features, offsets)
+        _register(self, out_features, in_features, offsets, fmt)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=bias_dtype), requires_grad=False) if bias else None
         self.native: bool | None = None
 
@@ -120,47 +209,58 @@ class QuantLinear(nn.Module):
     @classmethod
     def sharing(cls, embedding: QuantEmbedding) -> QuantLinear:
         """The tied LM head: a QuantLinear over ``embedding``'s own tensors (no copy)."""
-        head = cls(embedding.embedding_dim, embedding.num_embeddings)
-        head.qweight, head.scales, head.offsets = embedding.qweight, embedding.scales, embedding.offsets
+        head = cls(embedding.embedding_dim, embedding.num_embeddings, fmt=embedding.fmt)
+        head.qweight, head.planes = embedding.qweight, embedding.planes
+        head.scales, head.offsets = embedding.scales, embedding.offsets
         return head
 
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized float32 weight ``[out, in]``: a fresh copy, for inspection only."""
-        return dequantize_q8_0(self.qweight, self.scales, self.offsets)
+        return _dequantize(self, slice(None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()  # [M, K]
         if self.native is None:
-            self.native = _native_ok()
+            self.native = _native_ok(self.fmt)
         if self.native:
             out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)  # [M, N]
-            torch.ops.pagedkv.q8_0_linear(out, x2, self.qweight, self.scales, self.offsets)
-        else:
+            if self.fmt == "q8_0":
+                torch.ops.pagedkv.q8_0_linear(out, x2, self.qweight, self.scales, self.offsets)
+            else:
+                f = LOWBIT_FORMATS[self.fmt]
+                torch.ops.pagedkv.lowbit_linear(out, x2, self.qweight, self.planes, self.scales, self.offsets,
+                                                _lut(f), f.zero)
+        elif self.fmt == "q8_0":
             out = q8_0_linear_reference(x2, self.qweight, self.scales, self.offsets)
+        else:
+            out = lowbit_linear_reference(x2, self)
         if self.bias is not None:
             out += self.bias
         return out.view(*lead, self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, format=q8_0{'+offsets' if self.offsets is not None else ''}")
+                f"bias={self.bias is not None}, format={self.fmt}{'+offsets' if self.offsets is not None else ''}")
 
 
 class QuantEmbedding(nn.Module):
-    """A token embedding ``[num_embeddings, embedding_dim]`` in Q8_0 (with ``offsets`` or not, as
-    ``QuantLinear``); a lookup dequantizes only the gathered rows, into ``dtype`` (the model's)."""
+    """A token embedding ``[num_embeddings, embedding_dim]`` in Q8_0 or a low-bit ``fmt`` (with
+    ``offsets`` or not, as ``QuantLinear``); a lookup dequantizes only the gathered rows, into
+    ``dtype`` (the model's)."""
 
     qweight: torch.Tensor  # buffers, as QuantLinear's
+    planes: torch.Tensor | None
     scales: torch.Tensor
     offsets: torch.Tensor | None
+    fmt: str
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype = torch.float32,
-                 offsets: bool = False) -> None:
+                 offsets: bool = False, fmt: str = "q8_0") -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
-        _register(self, num_embeddings, embedding_dim, offsets)
+        _register(self, num_embeddings, embedding_dim, offsets, fmt)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> QuantEmbedding:
@@ -172,18 +272,15 @@ class QuantEmbedding(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized weight in ``dtype``: a fresh copy, for inspection only."""
-        return dequantize_q8_0(self.qweight, self.scales, self.offsets, self.dtype)
+        return _dequantize(self, slice(None), self.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, embedding_dim]
-        flat = input_ids.reshape(-1)
-        offsets = None if self.offsets is None else self.offsets.index_select(0, flat)
-        rows = dequantize_q8_0(self.qweight.index_select(0, flat), self.scales.index_select(0, flat), offsets,
-                               self.dtype)
+        rows = _dequantize(self, input_ids.reshape(-1), self.dtype)
         return rows.view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         offsets = "+offsets" if self.offsets is not None else ""
-        return f"{self.num_embeddings}, {self.embedding_dim}, format=q8_0{offsets}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.fmt}{offsets}"
 
 
 def quantize_model(model: nn.Module) -> int:
@@ -224,5 +321,6 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
-__all__ = ["QuantEmbedding", "QuantLinear", "dequantize_q8_0", "q8_0_linear_reference", "quantize_model",
+__all__ = ["FORMATS", "QuantEmbedding", "QuantLinear", "dequantize_lowbit", "dequantize_q8_0",
+           "lowbit_linear_reference", "q8_0_linear_reference", "quantize_model",
            "quantize_q8_0", "tie_quantized_head", "weight_bytes"]

@@ -6,8 +6,12 @@ A weight kept in Q8_0 (``models/quant_linear.py``) is two or three checkpoint te
 ``<name>.weight_q8_0`` (int8), ``<name>.weight_q8_0_scales`` (float32) and, where its values have an
 offset per 32, ``<name>.weight_q8_0_offsets`` (float32), filling the module's ``qweight``, ``scales``
 and ``offsets`` rows exactly as ``<name>.weight`` fills ``weight``. A fused module (q/k/v, gate/up)
-gets offsets when any of its parts has them; the rows of parts without stay 0.
+gets offsets when any of its parts has them; the rows of parts without stay 0. A weight in a
+low-bit layout (``weight_quant.LOWBIT_FORMATS``) is ``<name>.weight_lb_<fmt>`` (uint8 nibbles),
+``_lb_<fmt>_planes``, ``_lb_<fmt>_scales`` and ``_lb_<fmt>_offsets``, filling ``qweight``,
+``planes``, ``scales`` and ``offsets`` the same way; the name says the format.
 """
+
 
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from pagedkv.models.config import ModelConfig
 from pagedkv.models.errors import MissingTensorError, ModelLoadError
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.quant_linear import QuantEmbedding, QuantLinear, tie_quantized_head
+from pagedkv.weight_quant import LOWBIT_FORMATS
 
 logger = logging.getLogger(__name__)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -63,6 +68,10 @@ _TOP_MAP: dict[str, str] = {
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
 # Q8_0 checkpoint suffix -> the QuantLinear / QuantEmbedding buffer it fills
 _Q8_0_SUFFIXES = {".weight_q8_0": "qweight", ".weight_q8_0_scales": "scales", ".weight_q8_0_offsets": "offsets"}
+# low-bit checkpoint suffix -> (format, buffer)
+_LOWBIT_SUFFIXES = {f".weight_lb_{fmt}{tail}": (fmt, buffer) for fmt in LOWBIT_FORMATS
+                    for tail, buffer in (("", "qweight"), ("_planes", "planes"), ("_scales", "scales"),
+                                         ("_offsets", "offsets"))}
 # Multimodal checkpoints (Gemma3ForConditionalGeneration) keep the language model under a prefix,
 # old and new layouts; their vision tower and projector are not used.
 _LANGUAGE_MODEL = re.compile(r"^(?:language_model\.model\.|model\.language_model\.)")
@@ -101,12 +110,24 @@ def _shard_rows(config: ModelConfig, shard: str) -> tuple[int, int]:
     }[shard]
 
 
-def _q8_0_split(name: str) -> tuple[str, str] | None:
-    """(the float weight's checkpoint name, buffer) of a Q8_0 checkpoint name, else None."""
+def _quant_split(name: str) -> tuple[str, str, str] | None:
+    """(the float weight's checkpoint name, buffer, format) of a Q8_0 or low-bit checkpoint name,
+    else None."""
+    if ".weight_" not in name:
+        return None
     for suffix, buffer in _Q8_0_SUFFIXES.items():
         if name.endswith(suffix):
-            return name.removesuffix(suffix) + ".weight", buffer
+            return name.removesuffix(suffix) + ".weight", buffer, "q8_0"
+    for suffix, (fmt, buffer) in _LOWBIT_SUFFIXES.items():
+        if name.endswith(suffix):
+            return name.removesuffix(suffix) + ".weight", buffer, fmt
     return None
+
+
+def _q8_0_split(name: str) -> tuple[str, str] | None:
+    """(the float weight's checkpoint name, buffer) of a quantized checkpoint name, else None."""
+    split = _quant_split(name)
+    return None if split is None else (split[0], split[1])
 
 
 def map_name(config: ModelConfig, name: str) -> Target | None:
@@ -161,49 +182,64 @@ def _map_moe(config: ModelConfig, layer: int, suffix: str) -> Target | None:
     return None
 
 
-def quantized_modules(config: ModelConfig, names: Iterable[str]) -> dict[str, bool]:
+class QuantSpec(NamedTuple):
+    """How a module's weight is held: ``fmt`` ("q8_0" or a low-bit format) and whether it has offsets."""
+
+    fmt: str
+    offsets: bool
+
+
+def quantized_modules(config: ModelConfig, names: Iterable[str]) -> dict[str, QuantSpec]:
     """The modules (``layers.3.self_attn.qkv_proj``, ``embed_tokens``, ``lm_head``) whose weight the
-    checkpoint tensor ``names`` hold in Q8_0, each with whether it has offsets (any part has)."""
-    found: dict[str, bool] = {}
+    checkpoint tensor ``names`` hold quantized, each with its format and whether it has offsets (any
+    part has). Raises ModelLoadError for a module whose parts name different formats."""
+    found: dict[str, QuantSpec] = {}
     for name in names:
-        if _q8_0_split(name) is not None and (target := map_name(config, name)) is not None:
+        if (split := _quant_split(name)) is not None and (target := map_name(config, name)) is not None:
             module, _, buffer = target.param.rpartition(".")
-            found[module] = found.get(module, False) or buffer == "offsets"
+            old = found.get(module, QuantSpec(split[2], False))
+            if old.fmt != split[2]:
+                raise ModelLoadError(f"checkpoint holds {module}'s parts in two formats ({old.fmt}, {split[2]}); "
+                                     "a fused module takes one: convert the file again")
+            found[module] = QuantSpec(old.fmt, old.offsets or buffer == "offsets")
     return found
 
 
-def _put_quantized(model: LlamaForCausalLM, module: str, dtype: torch.dtype, offsets: bool) -> None:
+def _put_quantized(model: LlamaForCausalLM, module: str, dtype: torch.dtype, offsets: bool, fmt: str) -> None:
     parent_name, _, child_name = module.rpartition(".")
     parent = model.get_submodule(parent_name)
     old = getattr(parent, child_name)
     if isinstance(old, nn.Embedding):
-        new: nn.Module = QuantEmbedding(old.num_embeddings, old.embedding_dim, dtype=dtype, offsets=offsets)
+        new: nn.Module = QuantEmbedding(old.num_embeddings, old.embedding_dim, dtype=dtype, offsets=offsets,
+                                        fmt=fmt)
     elif isinstance(old, nn.Linear):
         new = QuantLinear(old.in_features, old.out_features, bias=old.bias is not None, bias_dtype=dtype,
-                          offsets=offsets)
+                          offsets=offsets, fmt=fmt)
     else:
         raise ModelLoadError(f"checkpoint holds a Q8_0 weight for {module}, which is no linear layer or embedding")
     setattr(parent, child_name, new)
 
 
 def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]],
-                dtype: torch.dtype = torch.float32, quantized: Mapping[str, bool] | None = None) -> LlamaForCausalLM:
+                dtype: torch.dtype = torch.float32,
+                quantized: Mapping[str, QuantSpec | bool] | None = None) -> LlamaForCausalLM:
     """Build the model without random init and fill every parameter from ``tensors``.
 
-    ``quantized`` maps the modules built as Q8_0 to whether they have offsets (:func:`quantized_modules`
-    of the checkpoint's names); offsets no tensor fills stay 0. A tied model whose embedding is Q8_0
-    gets a Q8_0 head over the same tensors. Raises
+    ``quantized`` maps the modules built quantized to their :class:`QuantSpec` (:func:`quantized_modules`
+    of the checkpoint's names; a bool: Q8_0 with offsets or not); offsets no tensor fills stay 0. A
+    tied model whose embedding is quantized gets a head over the same tensors. Raises
     MissingTensorError naming the first missing checkpoint tensors, ModelLoadError on a shape
     mismatch. Unknown checkpoint names are reported with a warning and skipped.
     """
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to_empty(device="cpu").to(dtype)
-    for module, offsets in sorted((quantized or {}).items()):
-        _put_quantized(model, module, dtype, offsets)
+    for module, spec in sorted((quantized or {}).items()):
+        spec = spec if isinstance(spec, QuantSpec) else QuantSpec("q8_0", bool(spec))
+        _put_quantized(model, module, dtype, spec.offsets, spec.fmt)
     params = dict(model.named_parameters())
     params.update((f"{name}.{b}", getattr(m, b)) for name, m in model.named_modules()
-                  if isinstance(m, (QuantLinear, QuantEmbedding)) for b in ("qweight", "scales", "offsets")
+                  if isinstance(m, (QuantLinear, QuantEmbedding)) for b in ("qweight", "planes", "scales", "offsets")
                   if getattr(m, b) is not None)
     filled: dict[str, int] = {name: 0 for name in params}  # elements written per parameter
     unknown: list[str] = []

@@ -5,7 +5,8 @@ does it ahead of time) into ``$PAGEDKV_CACHE_DIR/native/`` (default ``~/.cache/p
 keyed by the source, the torch version and the CPU's instruction sets (it is built with
 ``-march=native``; a first build says so on stderr: ``pagedkv/progress.py``), and registers
 ``torch.ops.pagedkv.paged_attention`` and ``torch.ops.pagedkv.rms_norm`` (and, from
-``csrc/quant_matmul.cpp``, ``q8_0_linear``: a linear layer over GGUF Q8_0 weights kept as int8).
+``csrc/quant_matmul.cpp``, ``q8_0_linear``: a linear layer over GGUF Q8_0 weights kept as int8;
+from ``csrc/lowbit_matmul.cpp``, ``lowbit_linear``: over GGUF's 4-, 5- and 6-bit types kept packed).
 Where no compiler is present or the build fails, ``available()`` is False, the reason is logged
 once, and callers use the plain PyTorch ops. ``PAGEDKV_NATIVE=0`` turns the native path off.
 
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp", Path(__file__).parent / "csrc" / "quant_matmul.cpp"]
 _SOURCES.append(Path(__file__).parent / "csrc" / "fused_ops.cpp")  # rope_qk, silu_mul, add_rms_norm (ops/fused.py)
+_SOURCES.append(Path(__file__).parent / "csrc" / "lowbit_matmul.cpp")  # lowbit_linear: 4/5/6-bit GGUF weights
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}

@@ -61,9 +61,9 @@ def test_greedy_matches_transformers(default: object, transformers_tokens: tuple
 
 def test_auto_keeps_the_files_weights_quantized_and_transformers_answers(
         default: object, transformers_tokens: tuple[list, list]) -> None:
-    """quantization "auto" (the default) keeps the Q4_1 weights and the Q8_0 embedding in the 8-bit
-    layout, exactly (Q4_1's minimum as the offset): the dequantized ("none") values bit for bit, and
-    transformers' greedy tokens."""
+    """quantization "auto" (the default) keeps the Q4_1 weights packed at 4 bits and the Q8_0
+    embedding in the 8-bit layout, exactly (Q4_1's minimum as the offset): the dequantized ("none")
+    values bit for bit, and transformers' greedy tokens."""
     from pagedkv.models.quant_linear import QuantEmbedding, QuantLinear
 
     quant = load_model(None)
@@ -73,7 +73,7 @@ def test_auto_keeps_the_files_weights_quantized_and_transformers_answers(
     for i in (0, 17, 29):
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
             mod = ours.get_submodule(f"layers.{i}.{name}")
-            assert isinstance(mod, QuantLinear) and mod.offsets is not None, name
+            assert isinstance(mod, QuantLinear) and mod.offsets is not None and mod.fmt == "u4", name
             assert torch.equal(mod.weight, theirs.get_submodule(f"layers.{i}.{name}").weight), name
     assert torch.equal(ours.embed_tokens.weight, theirs.embed_tokens.weight)
     prompts, want = transformers_tokens

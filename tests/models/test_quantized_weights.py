@@ -152,7 +152,8 @@ def test_q8_0_gguf_matches_its_dequantized_float_model(cache: Path, tmp_path: Pa
 
 # Every exact type with offsets or without, and two without an exact form, in one tiny model (K-quants
 # need inputs of 256): q/k/v fuse Q4_K, Q4_1 (offsets) and Q5_0 (none: its rows get zero offsets);
-# gate/up fuse Q5_1 and Q6_K, so "auto" keeps that module in float; an untied head is Q6_K too.
+# gate/up fuse Q5_1 and Q6_K, which share no layout, so "auto" keeps that module in float; an
+# untied head is Q6_K, kept at 6 bits (tests/models/test_quant_lowbit.py has every low-bit type).
 MIXED = {"attn_q.weight": Q.Q4_K, "attn_k.weight": Q.Q4_1, "attn_v.weight": Q.Q5_0, "attn_output.weight": Q.Q5_K,
          "ffn_gate.weight": Q.Q5_1, "ffn_up.weight": Q.Q6_K, "ffn_down.weight": Q.Q4_K, "token_embd.weight": Q.Q4_1,
          "output.weight": Q.Q6_K}
@@ -174,7 +175,8 @@ def test_auto_keeps_exact_types_quantized_and_the_files_values(cache: Path, tmp_
     assert isinstance(layer.self_attn.o_proj, QuantLinear) and isinstance(layer.mlp.down_proj, QuantLinear)
     assert type(layer.mlp.gate_up_proj) is torch.nn.Linear  # its up part is Q6_K: dequantized
     assert isinstance(auto.model.embed_tokens, QuantEmbedding) and auto.model.embed_tokens.offsets is not None
-    assert isinstance(auto.model.lm_head, QuantLinear) if tied else type(auto.model.lm_head) is torch.nn.Linear
+    assert isinstance(auto.model.lm_head, QuantLinear)
+    assert auto.model.lm_head.fmt == ("u4" if tied else "i6")
     # the values are the file's: "none"'s, bit for bit
     for i in range(LAYERS):
         for name in MODULES:
@@ -220,12 +222,12 @@ def test_q8_0_requantizes_only_what_has_no_exact_form(cache: Path, tmp_path: Pat
 
 
 def test_auto_is_none_without_an_exact_quantized_matrix(cache: Path, tmp_path: Path) -> None:
-    float_file, q6_k_file = tmp_path / "f32.gguf", tmp_path / "q6_k.gguf"
+    float_file, q3_k_file = tmp_path / "f32.gguf", tmp_path / "q3_k.gguf"
     write_gguf(float_file, {})
-    write_gguf(q6_k_file, {"weight": Q.Q6_K}, hidden=K_HIDDEN, ffn=K_FFN)
+    write_gguf(q3_k_file, {"weight": Q.Q3_K}, hidden=K_HIDDEN, ffn=K_FFN)
     assert resolve_quantization("auto", float_file) == "none"  # a float GGUF keeps its precision
-    assert resolve_quantization("auto", q6_k_file) == "none"  # dequantized: nothing to keep
-    loaded = load_model(str(q6_k_file))
+    assert resolve_quantization("auto", q3_k_file) == "none"  # dequantized: nothing to keep
+    loaded = load_model(str(q3_k_file))
     assert loaded.quantization == "none" and type(loaded.model.layers[0].mlp.down_proj) is torch.nn.Linear
 
 
