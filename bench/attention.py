@@ -8,12 +8,19 @@ that reads blocks in place (``pagedkv/ops/csrc``, what the engine runs where it 
 ``plain``, the PyTorch fallback (gather K + ``embedding_bag`` over V). Per-step metadata is built
 once per step and shared by all layers, so it is timed separately and amortized over ``--layers``.
 
+``--shared``: decode rows that share a prefix (64 rows x 1,024 shared + 64 own tokens, every layer
+of the default model's shape), attended per row and with the shared run attended once for all rows
+(shared-block attention, ``pagedkv/ops/cascade.py``), float32 and int8 blocks; the last line is JSON
+with ``shared_prefix_speedup`` and ``shared_prefix_speedup_int8``.
+
     .venv/bin/python bench/attention.py --threads 1
+    .venv/bin/python bench/attention.py --threads 1 --shared --reps 10
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -127,6 +134,14 @@ def main() -> None:
                          "and print the device row of pagedkv/block_size_table.json")
     ap.add_argument("--write", action="store_true",
                     help="with --block-size-sweep: store the row as the 'cpu' entry of the committed table")
+    ap.add_argument("--shared", action="store_true",
+                    help="shared-block (cascade) attention: --shared-rows decode rows sharing --shared-tokens "
+                         "tokens (plus --own-tokens each), all --layers, float32 and int8 blocks, with and "
+                         "without the sharing detected; last line JSON shared_prefix_speedup(_int8)")
+    ap.add_argument("--shared-rows", type=int, default=64)
+    ap.add_argument("--shared-tokens", type=int, default=1024)
+    ap.add_argument("--own-tokens", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16, help="--shared: the pool's block size")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.native and not native.available():
@@ -134,6 +149,9 @@ def main() -> None:
         args.native = False
     if args.block_size_sweep:
         block_size_sweep(args)
+        return
+    if args.shared:
+        shared_prefix(args)
         return
     results = []
     with torch.inference_mode():
@@ -237,6 +255,78 @@ def block_size_sweep(args: argparse.Namespace) -> None:
     print(json.dumps(row, indent=2))
     if args.write:
         print(f"wrote the 'cpu' row of {write_device_row('cpu', row)}")
+
+
+def _shared_step(args: argparse.Namespace, kind: str, gen: torch.Generator):
+    """--shared: one decode step's inputs and per-layer pools (every layer its own K/V, as a
+    model's, so the step's working set is all layers' blocks), and the step with and without the
+    sharing detected."""
+    from pagedkv.ops.cascade import cascade_attention, find_shared_runs
+
+    b, bs, kvh, d = args.shared_rows, args.block_size, args.kv_heads, args.head_dim
+    shared_blocks, own_blocks = -(-args.shared_tokens // bs), -(-args.own_tokens // bs)
+    num_blocks = shared_blocks + b * own_blocks + 4
+    perm = torch.randperm(num_blocks, generator=gen).tolist()  # shuffled: tables never contiguous
+    prefix, rest = perm[:shared_blocks], perm[shared_blocks:]
+    tables = [prefix + rest[i * own_blocks:(i + 1) * own_blocks] for i in range(b)]
+    row_seq, row_len = list(range(b)), [args.shared_tokens + args.own_tokens] * b
+    layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+    for _ in range(args.layers):
+        if kind == "int8":
+            k = torch.randint(-127, 128, (num_blocks, bs, kvh, d), dtype=torch.int8, generator=gen)
+            v = torch.randint(-127, 128, (num_blocks, bs, kvh, d), dtype=torch.int8, generator=gen)
+            ks, vs = torch.rand(num_blocks, kvh, generator=gen) / 127, torch.rand(num_blocks, kvh, generator=gen) / 127
+            layers.append((k, v, ks, vs))
+        else:
+            layers.append((torch.randn(num_blocks, bs, kvh, d, generator=gen),
+                           torch.randn(num_blocks, bs, kvh, d, generator=gen), None, None))
+    q = torch.randn(b, args.heads, d, generator=gen)
+    out = torch.empty(b, args.heads, d)
+
+    def step(sharing: bool) -> torch.Tensor:
+        meta = NativeMetadata.build(tables, row_seq, row_len)  # once per step, as the runner
+        plan = find_shared_runs(tables, row_seq, row_len, bs) if sharing else None
+        for k, v, ks, vs in layers:
+            cascade_attention(out, q, k, v, meta, plan, k_scales=ks, v_scales=vs)
+        return out
+
+    return step
+
+
+def shared_prefix(args: argparse.Namespace) -> None:
+    """Decode attention of rows sharing a prefix, attended per row and with the shared run attended
+    once for all rows (``pagedkv/ops/cascade.py``); one step = every layer, timed A B A B."""
+    from pagedkv.ops import cascade
+
+    if not cascade.available():
+        raise SystemExit("--shared measures the native cascade kernel, which is unavailable here: "
+                         f"{native.why_unavailable() or 'an older build without cascade_attention'}")
+    speedups: dict[str, float] = {}
+    rows: dict[str, dict[str, float]] = {}
+    with torch.inference_mode():
+        for kind in ("float32", "int8"):
+            step = _shared_step(args, kind, torch.Generator().manual_seed(0))
+            alone = step(False).clone()
+            torch.testing.assert_close(step(True), alone, atol=2e-5, rtol=1e-5)
+            for _ in range(args.warmup):
+                step(False)
+                step(True)
+            t_alone, t_shared = [], []
+            for _ in range(args.reps):  # A B A B: machine noise hits both alike
+                t_alone += _time(functools.partial(step, False), 1)
+                t_shared += _time(functools.partial(step, True), 1)
+            a, s = statistics.median(t_alone), statistics.median(t_shared)
+            speedups[kind] = a / s
+            rows[kind] = {"per_row_ms": a * 1e3, "shared_ms": s * 1e3, "speedup": a / s}
+            print(f"{kind:>8}: per-row {a * 1e3:8.2f} ms  shared once {s * 1e3:8.2f} ms  speedup {a / s:5.2f}x  "
+                  f"({args.layers} layers, median of {args.reps})", flush=True)
+    print(json.dumps({
+        "bench": "attention_shared", "threads": args.threads, "rows": args.shared_rows,
+        "shared_tokens": args.shared_tokens, "own_tokens": args.own_tokens, "block_size": args.block_size,
+        "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+        "reps": args.reps, "torch": torch.__version__, "load_avg_1m": os.getloadavg()[0], "results": rows,
+        "shared_prefix_speedup": speedups["float32"], "shared_prefix_speedup_int8": speedups["int8"],
+    }))
 
 
 if __name__ == "__main__":

@@ -71,7 +71,8 @@ def build_runner(config: EngineConfig) -> RunnerParts:
     runner = ModelRunner(loaded, block_size=block_size, num_blocks=device_blocks,
                          num_host_blocks=host_blocks, kv_cache_dtype=kv_dtype, device=device,
                          max_loras=config.max_loras if config.enable_lora else 0,
-                         max_lora_rank=config.max_lora_rank)
+                         max_lora_rank=config.max_lora_rank,
+                         cascade_attention=not config.disable_cascade_attn)
     head = runner.model.lm_head
     if isinstance(head, PackedLinear):  # every batch size's LM-head kernel built now: flat RSS later
         head.warm_up(config.max_num_seqs)

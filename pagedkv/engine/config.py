@@ -150,6 +150,10 @@ class EngineConfig:
     device: str = field(default="cpu", metadata={"help": (
         "where the model, the KV pool and attention run: cpu, cuda (Triton kernels; also cuda:N) or auto "
         "(cuda when a GPU is visible); the host tier stays in host memory")})
+    disable_cascade_attn: bool = field(default=False, metadata={"help": (
+        "attend every row alone: turns off shared-block (cascade) attention, which attends the blocks several "
+        "rows of a step hold at the same positions (a cached prefix, the parent blocks of n > 1 and beam "
+        "forks) once for all of them (native CPU kernel; pagedkv/ops/cascade.py) (vLLM's name)")})
     enable_lora: bool = field(default=False, metadata={"help": (
         "serve LoRA adapters (--lora-modules, or selected per request; docs/lora.md)")})
     max_loras: int = field(default=1, metadata={"help": (

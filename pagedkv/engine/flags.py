@@ -67,6 +67,7 @@ _ARGPARSE: dict[str, dict[str, Any]] = {
     "speculative_config": {"type": str, "metavar": "JSON"},
     "kv_events": _SWITCH,
     "device": {"type": str, "metavar": "|".join(DEVICES)},
+    "disable_cascade_attn": _SWITCH,
     "enable_lora": _SWITCH,
     "max_loras": {"type": int},
     "max_lora_rank": {"type": int},

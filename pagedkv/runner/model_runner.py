@@ -24,7 +24,7 @@ from pagedkv.models.packed_linear import pack_lm_head as pack_head
 from pagedkv.models.packed_linear import transpose_wide_linears
 from pagedkv.models.quant_linear import QuantLinear
 from pagedkv.models.quant_linear import weight_bytes as model_weight_bytes
-from pagedkv.ops import native
+from pagedkv.ops import cascade, native
 from pagedkv.ops.cache_ops import (
     block_payloads,
     copy_blocks,
@@ -34,7 +34,7 @@ from pagedkv.ops.cache_ops import (
     write_kv_scaled,
 )
 from pagedkv.ops.kv_format import KVFormat, hadamard, kv_format
-from pagedkv.ops.paged_attention import native_paged_attention, paged_decode_attention, paged_prefill_attention
+from pagedkv.ops.paged_attention import paged_decode_attention, paged_prefill_attention
 from pagedkv.runner.batch import SeqChunk
 from pagedkv.runner.kv_cache import KVCache, num_blocks_for_memory
 from pagedkv.runner.step_inputs import BatchError, StepInputs, TritonMetadata, build_step_inputs
@@ -78,9 +78,10 @@ class _StepAttention:
             write_kv(k_cache, v_cache, k, v, inp.slot_mapping)
         if inp.native is not None:
             out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype)
-            if inp.native.num_rows:
-                native_paged_attention(out, q, k_cache, v_cache, inp.native, scale, sliding_window=window,
-                                       k_scales=k_scales, v_scales=v_scales, softcap=softcap)
+            if inp.native.num_rows:  # shared runs (inp.cascade) attended once for all their rows
+                cascade.cascade_attention(out, q, k_cache, v_cache, inp.native, inp.cascade, scale,
+                                          sliding_window=window, k_scales=k_scales, v_scales=v_scales,
+                                          softcap=softcap)
             if rotation is not None:
                 assert not inp.prefills  # 8-bit blocks: every row goes through the kernel
                 return out @ rotation  # H H = I: back from the rotated V basis
@@ -103,7 +104,7 @@ class _StepAttention:
         """Cache write and attention with the Triton kernels (``ops/triton``): decode rows in one
         call, prefill chunks in another, each reading K/V blocks in place."""
         from pagedkv.ops.triton import cache_ops as tc
-        from pagedkv.ops.triton.decode import paged_decode_attention as triton_decode
+        from pagedkv.ops.triton.cascade import cascade_decode_attention
         from pagedkv.ops.triton.prefill import paged_prefill_attention as triton_prefill
 
         meta: TritonMetadata = inp.triton  # type: ignore[assignment]  # set: the Triton path was chosen for it
@@ -117,8 +118,10 @@ class _StepAttention:
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         scale = self.scale if self.scale is not None else self.head_dim ** -0.5
         if meta.num_decode:
-            triton_decode(out, q, k_cache, v_cache, meta.block_tables, meta.row_seq, meta.row_len, scale,
-                          sliding_window=window, k_scales=k_scales, v_scales=v_scales, softcap=self.softcap)
+            # shared runs (inp.cascade) attended once for all their rows; None: the decode kernel alone
+            cascade_decode_attention(out, q, k_cache, v_cache, meta.block_tables, meta.row_seq, meta.row_len,
+                                     inp.cascade, scale, sliding_window=window, k_scales=k_scales,
+                                     v_scales=v_scales, softcap=self.softcap)
         if meta.num_prefill:
             triton_prefill(out, q, k_cache, v_cache, meta.block_tables, meta.chunk_seq, meta.chunk_row_start,
                            meta.chunk_num_rows, meta.chunk_start_pos, scale, sliding_window=window,
@@ -190,7 +193,9 @@ class ModelRunner:
     ``pack_lm_head`` replaces the model's LM head with a oneDNN-packed copy (float32 CPU only; the
     model is for inference). ``max_loras`` > 0 wraps the model's linears with that many LoRA slots
     of rank ``max_lora_rank`` (``pagedkv/lora/layers.py``; ``set_lora_slot`` fills one, a chunk's
-    ``lora_slot`` picks one).
+    ``lora_slot`` picks one). ``cascade_attention`` (default on) attends the blocks several rows
+    of a step share once for all of them (``pagedkv/ops/cascade.py``; the native kernel and the
+    Triton decode kernel).
     """
 
     def __init__(
@@ -208,6 +213,7 @@ class ModelRunner:
         attention_backend: str | None = None,
         max_loras: int = 0,
         max_lora_rank: int = 16,
+        cascade_attention: bool = True,
     ) -> None:
         net = model.model if isinstance(model, LoadedModel) else model
         self.device = resolve_device(device)
@@ -226,6 +232,9 @@ class ModelRunner:
         fmt = kv_format(kv_cache_dtype, model_dtype)
         # The native kernels read blocks in place and fuse RMSNorm.
         self.native_attention = self.backend == "native"
+        # Shared-block attention: runs of blocks several rows hold are attended once for all of
+        # them (ops/cascade.py; native and Triton decode kernels). Off: each row alone, as the plain path.
+        self.cascade_attention = cascade_attention
         if fmt.storage != model_dtype and self.backend == "plain":
             why = native.why_unavailable() or "turned off (native_attention=False)"
             raise ValueError(f"kv_cache_dtype {fmt.name} (model dtype {str(model_dtype).removeprefix('torch.')}) "
@@ -328,7 +337,8 @@ class ModelRunner:
                                        kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
                                        sliding_window=cfg.layer_window(group.layers[0]), dtype=self.cache.dtype,
                                        native=self.native_attention, fresh_from_cache=self.cache.format.scaled,
-                                       triton=self.backend == "triton", device=self.device)
+                                       triton=self.backend == "triton", device=self.device,
+                                       cascade=self.cascade_attention)
                      for g, group in enumerate(groups)]
         per_group[0].other_groups = per_group[1:]
         return per_group[0]

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedkv.errors import PagedKVError
+from pagedkv.ops.cascade import CascadePlan, find_shared_runs
 from pagedkv.ops.paged_attention import DecodeMetadata, NativeMetadata
 from pagedkv.runner.batch import SeqChunk
 
@@ -112,6 +113,9 @@ class StepInputs:
     identity_decode: bool  # one decode group covering every token in order: its output is the output
     native: NativeMetadata | None = None  # the native kernel's rows (then no decode groups)
     triton: TritonMetadata | None = None  # the Triton kernels' rows and chunks (then neither of the above)
+    # the runs of blocks several rows hold at the same positions, attended once (ops/cascade.py);
+    # native and Triton decode rows only, None when nothing is shared or cascade is off
+    cascade: CascadePlan | None = None
     # a hybrid model's KV groups after the first: their own slots, tables and metadata
     other_groups: list[StepInputs] = field(default_factory=list)
     # LoRA: (slot, first row, end row) runs of rows computed by one adapter (pagedkv/lora/layers.py)
@@ -130,8 +134,12 @@ def build_step_inputs(chunks: list[SeqChunk], *, block_size: int, num_blocks: in
                       kv_heads: int, head_dim: int, dtype: torch.dtype,
                       sliding_window: int | None = None, native: bool = False,
                       fresh_from_cache: bool = False, triton: bool = False,
-                      device: torch.device | str = "cpu") -> StepInputs:
+                      device: torch.device | str = "cpu", cascade: bool = False) -> StepInputs:
     """Validate ``chunks`` and build every index the step's 30-odd layers share.
+
+    ``cascade`` (native and Triton): find the runs of blocks several sequences hold at the same
+    positions (``ops/cascade.py``), once here for every layer, so the kernels attend each run
+    once for all its rows.
 
     ``fresh_from_cache`` (native only; the runner sets it for 8-bit blocks): prefill chunks
     without a cached prefix also attend through the kernel, to the K/V as stored, so every token
@@ -150,6 +158,7 @@ def build_step_inputs(chunks: list[SeqChunk], *, block_size: int, num_blocks: in
     row_seq: list[int] = []
     row_len: list[int] = []
     lora_ranges: list[tuple[int, int, int]] = []
+    raw_tables: list[list[int]] = []  # cascade: each chunk's table as given (-1: released)
     for i, c in enumerate(chunks):
         n = len(c.token_ids)
         if n == 0:
@@ -166,6 +175,8 @@ def build_step_inputs(chunks: list[SeqChunk], *, block_size: int, num_blocks: in
         table = c.block_table[:needed]
         if min(table[c.start_pos // block_size:]) < 0 or max(table) >= num_blocks:
             raise BatchError(f"chunk {i}: block id out of range 0..{num_blocks - 1}: {table}")
+        if cascade:
+            raw_tables.append(table)
         if min(table) < 0:  # a sliding group's released blocks: out of every query's window, never read
             table = [b if b >= 0 else 0 for b in table]
         row = len(input_ids)
@@ -200,9 +211,12 @@ def build_step_inputs(chunks: list[SeqChunk], *, block_size: int, num_blocks: in
             dec_lens.append(ctx)
         else:
             prefills.append(PrefillItem(row, row + n, c.start_pos, torch.tensor(table, dtype=torch.long)))
+    plan = find_shared_runs(raw_tables, row_seq, row_len, block_size) if cascade and (native or triton) else None
     if triton:
-        return _triton_inputs(input_ids, positions, slots, last_rows, tables, row_seq, row_len, prefills, device,
-                              tuple(lora_ranges))
+        inputs = _triton_inputs(input_ids, positions, slots, last_rows, tables, row_seq, row_len, prefills, device,
+                                tuple(lora_ranges))
+        inputs.cascade = plan.to(device) if plan is not None else None
+        return inputs
     groups = []
     for members in (split_decode_groups(dec_lens) if dec_rows else []):
         meta = DecodeMetadata.build([dec_tables[i] for i in members], [dec_lens[i] for i in members],
@@ -222,6 +236,7 @@ def build_step_inputs(chunks: list[SeqChunk], *, block_size: int, num_blocks: in
         identity_decode=identity,
         native=NativeMetadata.build(tables, row_seq, row_len) if native else None,
         lora_ranges=tuple(lora_ranges),
+        cascade=plan,
     )
 
 

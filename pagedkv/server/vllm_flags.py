@@ -96,7 +96,7 @@ FLAGS: dict[str, VLLMFlag] = {f.name: f for f in [
     *_group(_GPU + ": every step runs eagerly already", _always,
             values="--compilation-config -cc -O --max-seq-len-to-capture --cuda-graph-sizes --cudagraph-capture-sizes "
             "--max-cudagraph-capture-size --optimization-level",
-            switches="--enforce-eager --disable-custom-all-reduce --disable-cascade-attn --async-scheduling "
+            switches="--enforce-eager --disable-custom-all-reduce --async-scheduling "
             "--enable-dbo --calculate-kv-scales --use-tqdm-on-load --disable-sliding-window "
             "--disable-hybrid-kv-cache-manager --kv-sharing-fast-prefill --ray-workers-use-nsight"),
     *_group("pagedkv always chunks long prompts (--max-num-batched-tokens is the chunk budget)", _always,

@@ -1,0 +1,843 @@
+// Shared-block (cascade) paged attention on the CPU: the rows of a step that hold the same run of
+// blocks at the same positions attend to that run together, K and V read once for all of them.
+//
+// Same contract as paged_attention (csrc/paged_attention.cpp): row r is query q[r] of sequence
+// row_seq[r] (a row of the block tables) over its first row_len[r] tokens (the last `window` of
+// them with a sliding window; rows with length 0 are skipped), scores soft-capped when cap > 0,
+// blocks of any format the pool holds (8-bit ones with per-(block, KV head) scales).
+//
+// The sharing is found by the caller (pagedkv/ops/cascade.py, once per step for every layer) as
+// nodes: node n covers token positions [node_start[n], node_end[n]) of the block table of
+// sequence node_seq[n], and every row in node_rows[node_row_ptr[n] .. node_row_ptr[n + 1]) holds
+// exactly those blocks at those positions. A row's nodes cover its context from position 0 up to
+// row_own_start[r]; the rest, [row_own_start[r], row_len[r]), is its own.
+//
+// Phase 1, work item = (node, part of its rows, KV head): each key chunk of the node is read (and,
+// for a non-float32 format, converted with its block scale folded in) once, then used by every
+// query head of every row of the part: the queries are batched against K and V held in L1/L2.
+// Each (row, query head) leaves a partial online-softmax state (max m, sum l, accumulator acc),
+// over its visible part of the node (clipped to its length and window).
+// Phase 2, work item = (tile of consecutive rows of one sequence, KV head), as in paged_attention:
+// the row's partial states are merged by the log-sum-exp rule (m = max, l and acc rescaled by
+// e^(m_i - m)) into the starting state of the same online softmax over its own blocks; then the
+// accumulator is divided by l.
+//
+// The arithmetic per key is the one of paged_attention (same scaled queries, same exp, float32
+// accumulation); only the order of the sums differs, so results agree to float32 rounding.
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PAGEDKV_CASCADE_AVX2 1
+#endif
+
+namespace {
+
+constexpr int TILE = 16;         // rows of one sequence per phase-2 item
+constexpr int SHARED_ROWS = 64;  // most rows per phase-1 item
+
+template <typename S>
+inline float to_f(S x) { return static_cast<float>(x); }
+
+// Where one layer's blocks live. Block ids below `base` are full-precision blocks of `kf`/`vf`
+// (F: float32, float16, bfloat16; values as stored); ids from `base` on are 8-bit blocks of
+// `kq`/`vq` (Q: int8, fp8) at index id - base, with one float32 scale per (block, KV head) in
+// `ks`/`vs` (value = stored * scale). A float pool has base = num_blocks, an 8-bit pool base = 0,
+// a mixed pool (a format per block) anything between: one code path reads all three.
+template <typename F, typename Q>
+struct Cache {
+  const F* kf;
+  const F* vf;
+  const Q* kq;
+  const Q* vq;
+  const float* ks;
+  const float* vs;
+  int64_t base;
+};
+
+// One item's online-softmax state: scaled queries qs [nr * group][d], acc [nr * group][d],
+// m, l [nr * group]; rows i attend tokens [start[i], end[i]) of `table`, all within [lo, hi).
+struct Item {
+  const float* qs;
+  const int64_t* start;
+  const int64_t* end;
+  int64_t nr, group;
+  const int32_t* table;
+  int64_t lo, hi;
+  float* acc;
+  float* m;
+  float* l;
+};
+
+// One block of one format for every row of an item (the portable loop; any head_dim).
+template <typename S>
+void attend_block(const Item& it, const S* kb, const S* vb, float k_scale, float v_scale, int64_t base,
+                  int64_t block_size, int64_t row_stride, int64_t d, float cap, float* p) {
+  for (int64_t i = 0; i < it.nr; ++i) {
+    const int64_t t0 = std::max<int64_t>(base, it.start[i]) - base;
+    const int64_t t1 = std::min<int64_t>(base + block_size, it.end[i]) - base;
+    if (t1 <= t0) continue;
+    for (int64_t g = 0; g < it.group; ++g) {
+      const int64_t j = i * it.group + g;
+      const float* qj = it.qs + j * d;
+      float mb = it.m[j];
+      for (int64_t t = t0; t < t1; ++t) {
+        const S* kr = kb + t * row_stride;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t x = 0; x < d; ++x) s += qj[x] * to_f(kr[x]);
+        s *= k_scale;
+        if (cap > 0.f) s = cap * std::tanh(s / cap);
+        p[t] = s;
+        mb = std::max(mb, s);
+      }
+      const float corr = std::exp(it.m[j] - mb);
+      float sum = 0.f;
+      for (int64_t t = t0; t < t1; ++t) {
+        p[t] = std::exp(p[t] - mb);
+        sum += p[t];
+      }
+      float* aj = it.acc + j * d;
+      if (corr != 1.f) {
+        for (int64_t x = 0; x < d; ++x) aj[x] *= corr;
+      }
+      it.l[j] = it.l[j] * corr + sum;
+      it.m[j] = mb;
+      for (int64_t t = t0; t < t1; ++t) {
+        const float a = p[t] * v_scale;
+        const S* vr = vb + t * row_stride;
+#pragma omp simd
+        for (int64_t x = 0; x < d; ++x) aj[x] += a * to_f(vr[x]);
+      }
+    }
+  }
+}
+
+// The portable loop (any head_dim, any format), block by block, each block in its own format.
+template <typename F, typename Q>
+void attend_portable(const Item& it, const Cache<F, Q>& cache, int64_t block_size, int64_t kv_heads, int64_t h,
+                     int64_t d, float cap, float* p) {
+  const int64_t row_stride = kv_heads * d;
+  for (int64_t b = it.lo / block_size; b * block_size < it.hi; ++b) {
+    const int64_t blk = it.table[b];
+    if (blk < cache.base) {
+      const int64_t off = blk * block_size * row_stride + h * d;
+      attend_block<F>(it, cache.kf + off, cache.vf + off, 1.f, 1.f, b * block_size, block_size, row_stride, d, cap, p);
+    } else {
+      const int64_t qb = blk - cache.base;
+      const int64_t off = qb * block_size * row_stride + h * d;
+      attend_block<Q>(it, cache.kq + off, cache.vq + off, cache.ks[qb * kv_heads + h], cache.vs[qb * kv_heads + h],
+                      b * block_size, block_size, row_stride, d, cap, p);
+    }
+  }
+}
+
+#ifdef PAGEDKV_CASCADE_AVX2
+constexpr int CHUNK = 64;
+
+template <typename S>
+struct Vec {
+  static constexpr bool ok = false;
+};
+template <>
+struct Vec<float> {
+  static constexpr bool ok = true;
+  static constexpr float unit = 1.f;
+  static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+};
+template <>
+struct Vec<c10::BFloat16> {
+  static constexpr bool ok = true;
+  static constexpr float unit = 1.f;
+  static __m256 load(const c10::BFloat16* p) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+  }
+};
+template <>
+struct Vec<int8_t> {
+  static constexpr bool ok = true;
+  static constexpr float unit = 1.f;
+  static __m256 load(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+};
+#ifdef __F16C__
+template <>
+struct Vec<c10::Half> {
+  static constexpr bool ok = true;
+  static constexpr float unit = 1.f;
+  static __m256 load(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+};
+template <>
+struct Vec<c10::Float8_e5m2> {  // e5m2 is the top byte of a float16
+  static constexpr bool ok = true;
+  static constexpr float unit = 1.f;
+  static __m256 load(const c10::Float8_e5m2* p) {
+    const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_cvtph_ps(_mm_slli_epi16(x, 8));
+  }
+};
+template <>
+struct Vec<c10::Float8_e4m3fn> {  // s.eeee.mmm -> float16 s.0eeee.mmm0000000 = value * 2^-8
+  static constexpr bool ok = true;
+  static constexpr float unit = 256.f;
+  static __m256 load(const c10::Float8_e4m3fn* p) {
+    const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i mag = _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7F)), 7);
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8);
+    return _mm256_cvtph_ps(_mm_or_si128(mag, sign));
+  }
+};
+#endif
+
+// e^x for x <= 0 (Cephes' polynomial, as paged_attention.cpp); very negative x gives 0.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+inline __m256 reduce8(const __m256* a) {
+  __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+
+inline float hsum(__m256 v) {
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, v);
+  return ((tmp[0] + tmp[1]) + (tmp[2] + tmp[3])) + ((tmp[4] + tmp[5]) + (tmp[6] + tmp[7]));
+}
+
+// The vector path (head_dim D = 64, 128, 256): the item's tokens in chunks of CHUNK, each chunk's
+// K and V rows located (float32: read in place) or converted once into `conv` (2 * CHUNK * D
+// floats, 32-byte aligned, block scales folded in), then every (row, query head) of the item:
+// scores 8 tokens at a time, soft-cap, online softmax, the V sum in registers.
+template <int D, typename F, typename Q>
+void attend_vec(const Item& it, const Cache<F, Q>& cache, int64_t block_size, int64_t kv_heads, int64_t h,
+                float* conv, float cap) {
+  constexpr int NV = D / 8;
+  float* kbuf = conv;
+  float* vbuf = conv + CHUNK * D;
+  const int64_t row_stride = kv_heads * D;
+  const float* kp[CHUNK];
+  const float* vp[CHUNK];
+  alignas(32) float p[CHUNK];
+  // 8 stored values of either format -> floats times `scale` (Vec<S>::unit folded in)
+  auto convert = [](const auto* src, float* dst, float scale) {
+    using S = std::remove_cv_t<std::remove_pointer_t<decltype(src)>>;
+    const __m256 sv = _mm256_set1_ps(scale * Vec<S>::unit);
+    for (int v = 0; v < NV; ++v) _mm256_store_ps(dst + 8 * v, _mm256_mul_ps(Vec<S>::load(src + 8 * v), sv));
+  };
+  for (int64_t c0 = it.lo; c0 < it.hi; c0 += CHUNK) {
+    const int64_t c1 = std::min<int64_t>(c0 + CHUNK, it.hi);
+    for (int64_t t = c0; t < c1; ++t) {
+      const int64_t blk = it.table[t / block_size];
+      float* kd = kbuf + (t - c0) * D;
+      float* vd = vbuf + (t - c0) * D;
+      if (blk < cache.base) {
+        const int64_t off = (blk * block_size + t % block_size) * row_stride + h * D;
+        if constexpr (std::is_same_v<F, float>) {  // read in place
+          kp[t - c0] = cache.kf + off;
+          vp[t - c0] = cache.vf + off;
+          continue;
+        } else {
+          convert(cache.kf + off, kd, 1.f);
+          convert(cache.vf + off, vd, 1.f);
+        }
+      } else {
+        const int64_t qb = blk - cache.base;
+        const int64_t off = (qb * block_size + t % block_size) * row_stride + h * D;
+        convert(cache.kq + off, kd, cache.ks[qb * kv_heads + h]);
+        convert(cache.vq + off, vd, cache.vs[qb * kv_heads + h]);
+      }
+      kp[t - c0] = kd;
+      vp[t - c0] = vd;
+    }
+    for (int64_t i = 0; i < it.nr; ++i) {
+      const int64_t a = std::max(c0, it.start[i]), e = std::min(c1, it.end[i]);
+      if (e <= a) continue;
+      const int64_t n = e - a;
+      const float* const* kr = kp + (a - c0);
+      const float* const* vr = vp + (a - c0);
+      for (int64_t g = 0; g < it.group; ++g) {
+        const int64_t j = i * it.group + g;
+        const float* qj = it.qs + j * D;
+        int64_t t = 0;
+        for (; t + 8 <= n; t += 8) {
+          __m256 s[8];
+          for (int u = 0; u < 8; ++u) s[u] = _mm256_setzero_ps();
+          for (int v = 0; v < NV; ++v) {
+            const __m256 qv = _mm256_loadu_ps(qj + 8 * v);
+            for (int u = 0; u < 8; ++u) s[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[t + u] + 8 * v), s[u]);
+          }
+          _mm256_store_ps(p + t, reduce8(s));
+        }
+        for (; t < n; ++t) {
+          __m256 s = _mm256_setzero_ps();
+          for (int v = 0; v < NV; ++v) s = _mm256_fmadd_ps(_mm256_loadu_ps(qj + 8 * v), _mm256_loadu_ps(kr[t] + 8 * v), s);
+          p[t] = hsum(s);
+        }
+        if (cap > 0.f) {
+          for (t = 0; t < n; ++t) p[t] = cap * std::tanh(p[t] / cap);
+        }
+        float mb = it.m[j];
+        {  // the chunk's max, 8 lanes at a time (a scalar max is a 4-cycle dependency chain per token)
+          __m256 mx = _mm256_set1_ps(mb);
+          for (t = 0; t + 8 <= n; t += 8) mx = _mm256_max_ps(mx, _mm256_load_ps(p + t));
+          alignas(32) float lanes[8];
+          _mm256_store_ps(lanes, mx);
+          for (int u = 0; u < 8; ++u) mb = std::max(mb, lanes[u]);
+          for (; t < n; ++t) mb = std::max(mb, p[t]);
+        }
+        const float corr = std::exp(it.m[j] - mb);
+        const __m256 mv = _mm256_set1_ps(mb);
+        __m256 sumv = _mm256_setzero_ps();
+        t = 0;
+        for (; t + 8 <= n; t += 8) {
+          const __m256 ev = exp256(_mm256_sub_ps(_mm256_load_ps(p + t), mv));
+          _mm256_store_ps(p + t, ev);
+          sumv = _mm256_add_ps(sumv, ev);
+        }
+        float sum = hsum(sumv);
+        for (; t < n; ++t) {
+          p[t] = std::exp(p[t] - mb);
+          sum += p[t];
+        }
+        float* aj = it.acc + j * D;
+        __m256 av[NV];
+        const __m256 cv = _mm256_set1_ps(corr);
+        for (int v = 0; v < NV; ++v) av[v] = _mm256_mul_ps(_mm256_loadu_ps(aj + 8 * v), cv);
+        for (t = 0; t < n; ++t) {
+          const __m256 pv = _mm256_set1_ps(p[t]);
+          const float* vrow = vr[t];
+          for (int v = 0; v < NV; ++v) av[v] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vrow + 8 * v), av[v]);
+        }
+        for (int v = 0; v < NV; ++v) _mm256_storeu_ps(aj + 8 * v, av[v]);
+        it.l[j] = it.l[j] * corr + sum;
+        it.m[j] = mb;
+      }
+    }
+  }
+}
+
+// Phase 1's vector path when an item has many queries (a shared run's rows x query heads): the
+// same online softmax as attend_vec, computed as small matrix products. Per chunk, K is
+// transposed once into kt [D][CHUNK] (tokens in the vector lanes), then scores S [nq][CHUNK] =
+// queries x kt in register blocks of QB queries x 16 tokens (each K vector loaded once for QB
+// queries, no horizontal sums), and acc [nq][D] += P x V in blocks of QB queries x 16 dims (each V
+// vector loaded once for QB queries). Tokens outside a row's [start, end) weigh exactly 0.
+constexpr int QB = 6;
+
+template <int D, int QN>
+inline void scores_block(const float* qs, const float* kt, float* S) {
+  for (int c = 0; c < CHUNK / 8; c += 2) {
+    __m256 acc[QN][2];
+    for (int i = 0; i < QN; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int x = 0; x < D; ++x) {
+      const __m256 k0 = _mm256_load_ps(kt + x * CHUNK + 8 * c);
+      const __m256 k1 = _mm256_load_ps(kt + x * CHUNK + 8 * c + 8);
+      for (int i = 0; i < QN; ++i) {
+        const __m256 b = _mm256_broadcast_ss(qs + i * D + x);
+        acc[i][0] = _mm256_fmadd_ps(b, k0, acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(b, k1, acc[i][1]);
+      }
+    }
+    for (int i = 0; i < QN; ++i) {
+      _mm256_store_ps(S + i * CHUNK + 8 * c, acc[i][0]);
+      _mm256_store_ps(S + i * CHUNK + 8 * c + 8, acc[i][1]);
+    }
+  }
+}
+
+template <int D, int QN>
+inline void pv_block(const float* S, const float* const* vp, int64_t n, float* acc, const float* corr) {
+  for (int v = 0; v < D / 8; v += 2) {
+    __m256 a[QN][2];
+    for (int i = 0; i < QN; ++i) {
+      const __m256 cv = _mm256_set1_ps(corr[i]);
+      a[i][0] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + 8 * v), cv);
+      a[i][1] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + 8 * v + 8), cv);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const __m256 v0 = _mm256_loadu_ps(vp[t] + 8 * v);
+      const __m256 v1 = _mm256_loadu_ps(vp[t] + 8 * v + 8);
+      for (int i = 0; i < QN; ++i) {
+        const __m256 b = _mm256_broadcast_ss(S + i * CHUNK + t);
+        a[i][0] = _mm256_fmadd_ps(b, v0, a[i][0]);
+        a[i][1] = _mm256_fmadd_ps(b, v1, a[i][1]);
+      }
+    }
+    for (int i = 0; i < QN; ++i) {
+      _mm256_storeu_ps(acc + i * D + 8 * v, a[i][0]);
+      _mm256_storeu_ps(acc + i * D + 8 * v + 8, a[i][1]);
+    }
+  }
+}
+
+template <int D, int QN>
+void mm_blocks(const float* qs, const float* kt, float* S, int64_t nq, bool scores, const float* const* vp,
+               int64_t n, float* acc, const float* corr) {
+  int64_t j = 0;
+  for (; j + QN <= nq; j += QN) {
+    if (scores) scores_block<D, QN>(qs + j * D, kt, S + j * CHUNK);
+    else pv_block<D, QN>(S + j * CHUNK, vp, n, acc + j * D, corr + j);
+  }
+  switch (nq - j) {  // the last few queries
+    case 5: mm_blocks<D, 5>(qs + j * D, kt, S + j * CHUNK, 5, scores, vp, n, acc + j * D, corr + j); break;
+    case 4: mm_blocks<D, 4>(qs + j * D, kt, S + j * CHUNK, 4, scores, vp, n, acc + j * D, corr + j); break;
+    case 3: mm_blocks<D, 3>(qs + j * D, kt, S + j * CHUNK, 3, scores, vp, n, acc + j * D, corr + j); break;
+    case 2: mm_blocks<D, 2>(qs + j * D, kt, S + j * CHUNK, 2, scores, vp, n, acc + j * D, corr + j); break;
+    case 1: mm_blocks<D, 1>(qs + j * D, kt, S + j * CHUNK, 1, scores, vp, n, acc + j * D, corr + j); break;
+    default: break;
+  }
+}
+
+template <int D, typename F, typename Q>
+void attend_batched(const Item& it, const Cache<F, Q>& cache, int64_t block_size, int64_t kv_heads, int64_t h,
+                    float* conv, float* kt, float* S, float* corr, float cap) {
+  const int64_t nq = it.nr * it.group;
+  float* kbuf = conv;
+  float* vbuf = conv + CHUNK * D;
+  const int64_t row_stride = kv_heads * D;
+  const float* kp[CHUNK];
+  const float* vp[CHUNK];
+  const float ninf = -std::numeric_limits<float>::infinity();
+  auto convert = [](const auto* src, float* dst, float scale) {
+    using S_ = std::remove_cv_t<std::remove_pointer_t<decltype(src)>>;
+    const __m256 sv = _mm256_set1_ps(scale * Vec<S_>::unit);
+    for (int v = 0; v < D / 8; ++v) _mm256_store_ps(dst + 8 * v, _mm256_mul_ps(Vec<S_>::load(src + 8 * v), sv));
+  };
+  for (int64_t c0 = it.lo; c0 < it.hi; c0 += CHUNK) {
+    const int64_t c1 = std::min<int64_t>(c0 + CHUNK, it.hi);
+    const int64_t n = c1 - c0;
+    for (int64_t t = c0; t < c1; ++t) {
+      const int64_t blk = it.table[t / block_size];
+      float* kd = kbuf + (t - c0) * D;
+      float* vd = vbuf + (t - c0) * D;
+      if (blk < cache.base) {
+        const int64_t off = (blk * block_size + t % block_size) * row_stride + h * D;
+        if constexpr (std::is_same_v<F, float>) {
+          kp[t - c0] = cache.kf + off;
+          vp[t - c0] = cache.vf + off;
+          continue;
+        } else {
+          convert(cache.kf + off, kd, 1.f);
+          convert(cache.vf + off, vd, 1.f);
+        }
+      } else {
+        const int64_t qb = blk - cache.base;
+        const int64_t off = (qb * block_size + t % block_size) * row_stride + h * D;
+        convert(cache.kq + off, kd, cache.ks[qb * kv_heads + h]);
+        convert(cache.vq + off, vd, cache.vs[qb * kv_heads + h]);
+      }
+      kp[t - c0] = kd;
+      vp[t - c0] = vd;
+    }
+    // kt [D][CHUNK]: the chunk's keys, tokens in the lanes (the tail past n zeroed)
+    for (int64_t t = 0; t < n; ++t) {
+      const float* kr = kp[t];
+      for (int x = 0; x < D; ++x) kt[x * CHUNK + t] = kr[x];
+    }
+    if (n < CHUNK) {
+      for (int x = 0; x < D; ++x) std::fill(kt + x * CHUNK + n, kt + (x + 1) * CHUNK, 0.f);
+    }
+    mm_blocks<D, QB>(it.qs, kt, S, nq, true, nullptr, 0, nullptr, nullptr);
+    for (int64_t i = 0; i < it.nr; ++i) {
+      const int64_t a = std::max(c0, it.start[i]) - c0, e = std::min(c1, it.end[i]) - c0;
+      for (int64_t g = 0; g < it.group; ++g) {
+        const int64_t j = i * it.group + g;
+        float* sj = S + j * CHUNK;
+        if (e <= a) {  // nothing of this chunk is visible to the row: weight 0, state kept
+          std::fill(sj, sj + CHUNK, 0.f);
+          corr[j] = 1.f;
+          continue;
+        }
+        if (cap > 0.f) {
+          for (int64_t t = a; t < e; ++t) sj[t] = cap * std::tanh(sj[t] / cap);
+        }
+        for (int64_t t = 0; t < a; ++t) sj[t] = ninf;
+        for (int64_t t = e; t < CHUNK; ++t) sj[t] = ninf;
+        __m256 mx = _mm256_set1_ps(it.m[j]);
+        for (int t = 0; t < CHUNK; t += 8) mx = _mm256_max_ps(mx, _mm256_load_ps(sj + t));
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, mx);
+        float mb = lanes[0];
+        for (int u = 1; u < 8; ++u) mb = std::max(mb, lanes[u]);
+        const __m256 mv = _mm256_set1_ps(mb);
+        for (int t = 0; t < CHUNK; t += 8) _mm256_store_ps(sj + t, exp256(_mm256_sub_ps(_mm256_load_ps(sj + t), mv)));
+        // exp256 of -inf is a denormal, not 0: the invisible tokens' weights set to exactly 0
+        for (int64_t t = 0; t < a; ++t) sj[t] = 0.f;
+        for (int64_t t = e; t < CHUNK; ++t) sj[t] = 0.f;
+        __m256 sumv = _mm256_setzero_ps();
+        for (int t = 0; t < CHUNK; t += 8) sumv = _mm256_add_ps(sumv, _mm256_load_ps(sj + t));
+        const float sum = hsum(sumv);
+        corr[j] = std::exp(it.m[j] - mb);
+        it.l[j] = it.l[j] * corr[j] + sum;
+        it.m[j] = mb;
+      }
+    }
+    mm_blocks<D, QB>(nullptr, nullptr, S, nq, false, vp, n, it.acc, corr);
+  }
+}
+
+#endif
+
+// Per-thread scratch for one item: queries, state, score and conversion buffers.
+struct Scratch {
+  std::vector<float> qs, acc, m, l, p, corr, conv_store, mm_store;
+  std::vector<int64_t> start, end;
+  float* conv = nullptr;  // 2 * CHUNK * d floats
+  float* kt = nullptr;    // d * CHUNK floats (batched path)
+  float* scores = nullptr;  // rows * group * CHUNK floats (batched path)
+  Scratch(int64_t rows, int64_t group, int64_t d, int64_t block_size, bool batched)
+      : qs(rows * group * d), acc(rows * group * d), m(rows * group), l(rows * group),
+        p(std::max<int64_t>(block_size, 64)), corr(rows * group), start(rows), end(rows) {
+#ifdef PAGEDKV_CASCADE_AVX2
+    auto align = [](std::vector<float>& v) {
+      return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(v.data()) + 31) & ~uintptr_t(31));
+    };
+    conv_store.resize(2 * CHUNK * d + 8);
+    conv = align(conv_store);
+    if (batched) {
+      mm_store.resize(d * CHUNK + rows * group * CHUNK + 16);
+      kt = align(mm_store);
+      scores = kt + d * CHUNK;  // d * CHUNK is a multiple of 8 floats: still aligned
+    }
+#endif
+  }
+};
+
+template <typename F, typename Q>
+void attend(const Item& it, const Cache<F, Q>& cache, int64_t block_size, int64_t kv_heads, int64_t h, int64_t d,
+            float cap, Scratch& sc) {
+  if (it.hi <= it.lo) return;
+#ifdef PAGEDKV_CASCADE_AVX2
+  if constexpr (Vec<F>::ok && Vec<Q>::ok) {
+    if (sc.kt != nullptr && it.nr * it.group >= QB) {  // a shared run's many queries: matrix products
+      if (d == 64) return attend_batched<64, F, Q>(it, cache, block_size, kv_heads, h, sc.conv, sc.kt, sc.scores, sc.corr.data(), cap);
+      if (d == 128) return attend_batched<128, F, Q>(it, cache, block_size, kv_heads, h, sc.conv, sc.kt, sc.scores, sc.corr.data(), cap);
+      if (d == 256) return attend_batched<256, F, Q>(it, cache, block_size, kv_heads, h, sc.conv, sc.kt, sc.scores, sc.corr.data(), cap);
+    }
+    if (d == 64) return attend_vec<64, F, Q>(it, cache, block_size, kv_heads, h, sc.conv, cap);
+    if (d == 128) return attend_vec<128, F, Q>(it, cache, block_size, kv_heads, h, sc.conv, cap);
+    if (d == 256) return attend_vec<256, F, Q>(it, cache, block_size, kv_heads, h, sc.conv, cap);
+  }
+#endif
+  attend_portable<F, Q>(it, cache, block_size, kv_heads, h, d, cap, sc.p.data());
+}
+
+struct Plan {
+  const int32_t* node_seq;
+  const int32_t* node_start;
+  const int32_t* node_end;
+  const int32_t* node_row_ptr;
+  const int32_t* node_rows;
+  const int32_t* row_own_start;
+  int64_t nodes;
+};
+
+template <typename F, typename Q>
+void cascade_impl(const float* q, const Cache<F, Q>& cache, const int32_t* tables, int64_t max_blocks,
+                  const int32_t* row_seq, const int32_t* row_len, float* out, int64_t rows, int64_t heads,
+                  int64_t kv_heads, int64_t d, int64_t block_size, float scale, int64_t window, float cap,
+                  const Plan& plan) {
+  const int64_t group = heads / kv_heads;
+  auto win_start = [&](int64_t len) { return window > 0 ? std::max<int64_t>(0, len - window) : int64_t(0); };
+  // Phase-1 items: (node, part of its rows, KV head). Parts of at most SHARED_ROWS rows; smaller
+  // when that leaves threads idle (each part reads the node's K and V once more).
+  struct Part {
+    int64_t node, first, count;
+  };
+  std::vector<Part> parts;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  int64_t entries = plan.node_row_ptr[plan.nodes];
+  for (int64_t n = 0; n < plan.nodes; ++n) {
+    const int64_t first = plan.node_row_ptr[n], count = plan.node_row_ptr[n + 1] - first;
+    if (count <= 0) continue;
+    int64_t want = (threads + kv_heads * plan.nodes - 1) / (kv_heads * plan.nodes);  // parts for all threads
+    want = std::max<int64_t>(want, (count + SHARED_ROWS - 1) / SHARED_ROWS);
+    want = std::min<int64_t>(want, std::max<int64_t>(1, count / 4));  // >= 4 rows a part
+    const int64_t per = (count + want - 1) / want;
+    for (int64_t f = 0; f < count; f += per) parts.push_back({n, first + f, std::min(per, count - f)});
+  }
+  // Partial states per (entry, query head): the entry's row is node_rows[entry].
+  std::vector<float> pm(entries * heads), pl(entries * heads), pacc(entries * heads * d);
+  at::parallel_for(0, static_cast<int64_t>(parts.size()) * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    Scratch sc(SHARED_ROWS, group, d, block_size, true);
+    for (int64_t w = begin; w < end; ++w) {
+      const Part& part = parts[w / kv_heads];
+      const int64_t h = w % kv_heads;
+      const int64_t n = part.node;
+      int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
+      for (int64_t i = 0; i < part.count; ++i) {
+        const int64_t r = plan.node_rows[part.first + i];
+        const int64_t len = row_len[r];
+        sc.start[i] = std::max<int64_t>(plan.node_start[n], win_start(len));
+        sc.end[i] = std::min<int64_t>(plan.node_end[n], len);
+        if (sc.end[i] > sc.start[i]) {
+          lo = std::min(lo, sc.start[i]);
+          hi = std::max(hi, sc.end[i]);
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const float* src = q + (r * heads + h * group + g) * d;
+          float* dst = sc.qs.data() + (i * group + g) * d;
+          for (int64_t x = 0; x < d; ++x) dst[x] = src[x] * scale;
+        }
+      }
+      const int64_t nq = part.count * group;
+      std::fill(sc.acc.begin(), sc.acc.begin() + nq * d, 0.f);
+      std::fill(sc.m.begin(), sc.m.begin() + nq, -std::numeric_limits<float>::infinity());
+      std::fill(sc.l.begin(), sc.l.begin() + nq, 0.f);
+      Item it{sc.qs.data(), sc.start.data(), sc.end.data(), part.count, group,
+              tables + static_cast<int64_t>(plan.node_seq[n]) * max_blocks, lo, hi,
+              sc.acc.data(), sc.m.data(), sc.l.data()};
+      attend<F, Q>(it, cache, block_size, kv_heads, h, d, cap, sc);
+      for (int64_t i = 0; i < part.count; ++i) {
+        const int64_t e = part.first + i;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t j = i * group + g, hq = h * group + g;
+          pm[e * heads + hq] = sc.m[j];
+          pl[e * heads + hq] = sc.l[j];
+          std::copy(sc.acc.begin() + j * d, sc.acc.begin() + (j + 1) * d, pacc.begin() + (e * heads + hq) * d);
+        }
+      }
+    }
+  });
+  // Each row's entries (a row is in at most one node per depth of the tree).
+  std::vector<int64_t> row_ptr(rows + 1, 0), row_entries(entries);
+  for (int64_t e = 0; e < entries; ++e) ++row_ptr[plan.node_rows[e] + 1];
+  for (int64_t r = 0; r < rows; ++r) row_ptr[r + 1] += row_ptr[r];
+  {
+    std::vector<int64_t> fill(row_ptr.begin(), row_ptr.end() - 1);
+    for (int64_t e = 0; e < entries; ++e) row_entries[fill[plan.node_rows[e]]++] = e;
+  }
+  // Phase 2: tiles of consecutive rows of one sequence, as paged_attention.
+  struct Tile {
+    int64_t first, count, seq;
+  };
+  std::vector<Tile> tiles;
+  for (int64_t r = 0; r < rows;) {
+    if (row_len[r] <= 0) { ++r; continue; }
+    int64_t n = 1;
+    while (r + n < rows && n < TILE && row_seq[r + n] == row_seq[r] && row_len[r + n] > 0) ++n;
+    tiles.push_back({r, n, row_seq[r]});
+    r += n;
+  }
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()) * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    Scratch sc(TILE, group, d, block_size, false);
+    for (int64_t w = begin; w < end; ++w) {
+      const Tile& tile = tiles[w / kv_heads];
+      const int64_t h = w % kv_heads;
+      int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
+      for (int64_t i = 0; i < tile.count; ++i) {
+        const int64_t r = tile.first + i;
+        const int64_t len = row_len[r];
+        sc.start[i] = std::max<int64_t>(plan.row_own_start[r], win_start(len));
+        sc.end[i] = len;
+        if (sc.end[i] > sc.start[i]) {
+          lo = std::min(lo, sc.start[i]);
+          hi = std::max(hi, sc.end[i]);
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t j = i * group + g, hq = h * group + g;
+          const float* src = q + (r * heads + hq) * d;
+          float* dst = sc.qs.data() + j * d;
+          for (int64_t x = 0; x < d; ++x) dst[x] = src[x] * scale;
+          // the starting state: the row's shared partials merged (log-sum-exp rule)
+          float m = -std::numeric_limits<float>::infinity(), l = 0.f;
+          float* acc = sc.acc.data() + j * d;
+          std::fill(acc, acc + d, 0.f);
+          for (int64_t k = row_ptr[r]; k < row_ptr[r + 1]; ++k) {
+            const int64_t e = row_entries[k];
+            const float m2 = pm[e * heads + hq];
+            if (m2 == -std::numeric_limits<float>::infinity()) continue;  // nothing visible there
+            const float mn = std::max(m, m2);
+            const float a = std::exp(m - mn), b = std::exp(m2 - mn);
+            const float* acc2 = pacc.data() + (e * heads + hq) * d;
+            for (int64_t x = 0; x < d; ++x) acc[x] = acc[x] * a + acc2[x] * b;
+            l = l * a + pl[e * heads + hq] * b;
+            m = mn;
+          }
+          sc.m[j] = m;
+          sc.l[j] = l;
+        }
+      }
+      Item it{sc.qs.data(), sc.start.data(), sc.end.data(), tile.count, group,
+              tables + tile.seq * max_blocks, lo, hi, sc.acc.data(), sc.m.data(), sc.l.data()};
+      attend<F, Q>(it, cache, block_size, kv_heads, h, d, cap, sc);
+      for (int64_t i = 0; i < tile.count; ++i) {
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t j = i * group + g;
+          float* dst = out + ((tile.first + i) * heads + h * group + g) * d;
+          const float inv = sc.l[j] > 0.f ? 1.f / sc.l[j] : 0.f;
+          const float* aj = sc.acc.data() + j * d;
+          for (int64_t x = 0; x < d; ++x) dst[x] = aj[x] * inv;
+        }
+      }
+    }
+  });
+}
+
+bool scaled_format(at::ScalarType t) {
+  return t == at::kChar || t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2;
+}
+
+void check_i32(const at::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous() && t.dim() == 1 && t.numel() == n,
+              "cascade_attention: ", what, " must be a contiguous int32 vector of ", n, " values, got ",
+              t.sizes(), " ", t.scalar_type());
+}
+
+void check_scales(const std::optional<at::Tensor>& s, int64_t blocks, int64_t kv_heads) {
+  TORCH_CHECK(s.has_value() && s->scalar_type() == at::kFloat && s->is_contiguous() && s->dim() == 2 &&
+                  s->size(0) == blocks && s->size(1) == kv_heads,
+              "cascade_attention: 8-bit blocks need k_scales and v_scales: [8-bit blocks, kv_heads] float32");
+}
+
+// paged_attention's arguments, then the step's shared runs (see the top of this file): node_seq,
+// node_start, node_end [N] int32; node_row_ptr [N + 1] int32; node_rows [E] int32; row_own_start
+// [rows] int32. A mixed pool (paged_attention_mixed's): k_cache / v_cache hold the full-precision
+// blocks (ids below quant_base), k_quant / v_quant [Q, block_size, kv_heads, d] the 8-bit ones
+// (id - quant_base) with k_scales / v_scales [Q, kv_heads]. Otherwise k_cache / v_cache are the
+// whole pool (8-bit pools with their scales, as paged_attention).
+void cascade_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                       const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& row_seq,
+                       const at::Tensor& row_len, double scale, int64_t sliding_window,
+                       const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales,
+                       double softcap, const at::Tensor& node_seq, const at::Tensor& node_start,
+                       const at::Tensor& node_end, const at::Tensor& node_row_ptr, const at::Tensor& node_rows,
+                       const at::Tensor& row_own_start, const std::optional<at::Tensor>& k_quant,
+                       const std::optional<at::Tensor>& v_quant, int64_t quant_base) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: [rows, heads, d] float32");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kFloat && out.is_contiguous(), "out like q");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(), "k/v cache layout");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(), "k/v cache");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
+              "block_tables: [seqs, max_blocks] int32");
+  const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == d && heads % kv_heads == 0, "head_dim / GQA mismatch");
+  check_i32(row_seq, rows, "row_seq");
+  check_i32(row_len, rows, "row_len");
+  const int64_t nodes = node_seq.numel();
+  check_i32(node_seq, nodes, "node_seq");
+  check_i32(node_start, nodes, "node_start");
+  check_i32(node_end, nodes, "node_end");
+  check_i32(node_row_ptr, nodes + 1, "node_row_ptr");
+  const int64_t entries = node_row_ptr.data_ptr<int32_t>()[nodes];
+  check_i32(node_rows, entries, "node_rows");
+  check_i32(row_own_start, rows, "row_own_start");
+  const int64_t seqs = block_tables.size(0), max_blocks = block_tables.size(1);
+  for (int64_t n = 0; n < nodes; ++n) {
+    const int32_t s = node_seq.data_ptr<int32_t>()[n];
+    TORCH_CHECK(s >= 0 && s < seqs, "cascade_attention: node_seq ", s, " is not a row of block_tables");
+    TORCH_CHECK(node_start.data_ptr<int32_t>()[n] >= 0 &&
+                    node_end.data_ptr<int32_t>()[n] <= max_blocks * block_size,
+                "cascade_attention: node ", n, " reaches past the block table");
+  }
+  for (int64_t e = 0; e < entries; ++e) {
+    const int32_t r = node_rows.data_ptr<int32_t>()[e];
+    TORCH_CHECK(r >= 0 && r < rows, "cascade_attention: node_rows holds ", r, ", not a row");
+  }
+  // The two storages: full (F) below base, 8-bit (Q) from base on.
+  const at::Tensor* full = nullptr;
+  const at::Tensor* kq = nullptr;
+  const at::Tensor* vq = nullptr;
+  int64_t base = 0;
+  if (k_quant.has_value()) {
+    TORCH_CHECK(v_quant.has_value() && k_quant->sizes() == v_quant->sizes() && k_quant->is_contiguous() &&
+                    v_quant->is_contiguous() && k_quant->dim() == 4 && k_quant->size(1) == block_size &&
+                    k_quant->size(2) == kv_heads && k_quant->size(3) == d &&
+                    k_quant->scalar_type() == v_quant->scalar_type() && scaled_format(k_quant->scalar_type()),
+                "cascade_attention: k_quant / v_quant: [8-bit blocks, block_size, kv_heads, d] int8 / fp8, "
+                "contiguous, alike");
+    TORCH_CHECK(!scaled_format(k_cache.scalar_type()), "cascade_attention: a mixed pool's k_cache is full precision");
+    TORCH_CHECK(quant_base >= 0 && quant_base <= k_cache.size(0), "cascade_attention: quant_base out of range");
+    full = &k_cache;
+    kq = &*k_quant;
+    vq = &*v_quant;
+    base = quant_base;
+  } else if (scaled_format(k_cache.scalar_type())) {
+    kq = &k_cache;
+    vq = &v_cache;
+    base = 0;
+  } else {
+    full = &k_cache;
+    base = k_cache.size(0);
+  }
+  if (kq != nullptr) {
+    check_scales(k_scales, kq->size(0), kv_heads);
+    check_scales(v_scales, kq->size(0), kv_heads);
+  }
+  Plan plan{node_seq.data_ptr<int32_t>(), node_start.data_ptr<int32_t>(), node_end.data_ptr<int32_t>(),
+            node_row_ptr.data_ptr<int32_t>(), node_rows.data_ptr<int32_t>(), row_own_start.data_ptr<int32_t>(),
+            nodes};
+  auto run = [&](auto ftag, auto qtag) {
+    using F = decltype(ftag);
+    using Q = decltype(qtag);
+    Cache<F, Q> cache{full ? reinterpret_cast<const F*>(k_cache.data_ptr()) : nullptr,
+                      full ? reinterpret_cast<const F*>(v_cache.data_ptr()) : nullptr,
+                      kq ? reinterpret_cast<const Q*>(kq->data_ptr()) : nullptr,
+                      vq ? reinterpret_cast<const Q*>(vq->data_ptr()) : nullptr,
+                      kq ? k_scales->data_ptr<float>() : nullptr, kq ? v_scales->data_ptr<float>() : nullptr, base};
+    cascade_impl<F, Q>(q.data_ptr<float>(), cache, block_tables.data_ptr<int32_t>(), max_blocks,
+                       row_seq.data_ptr<int32_t>(), row_len.data_ptr<int32_t>(), out.data_ptr<float>(), rows, heads,
+                       kv_heads, d, block_size, static_cast<float>(scale), sliding_window,
+                       static_cast<float>(softcap), plan);
+  };
+  auto with_quant = [&](auto ftag) {
+    switch (kq ? kq->scalar_type() : at::kChar) {
+      case at::kChar: run(ftag, int8_t{}); break;
+      case at::kFloat8_e4m3fn: run(ftag, c10::Float8_e4m3fn{}); break;
+      case at::kFloat8_e5m2: run(ftag, c10::Float8_e5m2{}); break;
+      default: TORCH_CHECK(false, "cascade_attention: unsupported 8-bit block dtype ", kq->scalar_type());
+    }
+  };
+  switch (full ? full->scalar_type() : at::kFloat) {
+    case at::kFloat: with_quant(float{}); break;
+    case at::kHalf: with_quant(c10::Half{}); break;
+    case at::kBFloat16: with_quant(c10::BFloat16{}); break;
+    default: TORCH_CHECK(false, "cascade_attention: unsupported cache dtype ", full->scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedkv, m) {
+  m.def("cascade_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor row_seq, Tensor row_len, float scale, int sliding_window, Tensor? k_scales, Tensor? v_scales, "
+        "float softcap, Tensor node_seq, Tensor node_start, Tensor node_end, Tensor node_row_ptr, "
+        "Tensor node_rows, Tensor row_own_start, Tensor? k_quant=None, Tensor? v_quant=None, "
+        "int quant_base=0) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
+  m.impl("cascade_attention", &cascade_attention);
+}
+
