@@ -18,8 +18,10 @@ The choice, in order (each step is named in the reason that is logged)::
     3. head dims                           the measured size is a number of bytes read per block
                                            lookup (block * kv_heads * head_dim at the measured
                                            shape): a model with more bytes per token gets the
-                                           measured size whose bytes come nearest (never past
-                                           the measured sizes)
+                                           smaller measured size whose bytes come nearest; never
+                                           a larger one (a size above the measured preference
+                                           was not measured to pay at any shape, and its tail
+                                           waste is certain)
     4. sliding-window groups               at most window / 8: a sliding group holds window / B + 1
                                            blocks and frees them whole, so B beyond that keeps up
                                            to B out-of-window tokens per sequence
@@ -221,7 +223,9 @@ def _scaled_for_heads(row: dict[str, Any], size: int, shape: ModelShape, reasons
     sizes = sorted({int(s) for rel in row.get("relative_time", {}).values() for s in rel
                     if int(s) >= AUTO_MIN_BLOCK_SIZE} | {size})
     target = size * at_measured / per_token
-    scaled = min(sizes, key=lambda s: (abs(math.log2(s / target)), s))
+    if target >= size:  # fewer bytes per token than measured: keep the measured size (rule 3)
+        return size
+    scaled = min((s for s in sizes if s <= size), key=lambda s: (abs(math.log2(s / target)), s))
     if scaled != size:
         reasons.append(f"{what} per token and layer against the measured {measured['kv_heads']} x "
                        f"{measured['head_dim']}: {scaled} reads the measured bytes per block lookup")

@@ -37,6 +37,10 @@ def spawn_server(args: list[str], *, env: dict[str, str] | None = None,
     Returns the process and that line; raises RuntimeError (with the server's output) if it
     exits or stays silent for ``timeout`` seconds.
     """
+    # serve's default block size is auto (docs/block_size.md), which follows the machine's kernel
+    # table; tests size their pools in blocks of 16 unless they say otherwise
+    if not any(a.startswith("--block-size") for a in args):
+        args = [*args, "--block-size", "16"]
     cmd = [sys.executable, "-m", "pagedkv.server.cli", *args]
     env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

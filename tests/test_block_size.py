@@ -74,6 +74,9 @@ def test_choice_follows_window_context_head_dims_and_unknown_devices() -> None:
                                "num_hidden_layers": 2, "num_key_value_heads": 4, "head_dim": 128})
     scaled = choose_block_size(wide, 4096, CPU, table)  # 4x the bytes per token: 16 reads 64's bytes
     assert scaled.block_size == 16 and "head_dim 128" in scaled.reason
+    narrow = shape_from_hf_dict({"model_type": "llama", "hidden_size": 128, "num_attention_heads": 4,
+                                 "num_hidden_layers": 2, "num_key_value_heads": 1, "head_dim": 32})
+    assert choose_block_size(narrow, 4096, CPU, table).block_size == 64  # never above the measured size
     gemma = PRESETS["gemma-3-1b"]  # sliding groups of window 512: at most 64
     assert choose_block_size(gemma, 32768, Device("cpu"), {"cpu": {"preferred": {"1": 256}}}).block_size == 64
     capped = choose_block_size(llama, 32768, CPU, {"cpu": {"preferred": {"1": 256}}})
@@ -117,13 +120,15 @@ def test_write_device_row_keeps_the_other_rows(tmp_path) -> None:
 def test_serve_and_size_agree_and_the_engine_logs_why(tmp_path, caplog, capsys) -> None:
     from pagedkv.cli import build_parser, main
     from pagedkv.engine import LLMEngine
-    from pagedkv.engine.flags import engine_options
+    from pagedkv.server.cli import serve_engine_options
     from pagedkv_testing.tiny_model import write_tiny_model
 
     folder = write_tiny_model(tmp_path / "tiny", max_position_embeddings=4096)
     args = build_parser().parse_args(["serve", str(folder), "--device", "cpu", "--kv-cache-memory", "4MiB"])
-    options = engine_options(args)
+    options = serve_engine_options(args)
     assert options["block_size"] == "auto"  # serve's default
+    given = build_parser().parse_args(["serve", str(folder), "--block-size", "32"])
+    assert serve_engine_options(given)["block_size"] == 32
     with caplog.at_level(logging.INFO, logger="pagedkv.engine.build"):
         engine = LLMEngine.from_options(model=str(folder), **options)
     served = engine.runner.block_size

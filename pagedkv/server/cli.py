@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import sys
+from typing import Any
 
 from pagedkv import envs
 from pagedkv.block_size import AUTO
@@ -108,10 +109,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="sampling defaults over the model's generation_config.json, as vLLM's: e.g. "
                         "'{\"max_new_tokens\": 512, \"temperature\": 0.6}'")
     add_engine_arguments(p.add_argument_group("engine"))
-    # A server runs on one device for a long time: the block size fitted to its model, context and
-    # kernels (logged with its reason) pays there; the Python API keeps a fixed 16 (docs/block_size.md).
-    p.set_defaults(block_size=AUTO)
     add_vllm_flags(p)  # last: vLLM's flags pagedkv lacks, as no-ops with a warning or refused
+
+
+def serve_engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options ``pagedkv serve`` runs with: those given, and ``block_size="auto"``
+    unless ``--block-size`` was. A server runs on one device for a long time, where the size fitted
+    to its model, context and kernels pays (logged with its reason); the Python API keeps a fixed 16
+    (docs/block_size.md)."""
+    return {"block_size": AUTO, **engine_options(args)}
 
 
 def add_log_arguments(p: argparse.ArgumentParser) -> None:
@@ -204,7 +210,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pagedkv serve: {exc}", file=sys.stderr)
         return 2
-    options = engine_options(args)
+    options = serve_engine_options(args)
     if events_config is not None:
         options["kv_events"] = True
     try:
