@@ -109,7 +109,9 @@ def serve_args(container: dict[str, Any]) -> list[str]:
     """The argv of `pagedkv serve` that the image's entrypoint builds from the container's spec."""
     env = {e["name"]: e.get("value") for e in container["env"]}
     model = [env["MODEL"]] if env.get("MODEL") else []
-    return ["--host", "0.0.0.0", "--port", env["PORT"], *model, *container["args"]]
+    # the kubelet expands $(NAME) in args from the container's env (the remote tier's URL)
+    args = [re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1)) or m.group(0), a) for a in container["args"]]
+    return ["--host", "0.0.0.0", "--port", env["PORT"], *model, *args]
 
 
 def parse_serve(argv: list[str]) -> argparse.Namespace:
@@ -255,6 +257,8 @@ def test_chart_flags_parse_with_pagedkv_serve_into_a_valid_engine_config(name: s
     assert args.served_model_name == (values["model"]["servedModelNames"] or None)
     config = EngineConfig(**engine_options(args))  # raises ValueError naming a bad field
     assert config.kv_offloading_size > 0 and config.disk_tier_bytes > 0
+    if values["kvRemoteTier"]["enabled"]:  # the chart's own Redis, through its Service
+        assert config.kv_remote_url == f"redis://pagedkv-redis:{values['kvRemoteTier']['redis']['port']}/0"
 
 
 def test_service_monitor_scrapes_the_service_metrics_port() -> None:

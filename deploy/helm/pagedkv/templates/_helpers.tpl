@@ -86,6 +86,28 @@ app.kubernetes.io/version: {{ .Values.router.image.tag | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
+{{/* The remote KV tier's own Redis server (kvRemoteTier.redis), its Service and pods. */}}
+{{- define "pagedkv.redisName" -}}
+{{- printf "%s-redis" (include "pagedkv.fullname" . | trunc 57 | trimSuffix "-") }}
+{{- end }}
+
+{{- define "pagedkv.redisSelectorLabels" -}}
+app.kubernetes.io/name: {{ printf "%s-redis" (include "pagedkv.name" .) }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: kv-remote-tier
+{{- end }}
+
+{{/* The Secret holding the remote tier's URL: the given one, or the chart's (from kvRemoteTier.url). */}}
+{{- define "pagedkv.kvRemoteSecretName" -}}
+{{- default (printf "%s-kv-remote" (include "pagedkv.fullname" . | trunc 53 | trimSuffix "-")) .Values.kvRemoteTier.existingSecret }}
+{{- end }}
+
+{{/* Whether the chart runs its own Redis for the remote tier. */}}
+{{- define "pagedkv.ownRedis" -}}
+{{- $t := .Values.kvRemoteTier }}
+{{- if and $t.enabled $t.redis.enabled (not $t.url) (not $t.existingSecret) }}true{{ end }}
+{{- end }}
+
 {{/* Value checks shared by the server's Deployment and StatefulSet (exactly one of them renders). */}}
 {{- define "pagedkv.checks" -}}
 {{- $disk := .Values.kvDiskTier }}
@@ -98,6 +120,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- if and $disk.enabled (le (float64 $disk.hostTierSize) 0.0) }}
 {{- fail "kvDiskTier.hostTierSize must be above 0: the disk tier sits below the host tier (--kv-offloading-size)" }}
+{{- end }}
+{{- $remote := .Values.kvRemoteTier }}
+{{- if and $remote.enabled (not $remote.url) (not $remote.existingSecret) (not $remote.redis.enabled) }}
+{{- fail "kvRemoteTier.enabled needs a server: kvRemoteTier.url, kvRemoteTier.existingSecret, or kvRemoteTier.redis.enabled (the chart's own)" }}
+{{- end }}
+{{- if and $remote.enabled $remote.url (not (regexMatch "^(redis|rediss|unix)://" $remote.url)) }}
+{{- fail "kvRemoteTier.url must start with redis://, rediss:// (TLS) or unix://" }}
 {{- end }}
 {{- if .Values.router.enabled }}
 {{- if lt (int .Values.replicaCount) 1 }}

@@ -95,6 +95,13 @@ comes from the StatefulSet's volumeClaimTemplate.
             - --kv-offload-disk-size
             - {{ $disk.size | quote }}
             {{- end }}
+            {{- if .Values.kvRemoteTier.enabled }}
+            # (expanded by the kubelet from the env below: the URL stays out of the pod spec)
+            - --kv-remote-url
+            - $(KV_REMOTE_URL)
+            - --kv-remote-key-prefix
+            - {{ .Values.kvRemoteTier.keyPrefix | quote }}
+            {{- end }}
             {{- range .Values.extraArgs }}
             - {{ . | quote }}
             {{- end }}
@@ -108,6 +115,19 @@ comes from the StatefulSet's volumeClaimTemplate.
               value: {{ $cache.dir | quote }}
             - name: HF_HUB_CACHE
               value: {{ printf "%s/hub" $cache.dir | quote }}
+            {{- end }}
+            {{- with .Values.kvRemoteTier }}
+            {{- if .enabled }}
+            - name: KV_REMOTE_URL
+              {{- if or .url .existingSecret }}
+              valueFrom:
+                secretKeyRef:
+                  name: {{ include "pagedkv.kvRemoteSecretName" $ }}
+                  key: {{ .secretKey }}
+              {{- else }}
+              value: {{ printf "redis://%s:%d/0" (include "pagedkv.redisName" $) (int .redis.port) | quote }}
+              {{- end }}
+            {{- end }}
             {{- end }}
             {{- if or .Values.apiKey.value .Values.apiKey.existingSecret }}
             - name: PAGEDKV_API_KEY
