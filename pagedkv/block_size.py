@@ -13,8 +13,9 @@ The choice, in order (each step is named in the reason that is logged)::
                                            time per token held, its tail's empty slots counted
                                            (:func:`preferred_block_size`; a row from reasoning,
                                            marked so, where nothing was measured)
-    2. latent (MLA) models                 the device row's "mla" size, where its kernels want one
-                                           (FlashMLA and vLLM's MLA backends on CUDA: 64)
+    2. latent (MLA) models                 the device row's "mla" size, where its kernels take
+                                           only that one (FlashMLA and vLLM's MLA backends on
+                                           CUDA: 64); the rules below do not apply then
     3. head dims                           the measured size is a number of bytes read per block
                                            lookup (block * kv_heads * head_dim at the measured
                                            shape): a model with more bytes per token gets the
@@ -149,13 +150,12 @@ def choose_block_size(shape: ModelShape, max_model_len: int, device: Device,
                                                     f"{TABLE_PATH.name}; the kernels' minimum tile")
     ctx, size = _preferred_at(row, max_model_len)
     measured = "measured" if row.get("source") == "measured" else "from reasoning, not measured"
-    reasons = [f"{device}: the kernel's preference at contexts >= {ctx} tokens is {size} ({measured}; "
+    reasons = [f"{device}: the kernel's preference for {ctx}-token contexts is {size} ({measured}; "
                f"{TABLE_PATH.name})"]
-    if shape.is_mla and row.get("mla"):
-        size = int(row["mla"])
+    if shape.is_mla and row.get("mla"):  # what the device's latent kernels take: no cap applies
         reasons.append(f"latent (MLA) cache: {row.get('mla_why', 'its kernels take this size')}")
-    else:
-        size = _scaled_for_heads(row, size, shape, reasons)
+        return BlockSizeChoice(int(row["mla"]), "; ".join(reasons))
+    size = _scaled_for_heads(row, size, shape, reasons)
     # A hybrid model's sliding groups free blocks; a model-wide window (mistral) is one group
     # kept whole (applied as a mask), so it does not bound the size.
     windows = [g.window for g in kv_groups(shape) if g.window is not None]

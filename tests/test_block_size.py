@@ -32,6 +32,8 @@ def test_mla_model_on_a_gpu_gets_64_with_the_reason() -> None:
     choice = choose_block_size(PRESETS["deepseek-v2-lite"], 32768, H100)
     assert choice.block_size == 64
     assert "MLA" in choice.reason and "cuda" in choice.reason
+    assert choose_block_size(PRESETS["deepseek-v2-lite"], 128, H100).block_size == 64  # the kernel's only size
+    assert choose_block_size(PRESETS["deepseek-v2-lite"], 32768, CPU).block_size >= AUTO_MIN_BLOCK_SIZE
 
 
 def test_this_cpu_gets_the_committed_tables_size() -> None:
