@@ -8,7 +8,8 @@ layout and the newer ``rope_parameters`` layout. Built once; nothing mutates it 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+import math
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from pagedkv.model_shape import ModelShape, hf_text_config, shape_from_hf_dict
@@ -28,6 +29,9 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    # multi-head latent attention (models/mla.py) with mixture-of-experts layers
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 # Architectures refused by name: what they need that pagedkv lacks, and what to do instead.
 REFUSED_ARCHITECTURES: dict[str, str] = {
@@ -37,7 +41,7 @@ REFUSED_ARCHITECTURES: dict[str, str] = {
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 _MODEL_TYPE_ALIASES = {"gemma3_text": "gemma3"}
 SUPPORTED_MODEL_TYPES = frozenset(SUPPORTED_ARCHITECTURES.values())
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +61,13 @@ class RopeConfig:
     long_factor: tuple[float, ...] | None = None
     attention_factor: float | None = None
     partial_rotary_factor: float = 1.0  # the fraction of each head's dims that RoPE rotates
+    # yarn (DeepSeek): the ramp between interpolated and original frequencies, and the mscale
+    # terms of cos/sin (attention_factor None: mscale / mscale_all_dim) and of the attention scale
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
@@ -70,6 +81,8 @@ class RopeConfig:
         if self.rope_type == "longrope" and (self.short_factor is None or self.long_factor is None
                                              or not self.original_max_position_embeddings):
             raise ValueError("longrope needs short_factor, long_factor and original_max_position_embeddings")
+        if self.rope_type == "yarn" and not self.original_max_position_embeddings:
+            raise ValueError("yarn RoPE needs original_max_position_embeddings")
         if not 0.0 < self.partial_rotary_factor <= 1.0:
             raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
 
@@ -144,6 +157,8 @@ class ModelConfig(ModelShape):
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
     moe: MoEConfig | None = None  # mixture-of-experts routing (None: every layer dense)
+    # MLA (DeepSeek): RoPE on interleaved pairs of dims (V2 always; V3's rope_interleave)
+    rope_interleave: bool = False
 
     def __post_init__(self) -> None:
         ModelShape.__post_init__(self)  # (slotted dataclasses break zero-argument super())
@@ -152,12 +167,16 @@ class ModelConfig(ModelShape):
                 f"model_type {self.model_type!r} is not supported "
                 f"(supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
             )
-        if self.is_mla:
-            raise UnsupportedModelError("MLA attention (kv_lora_rank) is not supported yet")
+        if self.is_mla and (self.num_key_value_heads != 1 or self.head_dim != self.latent_dim):
+            raise ValueError(f"an MLA model's cache head is its latent: num_key_value_heads 1 and head_dim "
+                             f"kv_lora_rank + qk_rope_head_dim = {self.latent_dim}, got {self.num_key_value_heads} "
+                             f"and {self.head_dim} (ModelConfig.from_hf_dict sets them)")
+        if self.is_mla and not (self.qk_nope_head_dim and self.v_head_dim):
+            raise ValueError("an MLA model needs qk_nope_head_dim and v_head_dim")
         if self.num_experts and self.moe is None:
             raise UnsupportedModelError(f"{self.model_type} has {self.num_experts} experts but no MoE routing "
                                         "this engine knows (supported: "
-                                        "mixtral, qwen2_moe, qwen3_moe)")
+                                        "mixtral, qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3)")
         if self.moe is not None and max(self.moe.sparse_layers, default=-1) >= self.num_hidden_layers:
             raise ValueError(f"MoE sparse_layers name layer {max(self.moe.sparse_layers)} of "
                              f"{self.num_hidden_layers}")
@@ -177,8 +196,17 @@ class ModelConfig(ModelShape):
 
     @property
     def rotary_dim(self) -> int:
-        """Dims of each head that RoPE rotates (the first ones; ``head_dim`` unless partial)."""
+        """Dims of each head that RoPE rotates (the first ones; ``head_dim`` unless partial; MLA:
+        the decoupled RoPE part, ``qk_rope_head_dim``)."""
+        if self.is_mla:
+            return int(self.qk_rope_head_dim or 0)
         return int(self.head_dim * self.rope.partial_rotary_factor)
+
+    @property
+    def latent_dim(self) -> int:
+        """MLA: what the cache holds per token and layer, the normalized latent and the RoPE key
+        (``kv_lora_rank + qk_rope_head_dim``); 0 for other models."""
+        return (self.kv_lora_rank or 0) + (self.qk_rope_head_dim or 0) if self.is_mla else 0
 
     @property
     def is_gemma(self) -> bool:
@@ -188,7 +216,13 @@ class ModelConfig(ModelShape):
 
     @property
     def attention_scale(self) -> float:
-        """The factor q.k is multiplied by before softmax."""
+        """The factor q.k is multiplied by before softmax (MLA: over the q/k head of
+        ``qk_nope_head_dim + qk_rope_head_dim``, times YaRN's ``mscale(factor, mscale_all_dim)**2``)."""
+        if self.is_mla:
+            scale = ((self.qk_nope_head_dim or 0) + (self.qk_rope_head_dim or 0)) ** -0.5
+            if self.rope.rope_type == "yarn" and self.rope.mscale_all_dim and self.rope.factor > 1:
+                scale *= (0.1 * self.rope.mscale_all_dim * math.log(self.rope.factor) + 1.0) ** 2
+            return scale
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -204,7 +238,11 @@ class ModelConfig(ModelShape):
     @classmethod
     def from_shape(cls, shape: ModelShape, **model_fields: Any) -> ModelConfig:
         """``shape`` with the model code's own parameters added (``rms_norm_eps``, ``rope``, ...;
-        validated as a runnable model)."""
+        validated as a runnable model). An MLA shape's cache head becomes its latent (one KV head
+        of ``kv_lora_rank + qk_rope_head_dim``: what ``models/mla.py`` attends over)."""
+        if shape.is_mla:
+            shape = replace(shape, num_key_value_heads=1,
+                            head_dim=(shape.kv_lora_rank or 0) + (shape.qk_rope_head_dim or 0))
         return cls(**{f.name: getattr(shape, f.name) for f in fields(ModelShape)}, **model_fields)
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -240,9 +278,14 @@ class ModelConfig(ModelShape):
                        query_pre_attn_scalar=int(scalar) if scalar is not None and scalar.is_integer() else scalar,
                        final_logit_softcapping=self.final_logit_softcapping, attention_bias=self.attention_bias,
                        attn_logit_softcapping=self.attn_logit_softcapping)
+        if self.is_mla:
+            out.update(kv_lora_rank=self.kv_lora_rank, q_lora_rank=self.q_lora_rank,
+                       qk_rope_head_dim=self.qk_rope_head_dim, qk_nope_head_dim=self.qk_nope_head_dim,
+                       v_head_dim=self.v_head_dim, rope_interleave=self.rope_interleave)
         if self.moe is not None:  # read back as is by moe_from_hf
             out["pagedkv_moe"] = {**asdict(self.moe), "sparse_layers": sorted(self.moe.sparse_layers)}
-            out.update(num_local_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size)
+            out.update(num_local_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
+                       n_shared_experts=self.num_shared_experts, first_k_dense_replace=self.first_k_dense)
         if self.model_type == "gemma3":  # the sliding layers' own RoPE
             local = self.rope_local or self.rope
             out["rope_parameters"] = {"full_attention": rope_parameters,
@@ -277,6 +320,8 @@ class ModelConfig(ModelShape):
             for key in ("final_logit_softcapping", "attn_logit_softcapping"):
                 cap = d.get(key, caps.get(key))
                 extra[key] = float(cap) if cap is not None else None
+        if shape.is_mla:
+            extra["rope_interleave"] = bool(d.get("rope_interleave", True))
         if shape.num_experts:
             extra["moe"] = moe_from_hf(d, shape)
         return cls.from_shape(shape, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope=_rope_from_hf(d), **extra)
@@ -373,6 +418,8 @@ def _rope_from_hf(d: dict[str, Any]) -> RopeConfig:
     orig = scaling.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
     partial = scaling.get("partial_rotary_factor", d.get("partial_rotary_factor"))
     factor = scaling.get("factor")
+    if rope_type == "yarn" and not orig:  # transformers' default for yarn
+        orig = d.get("max_position_embeddings")
     if rope_type == "longrope" and factor is None and orig:
         factor = float(d.get("max_position_embeddings") or orig) / float(orig)
 
@@ -393,4 +440,9 @@ def _rope_from_hf(d: dict[str, Any]) -> RopeConfig:
         long_factor=floats("long_factor"),
         attention_factor=float(attention_factor) if attention_factor is not None else None,
         partial_rotary_factor=float(partial) if partial is not None else 1.0,
+        beta_fast=float(scaling.get("beta_fast") or 32.0),
+        beta_slow=float(scaling.get("beta_slow") or 1.0),
+        mscale=float(scaling["mscale"]) if scaling.get("mscale") else None,
+        mscale_all_dim=float(scaling["mscale_all_dim"]) if scaling.get("mscale_all_dim") else None,
+        truncate=bool(scaling.get("truncate", True)),
     )

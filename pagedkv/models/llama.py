@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.models.config import ModelConfig
+from pagedkv.models.mla import MLAAttention
 from pagedkv.models.moe import MoEMLP
 from pagedkv.models.rope import RotaryEmbedding, apply_rope
 from pagedkv.ops.fused import add_rms_norm, rope_qk, silu_mul
@@ -102,7 +103,9 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx)
+        # DeepSeek's latent attention (models/mla.py) takes the same AttentionFn
+        attention: type[nn.Module] = MLAAttention if config.is_mla else LlamaAttention
+        self.self_attn = attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # a mixture-of-experts layer (models/moe.py) has the same [T, hidden] -> [T, hidden] contract
         self.mlp: nn.Module = MoEMLP(config) if config.is_moe_layer(layer_idx) else LlamaMLP(config)
@@ -158,7 +161,8 @@ class LlamaForCausalLM(nn.Module):
         # distinct RoPE (gemma3's sliding layers have their own); layer i uses ropes[rope_of[i]].
         ropes = list(dict.fromkeys(config.layer_rope(i) for i in range(config.num_hidden_layers)))
         self.rope_of = [ropes.index(config.layer_rope(i)) for i in range(config.num_hidden_layers)]
-        self.rotaries = [RotaryEmbedding(r, config.head_dim, config.max_position_embeddings) for r in ropes]
+        rope_head = config.rotary_dim if config.is_mla else config.head_dim  # MLA: the decoupled RoPE dims
+        self.rotaries = [RotaryEmbedding(r, rope_head, config.max_position_embeddings) for r in ropes]
         self.embed_scale = config.hidden_size ** 0.5 if config.is_gemma else None
 
     def set_context_length(self, context: int) -> None:

@@ -1,5 +1,5 @@
-"""Rotary position embedding: inverse frequencies (default, linear, llama3, longrope scaling) and
-cos/sin tables.
+"""Rotary position embedding: inverse frequencies (default, linear, llama3, longrope, yarn scaling)
+and cos/sin tables.
 
 Tables are computed once (float32, grown lazily by powers of two) and gathered once per step for all
 layers; ``apply_rope`` uses the Hugging Face "rotate half" layout (GGUF q/k rows are un-permuted to it)
@@ -40,6 +40,8 @@ def inv_frequencies(rope: RopeConfig, head_dim: int, max_position_embeddings: in
         inv_freq = inv_freq / rope.factor
     elif rope.rope_type == "llama3":
         inv_freq = _llama3_scale(inv_freq, rope, max_position_embeddings)
+    elif rope.rope_type == "yarn":
+        inv_freq = _yarn_scale(inv_freq, rope, head_dim)
     if rope.freq_factors is not None:
         freq_factors = torch.tensor(rope.freq_factors, dtype=torch.float32, device="cpu")
         if freq_factors.numel() != inv_freq.numel():
@@ -61,6 +63,39 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig, max_pos: int) -> tor
     return torch.where(is_medium, blended, scaled)
 
 
+def _yarn_scale(inv_freq: torch.Tensor, rope: RopeConfig, dim: int) -> torch.Tensor:
+    # YaRN (DeepSeek-V2/V3): frequencies below the ramp [low, high] are interpolated by `factor`,
+    # those above kept, the ramp blended (transformers' _compute_yarn_parameters, same rounding).
+    orig = rope.original_max_position_embeddings or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the original (extrapolated) frequency
+    return inv_freq / rope.factor * (1 - keep) + inv_freq * keep
+
+
+def yarn_attention_factor(rope: RopeConfig) -> float:
+    """YaRN's scale of cos and sin: ``attention_factor``, else mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim) (DeepSeek: 1.0 with equal mscales), else mscale(factor)."""
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+
+    def mscale(m: float) -> float:
+        return 1.0 if rope.factor <= 1 else 0.1 * m * math.log(rope.factor) + 1.0
+
+    if rope.mscale and rope.mscale_all_dim:
+        return mscale(rope.mscale) / mscale(rope.mscale_all_dim)
+    return mscale(1.0)
+
+
 class RotaryEmbedding:
     """Holds cos/sin tables ``[max_len, head_dim]`` and gathers them for a step's positions.
 
@@ -80,6 +115,8 @@ class RotaryEmbedding:
         rope = self.rope
         long_context = rope.rope_type == "longrope" and context > (rope.original_max_position_embeddings or context)
         self.inv_freq = inv_frequencies(rope, self.rotary_dim, self.max_position_embeddings, long_context)
+        if rope.rope_type == "yarn":
+            self.scale = yarn_attention_factor(rope)
         if rope.rope_type == "longrope":
             factor = rope.factor
             orig = rope.original_max_position_embeddings or self.max_position_embeddings

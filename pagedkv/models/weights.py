@@ -12,7 +12,6 @@ low-bit layout (``weight_quant.LOWBIT_FORMATS``) is ``<name>.weight_lb_<fmt>`` (
 ``planes``, ``scales`` and ``offsets`` the same way; the name says the format.
 """
 
-
 from __future__ import annotations
 
 import logging
@@ -143,6 +142,8 @@ def map_name(config: ModelConfig, name: str) -> Target | None:
             return None
         return Target(_TOP_MAP[name], 0, None)
     m = _LAYER.match(name)
+    if m and config.is_mla and m.group(2).startswith("self_attn.") and int(m.group(1)) < config.num_hidden_layers:
+        return _map_mla(int(m.group(1)), m.group(2))
     if m and config.is_moe_layer(int(m.group(1))):
         return _map_moe(config, int(m.group(1)), m.group(2))
     if m and m.group(2) in _LAYER_MAP:
@@ -156,6 +157,19 @@ def map_name(config: ModelConfig, name: str) -> Target | None:
         start, end = _shard_rows(config, shard)
         return Target(param, start, end)
     return None
+
+
+# MLA layers (models/mla.py): the checkpoint's own module names, kv_b_proj's weight a bare Parameter
+_MLA_NAMES = frozenset(f"self_attn.{m}.{p}" for m in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                                                      "o_proj", "q_a_layernorm", "kv_a_layernorm")
+                       for p in ("weight", "bias"))
+
+
+def _map_mla(layer: int, suffix: str) -> Target | None:
+    """The target of an MLA layer's attention tensor ``suffix`` (``self_attn.*``)."""
+    if suffix == "self_attn.kv_b_proj.weight":
+        return Target(f"layers.{layer}.self_attn.kv_b", 0, None)
+    return Target(f"layers.{layer}.{suffix}", 0, None) if suffix in _MLA_NAMES else None
 
 
 def _map_moe(config: ModelConfig, layer: int, suffix: str) -> Target | None:

@@ -88,8 +88,11 @@ def test_rope_layouts_parse_to_the_same_config() -> None:
     assert old == new == old_type_key
     assert new.rope.rope_type == "llama3" and new.rope.theta == 5e5 and new.head_dim == 16
     assert ModelConfig.from_hf_dict(new.to_hf_dict()) == new
-    with pytest.raises(UnsupportedModelError, match="yarn"):
-        ModelConfig.from_hf_dict({**base, "rope_scaling": {"type": "yarn", "factor": 2.0}})
+    with pytest.raises(UnsupportedModelError, match="dynamic"):
+        ModelConfig.from_hf_dict({**base, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+    yarn = ModelConfig.from_hf_dict({**base, "max_position_embeddings": 4096, "rope_scaling": {"type": "yarn",
+                                                                                                "factor": 2.0}})
+    assert (yarn.rope.rope_type, yarn.rope.original_max_position_embeddings) == ("yarn", 4096)  # transformers'
     with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
         ModelConfig.from_hf_dict({**base, "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ValueError, match="num_key_value_heads"):

@@ -1,0 +1,180 @@
+"""Multi-head latent attention (models/mla.py): tiny random DeepSeek-V2 / V3 checkpoints of odd
+shapes against transformers (float32): the cache holds one latent KV head per token and layer, and
+the absorbed attention gives transformers' logits and greedy tokens on both attention paths; the
+engine on a tiny DeepSeek-V3 (prefix hits, n > 1, beam search, swap and recompute preemption,
+fault injection) gives a clean run's outputs with check_integrity() after every step."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pagedkv.engine import LLMEngine
+from pagedkv.model_shape import kv_bytes_per_block
+from pagedkv.models import load_model
+from pagedkv.models.config import ModelConfig
+from pagedkv.runner import ModelRunner, SeqChunk
+from pagedkv.sampling_params import SamplingParams
+from pagedkv_testing.hf_checkpoints import (
+    TinyAllocator,
+    check_greedy_both_ways,
+    hf_greedy,
+    hf_logits,
+    load_hf_reference,
+    paged_greedy,
+    randomize_,
+)
+
+FULL = os.environ.get("PAGEDKV_MOE_FULL_MATRIX") == "1"  # docs/environment.md
+TINY: dict[str, Any] = dict(vocab_size=256, hidden_size=48, intermediate_size=72, num_hidden_layers=3,
+                            num_attention_heads=3, num_key_value_heads=3, max_position_embeddings=512,
+                            rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, n_routed_experts=8,
+                            num_experts_per_tok=3, moe_intermediate_size=20, first_k_dense_replace=1,
+                            kv_lora_rank=20, qk_rope_head_dim=6, qk_nope_head_dim=10, v_head_dim=14)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1}
+# name -> (DeepSeek version, overrides)
+CASES: dict[str, tuple[int, dict[str, Any]]] = {
+    # V2 / V2-Lite: no q_lora_rank, softmax greedy routing, one shared expert, interleaved RoPE
+    "v2_no_q_lora": (2, dict(q_lora_rank=None, n_shared_experts=1, topk_method="greedy")),
+    # V2 with q_lora_rank, group-limited routing, YaRN with DeepSeek's mscale, scaled weights
+    "v2_q_lora_yarn": (2, dict(q_lora_rank=18, n_shared_experts=2, topk_method="group_limited_greedy", n_group=4,
+                               topk_group=2, routed_scaling_factor=1.7, rope_parameters=YARN)),
+    # V3: sigmoid + correction bias, group-limited (n_group / topk_group), first_k_dense_replace, no interleave
+    "v3_groups": (3, dict(q_lora_rank=18, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                          rope_interleave=False, rope_parameters=YARN)),
+}
+
+
+def make_deepseek(tmp: Path, version: int, seed: int, **overrides: Any) -> Path:
+    import transformers
+
+    if version == 3:
+        config: Any = transformers.DeepseekV3Config(**{**TINY, **overrides})
+        cls: Any = transformers.DeepseekV3ForCausalLM
+    else:
+        config, cls = transformers.DeepseekV2Config(**{**TINY, **overrides}), transformers.DeepseekV2ForCausalLM
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    randomize_(model, seed)
+    with torch.no_grad():  # a correction bias that changes the choice (zero in a fresh model)
+        for name, p in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.5 * torch.randn(b.shape, generator=torch.Generator().manual_seed(seed)))
+    folder = tmp / "model"
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def built() -> dict[str, Any]:
+    return {}
+
+
+def _case(name: str, tmp_path_factory: pytest.TempPathFactory, cache: dict[str, Any]) -> Any:
+    if name not in cache:
+        version, overrides = CASES[name]
+        folder = make_deepseek(tmp_path_factory.mktemp(name), version, seed=len(name), **overrides)
+        cache[name] = (load_hf_reference(folder), load_model(str(folder)), folder)
+    return cache[name][:2]
+
+
+def _prompt(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_cache_head_is_the_latent(name: str, tmp_path_factory: pytest.TempPathFactory,
+                                      built: dict[str, Any]) -> None:
+    _, loaded = _case(name, tmp_path_factory, built)
+    cfg: ModelConfig = loaded.config
+    assert cfg.is_mla and cfg.num_key_value_heads == 1 and cfg.head_dim == cfg.latent_dim == 20 + 6
+    assert cfg.moe is not None and cfg.moe.sparse_layers == {1, 2}
+    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg  # what a GGUF conversion writes reads back
+    runner = ModelRunner(loaded, block_size=16, num_blocks=10)
+    # one latent row of kv_lora_rank + qk_rope_head_dim per token and layer
+    assert kv_bytes_per_block(cfg, 16, "float32") == 3 * 16 * 26 * 4
+    assert runner.cache.device_bytes >= 10 * kv_bytes_per_block(cfg, 16, "float32")
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("name", list(CASES))
+def test_prefill_logits_whole_and_in_chunks(name: str, block_size: int, tmp_path_factory: pytest.TempPathFactory,
+                                            built: dict[str, Any]) -> None:
+    ref, loaded = _case(name, tmp_path_factory, built)
+    ids = _prompt(45, loaded.config.vocab_size, 1)
+    want = hf_logits(ref, ids)
+    num_blocks = 48 + 45 // block_size
+    table = TinyAllocator(num_blocks).take(-(-45 // block_size))
+    runner = ModelRunner(loaded, block_size=block_size, num_blocks=num_blocks)
+    got = runner.execute([SeqChunk(ids, 0, table)], return_all_logits=True)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    runner = ModelRunner(loaded, block_size=block_size, num_blocks=num_blocks)
+    parts = [runner.execute([SeqChunk(ids[s:s + 6], s, table)], return_all_logits=True) for s in range(0, 45, 6)]
+    torch.testing.assert_close(torch.cat(parts), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "plain"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_greedy_32_tokens_match_transformers(name: str, native: bool, tmp_path_factory: pytest.TempPathFactory,
+                                             built: dict[str, Any]) -> None:
+    ref, loaded = _case(name, tmp_path_factory, built)
+    prompts = [_prompt(n, loaded.config.vocab_size, 10 + n) for n in (13, 21, 5)]
+    if (name, "greedy") not in built:  # one reference for both attention paths
+        built[name, "greedy"] = [hf_greedy(ref, p, 32) for p in prompts]
+    want = built[name, "greedy"]
+    check_greedy_both_ways(loaded, prompts, want, native=native, num_blocks=128, chunk=6)
+    for block_size in (1, 16, 64) if FULL else (16,):
+        runner = ModelRunner(loaded, block_size=block_size, num_blocks=256, native_attention=native)
+        assert paged_greedy(runner, prompts, 32, chunk=6) == want
+
+
+def _workload(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, list[list[int]]]:
+    for i, p in enumerate(prompts):
+        if i % 3 == 2:
+            params = SamplingParams(temperature=0.9, top_k=40, n=3, seed=i, max_tokens=10, ignore_eos=True)
+        else:
+            params = SamplingParams(temperature=0, max_tokens=12 + i, ignore_eos=True)
+        engine.add_request(f"r{i}", p, params)
+    engine.add_request("beam", prompts[0], SamplingParams(max_tokens=5, ignore_eos=True), beam_width=3)
+    results: dict[str, list[list[int]]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = [c.token_ids for c in out.outputs]
+    return results
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_engine_on_latent_blocks_survives_faults(mode: str, tmp_path_factory: pytest.TempPathFactory,
+                                                 built: dict[str, Any]) -> None:
+    """Prefix hits (a shared prefix), n > 1, beam search, preemption by ``mode`` under seeded
+    fault injection on a small pool: every output equals a clean run's, with check_integrity()
+    after every step (debug_integrity), and no block stays in use."""
+    ref, _ = _case("v3_groups", tmp_path_factory, built)
+    folder = built["v3_groups"][2]
+    rng = random.Random(2)
+    shared = [rng.randrange(3, 256) for _ in range(12)]
+    prompts = [shared + [rng.randrange(3, 256) for _ in range(n)] for n in (5, 17, 2, 9, 22, 3)]
+    options = dict(block_size=4, num_kv_blocks=36, max_num_batched_tokens=40, swap_space=0.0002,
+                   preemption_mode=mode, debug_integrity=True)
+    clean = LLMEngine.from_options(str(folder), **{**options, "num_kv_blocks": 400})
+    expected = _workload(clean, prompts)
+    assert expected["r0"][0] == hf_greedy(ref, prompts[0], 12)
+    assert clean.stats().kv.prefix_hit_tokens >= 12 * (len(prompts) - 1) - 12  # the shared prefix's full blocks
+    faults = 0
+    for seed in range(2):
+        engine = LLMEngine.from_options(str(folder), fault_injection=f"seed={seed},rate=0.15", **options)
+        assert _workload(engine, prompts) == expected, f"fault seed {seed} changed an output"
+        stats = engine.stats()
+        assert stats.kv.used_blocks == 0 and stats.kv.host_used_blocks == 0
+        faults += stats.faults_fired
+    assert faults > 0
