@@ -12,7 +12,11 @@ The choice, in order (each step is named in the reason that is logged)::
                                            context length, the block >= 16 with the least decode
                                            time per token held, its tail's empty slots counted
                                            (:func:`preferred_block_size`; a row from reasoning,
-                                           marked so, where nothing was measured)
+                                           marked so, where nothing was measured). With a
+                                           workload profile (``block_size_seq_len``: its typical
+                                           running length) the times measured nearest below that
+                                           length, weighed at that length, instead of the
+                                           max_model_len row
     2. latent (MLA) models                 the device row's "mla" size, where its kernels take
                                            only that one (FlashMLA and vLLM's MLA backends on
                                            CUDA: 64); the rules below do not apply then
@@ -139,19 +143,30 @@ def write_device_row(kind: str, row: dict[str, Any], path: Path = TABLE_PATH) ->
 
 
 def choose_block_size(shape: ModelShape, max_model_len: int, device: Device,
-                      table: dict[str, dict[str, Any]] | None = None) -> BlockSizeChoice:
+                      table: dict[str, dict[str, Any]] | None = None, *,
+                      seq_len: int | None = None) -> BlockSizeChoice:
     """What ``block_size="auto"`` resolves to for ``shape`` served at ``max_model_len`` tokens on
-    ``device`` (rules: the module docstring). ``table`` defaults to the committed one; a device
-    kind it lacks gets 16, said in the reason."""
+    ``device`` (rules: the module docstring). ``seq_len``, a workload profile's typical running
+    sequence length (``block_size_seq_len``), replaces max_model_len in rule 1: the kernel's
+    measured times at that length, weighed against tail waste at that length
+    (:func:`preferred_block_size`). ``table`` defaults to the committed one; a device kind it lacks
+    gets 16, said in the reason."""
     rows = load_table() if table is None else table
     row = rows.get(device.kind)
     if row is None:
         return BlockSizeChoice(AUTO_MIN_BLOCK_SIZE, f"no measured preference for device {device} in "
                                                     f"{TABLE_PATH.name}; the kernels' minimum tile")
-    ctx, size = _preferred_at(row, max_model_len)
+    ctx, size = _preferred_at(row, seq_len or max_model_len)
     measured = "measured" if row.get("source") == "measured" else "from reasoning, not measured"
-    reasons = [f"{device}: the kernel's preference for {ctx}-token contexts is {size} ({measured}; "
-               f"{TABLE_PATH.name})"]
+    times = row.get("relative_time", {}).get(str(ctx))
+    if seq_len is not None and times:
+        size = preferred_block_size(seq_len, {int(b): float(t) for b, t in times.items()})
+        reasons = [f"{device}: for sequences of about {seq_len} tokens (block_size_seq_len), the kernel's "
+                   f"times measured at {ctx} tokens against the tail's empty slots give {size} ({measured}; "
+                   f"{TABLE_PATH.name})"]
+    else:
+        reasons = [f"{device}: the kernel's preference for {ctx}-token contexts is {size} ({measured}; "
+                   f"{TABLE_PATH.name})"]
     if shape.is_mla and row.get("mla"):  # what the device's latent kernels take: no cap applies
         reasons.append(f"latent (MLA) cache: {row.get('mla_why', 'its kernels take this size')}")
         return BlockSizeChoice(int(row["mla"]), "; ".join(reasons))

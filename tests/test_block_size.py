@@ -89,6 +89,17 @@ def test_choice_follows_window_context_head_dims_and_unknown_devices() -> None:
     assert unknown.block_size == AUTO_MIN_BLOCK_SIZE and "no measured preference" in unknown.reason
 
 
+def test_a_workload_length_weighs_the_kernel_at_that_length() -> None:
+    table = {"cpu": {"source": "measured", "preferred": {"512": 16, "8192": 64},
+                     "relative_time": {"512": {"16": 1.0, "64": 0.95}, "8192": {"16": 1.0, "64": 0.8}}}}
+    shape = PRESETS["llama-3-8b"]
+    assert choose_block_size(shape, 8192, CPU, table).block_size == 64
+    chat = choose_block_size(shape, 8192, CPU, table, seq_len=300)  # 64's 24 empty slots cost 8% at 300 tokens
+    assert chat.block_size == 16 and "about 300 tokens" in chat.reason
+    long = choose_block_size(shape, 32768, CPU, table, seq_len=20000)
+    assert long.block_size == 64 and "measured at 8192 tokens" in long.reason
+
+
 def test_small_explicit_sizes_warn_naming_the_cost() -> None:
     tiny = block_size_warning(2, 1024, CPU)
     assert tiny is not None and "below 4" in tiny and "512 blocks" in tiny
@@ -108,6 +119,8 @@ def test_block_size_setting_accepts_auto_and_names_both_forms() -> None:
         EngineConfig(block_size="big")
     with pytest.raises(ValueError, match="--block-size"):
         check_block_size_setting(0, "--block-size")
+    with pytest.raises(ValueError, match=r"block_size_seq_len must be"):
+        EngineConfig(block_size="auto", block_size_seq_len=0)
 
 
 def test_write_device_row_keeps_the_other_rows(tmp_path) -> None:
@@ -140,6 +153,15 @@ def test_serve_and_size_agree_and_the_engine_logs_why(tmp_path, caplog, capsys) 
     sized = json.loads(capsys.readouterr().out)
     assert sized["block_size"] == served
     assert sized["block_size_choice"].startswith(f"block_size auto -> {served}:")
+
+    profiled = build_parser().parse_args(["serve", str(folder), "--device", "cpu", "--kv-cache-memory", "4MiB",
+                                          "--block-size-seq-len", "300"])
+    engine = LLMEngine.from_options(model=str(folder), **serve_engine_options(profiled))
+    served = engine.runner.block_size
+    engine.close()
+    assert main(["size", str(folder / "config.json"), "--device", "cpu", "--kv-memory", "4MiB", "--json",
+                 "--block-size-seq-len", "300"]) == 0
+    assert json.loads(capsys.readouterr().out)["block_size"] == served
 
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="pagedkv.engine.build"):

@@ -62,7 +62,8 @@ def build_runner(config: EngineConfig) -> RunnerParts:
     loaded = load_model(config.model, dtype=dtype, quantization=quantization, tokenizer=config.tokenizer,
                         revision=config.revision, download_dir=config.download_dir)
     block_size = resolve_block_size(config.block_size, loaded.config,
-                                    config.max_model_len or loaded.config.max_position_embeddings, device)
+                                    config.max_model_len or loaded.config.max_position_embeddings, device,
+                                    seq_len=config.block_size_seq_len)
     per_block = bytes_per_block(loaded.config, block_size, kv_dtype)  # scales included
     device_blocks = config.num_kv_blocks or num_blocks_for_memory(
         loaded.config, block_size, config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, kv_dtype)
@@ -85,18 +86,19 @@ def build_runner(config: EngineConfig) -> RunnerParts:
                        defaults)
 
 
-def resolve_block_size(setting: int | str, shape: ModelShape, max_model_len: int, device: torch.device) -> int:
+def resolve_block_size(setting: int | str, shape: ModelShape, max_model_len: int, device: torch.device, *,
+                       seq_len: int | None = None) -> int:
     """The block size the runner is built with: ``"auto"`` resolved for the model, the context and
     the device (``pagedkv/block_size.py``; the same call ``pagedkv size`` makes), logged with its
-    reason; an explicit size as given, with a warning when it is costly (below 4, or below 16 past
-    8k tokens of context)."""
+    reason (``seq_len``: the workload's typical sequence length, ``block_size_seq_len``); an explicit
+    size as given, with a warning when it is costly (below 4, or below 16 past 8k tokens of context)."""
     import torch
 
     from pagedkv.block_size import Device, block_size_warning, choose_block_size, is_auto
 
     dev = Device(device.type, torch.cuda.get_device_name(device) if device.type == "cuda" else "")
     if is_auto(setting):
-        choice = choose_block_size(shape, max_model_len, dev)
+        choice = choose_block_size(shape, max_model_len, dev, seq_len=seq_len)
         logger.info("%s", choice)
         return choice.block_size
     assert isinstance(setting, int)  # EngineConfig checked it

@@ -63,6 +63,10 @@ class EngineConfig:
         "token slots per KV block, or auto: chosen from the model, max_model_len and the device's measured "
         "kernel preference, and logged with its reason (docs/block_size.md; `pagedkv serve`'s default); "
         "below 4, or below 16 with contexts beyond 8k tokens, logs a warning naming the cost")})
+    block_size_seq_len: int | None = field(default=None, metadata={"help": (
+        "with block_size auto, the workload: the typical length in tokens of a running sequence (prompt and "
+        "output so far; `pagedkv size --dataset ...` prints its mean live length); auto then weighs the "
+        "kernels' measured speed against tail waste at that length instead of at max_model_len")})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "share KV blocks of common prompt prefixes"})
     kv_cache_memory: str | int | None = field(default=None, metadata={"help": (
         "memory for the device KV pool: bytes or a size such as 512MiB, 2GiB, 4G (= 4GiB, as vLLM's "
@@ -177,6 +181,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_block_size_setting(self.block_size)
+        if self.block_size_seq_len is not None:
+            _int_in("block_size_seq_len", self.block_size_seq_len, 1, 1 << 24)
         _int_in("max_num_seqs", self.max_num_seqs, 1, 1 << 20)
         _int_in("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 24)
         if isinstance(self.max_step_time_s, bool) or not isinstance(self.max_step_time_s, (int, float)) \

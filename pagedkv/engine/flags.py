@@ -36,6 +36,7 @@ _ARGPARSE: dict[str, dict[str, Any]] = {
     "revision": {"type": str},
     "download_dir": {"type": str},
     "block_size": {"type": parse_block_size, "metavar": "N|auto"},
+    "block_size_seq_len": {"type": int, "metavar": "TOKENS"},
     "enable_prefix_caching": _SWITCH,
     "kv_cache_memory": {"type": _size},
     "num_kv_blocks": {"type": int},

@@ -124,6 +124,10 @@ def add_size_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=parse_block_size, default=AUTO,
                    help=f"tokens per KV block, {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE} (the engine's bounds), or auto "
                         f"(default): the size `pagedkv serve` picks for this model, --max-len and --device")
+    p.add_argument("--block-size-seq-len", type=int, metavar="TOKENS",
+                   help="with --block-size auto: the workload's typical running sequence length, as serve's "
+                        "--block-size-seq-len (without it, the auto line also says what this --dataset's mean "
+                        "live length would give)")
     p.add_argument("--device", default="auto", choices=("auto", *DEVICE_KINDS),
                    help="the device --block-size auto chooses for (its row of pagedkv/block_size_table.json); "
                         "auto: cuda where an NVIDIA driver is loaded, else cpu")
@@ -155,6 +159,7 @@ def _sizing_inputs(args: argparse.Namespace, block_size: int) -> Any:
 
 def run_size(args: argparse.Namespace) -> int:
     """``pagedkv size``: print the sizing table (or ``--json``). Returns the exit code."""
+    from pagedkv.block_size import is_auto
     from pagedkv.sim.model_spec import load_model_spec
     from pagedkv.sim.report import size_table
     from pagedkv.sim.sizing import size_kv_cache
@@ -167,6 +172,8 @@ def run_size(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pagedkv size: error: {exc}", file=sys.stderr)
         return 2
+    if is_auto(args.block_size) and args.block_size_seq_len is None:  # the workload's own choice, as a hint
+        note += _workload_hint(args, spec, result.mean_live_len)
     result.block_size_choice = note
     print(json.dumps(result.as_dict(), indent=2) if args.json else size_table(result))
     return 0
@@ -181,11 +188,25 @@ def _block_size(args: argparse.Namespace, spec: Any) -> tuple[int, str]:
     setting = check_block_size_setting(args.block_size, "--block-size")
     max_len = args.max_len or spec.max_position_embeddings
     device = Device(local_device_kind() if args.device == "auto" else args.device)
+    seq_len = args.block_size_seq_len
+    if seq_len is not None and seq_len < 1:
+        raise ValueError(f"--block-size-seq-len: must be >= 1, got {seq_len}")
     if is_auto(setting):
-        choice = choose_block_size(spec, max_len, device)
+        choice = choose_block_size(spec, max_len, device, seq_len=seq_len)
         return choice.block_size, str(choice)
     assert isinstance(setting, int)
     return setting, f"warning: {warning}" if (warning := block_size_warning(setting, max_len, device)) else ""
+
+
+def _workload_hint(args: argparse.Namespace, spec: Any, mean_live: float) -> str:
+    """What ``--block-size-seq-len`` set to the dataset's mean live length would choose."""
+    from pagedkv.block_size import Device, choose_block_size
+
+    seq_len = max(1, round(mean_live))
+    device = Device(local_device_kind() if args.device == "auto" else args.device)
+    workload = choose_block_size(spec, args.max_len or spec.max_position_embeddings, device, seq_len=seq_len)
+    return (f" (for this --dataset, mean live length {seq_len}: --block-size-seq-len {seq_len} gives "
+            f"{workload.block_size})")
 
 
 def local_device_kind() -> str:
