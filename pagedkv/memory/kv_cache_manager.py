@@ -291,8 +291,11 @@ class KVCacheManager:
                                       B if g == 0 else 0)
         seq.num_computed = num_cached
         host0 = [b for b, h in zip(hit.blocks[0], hit.on_host[0]) if h] if on_host else []
-        seq.hits = AdmissionOutcome(k - len(host0), len(host0), self._from_disk(host0) if host0 else 0, max_hits,
-                                    reload is False)
+        from_disk = from_remote = 0  # of the host hits, those read from the disk or remote tier first
+        if host0 and (host_tier := self.host_tier) is not None:
+            from_disk = self._loaded(host0, host_tier.from_disk)
+            from_remote = self._loaded(host0, host_tier.from_remote)
+        seq.hits = AdmissionOutcome(k - len(host0), len(host0), from_disk, max_hits, reload is False, from_remote)
         seq.num_cached_blocks = hit.first_reload() if on_host else k  # reloaded blocks are cached again, below
         self.seqs[seq_id] = seq
         if on_host:
@@ -324,13 +327,14 @@ class KVCacheManager:
             self.host_tier.hold(host_hits)  # type: ignore[union-attr]  # host hits: a host tier
         return pool.allocate(need, seq.tenant, quota=False)  # (check_admission decided)
 
-    def _from_disk(self, host_hits: list[Block]) -> int:
-        """Of these host blocks about to be reloaded, how many came from the disk tier."""
-        from_disk = self.host_tier.from_disk if self.host_tier is not None else None
-        if not from_disk:
+    @staticmethod
+    def _loaded(host_hits: list[Block], loaded: set[bytes]) -> int:
+        """Of these host blocks about to be reloaded, how many came from a tier below (``loaded``:
+        the host tier's ``from_disk`` or ``from_remote``)."""
+        if not loaded:
             return 0
-        keys = [b.block_hash for b in host_hits if b.block_hash in from_disk]
-        from_disk.difference_update(keys)
+        keys = [b.block_hash for b in host_hits if b.block_hash in loaded]
+        loaded.difference_update(keys)
         return len(keys)
 
     def blocks_to_admit(self, token_ids: list[int], num_new_tokens: int | None = None, *,

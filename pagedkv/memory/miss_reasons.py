@@ -46,7 +46,7 @@ class CacheDetails:
 
     prompt_tokens: int
     hit_tokens: int
-    tier_hits: dict[str, int]  # hit tokens per tier: device, host, disk
+    tier_hits: dict[str, int]  # hit tokens per tier: device, host, disk (and remote, when it served any)
     reason: str  # of the first missed block (REASONS), the true one (aggregate counters only)
     caller_reason: str  # the same as its caller may see it: never "different_tenant"
     miss_block: int | None = None  # its index in the prompt, None for "none"

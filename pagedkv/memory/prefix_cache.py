@@ -267,12 +267,14 @@ class PrefixCache:
         """The prefix-cache outcome of the sequence's admission: hit tokens per tier and why its
         first missed block missed, counted per reason and ``tenant`` in ``first_misses``."""
         B = self.block_size
-        device, host, disk, max_hits, skipped = seq.hits
+        device, host, disk, max_hits, skipped, remote = seq.hits
         hits = device + host
         reason, caller_reason, extra = self.history.explain(seq.root, seq.token_ids, seq.block_hashes, hits,
                                                             max_hits, in_host=skipped)
-        details = CacheDetails(len(seq.token_ids), hits * B, {"device": device * B, "host": (host - disk) * B,
-                                                             "disk": disk * B},
+        tiers = {"device": device * B, "host": (host - disk - remote) * B, "disk": disk * B}
+        if remote:  # (read from the server shared by replicas: reloaded through the host tier)
+            tiers["remote"] = remote * B
+        details = CacheDetails(len(seq.token_ids), hits * B, tiers,
                                reason, caller_reason, None if reason == "none" else hits, **extra)
         key = (reason, tenant)
         self.first_misses[key] = self.first_misses.get(key, 0) + 1

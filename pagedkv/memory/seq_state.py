@@ -29,6 +29,7 @@ class AdmissionOutcome(NamedTuple):
     disk: int = 0
     max_hits: int = 0  # the most blocks that could hit (the last prompt token's block never does)
     reload_skipped: bool = False  # the host tier held more, but recomputing was measured cheaper
+    remote: int = 0  # hit blocks reloaded from the host tier that were read from the remote tier first
 
     @property
     def hits(self) -> int:

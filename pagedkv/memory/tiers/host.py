@@ -23,7 +23,7 @@ from pagedkv.kv_events import KVEventLog
 from pagedkv.memory.block import Block
 from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.errors import IntegrityError
-from pagedkv.memory.tiers.base import HOST, CopyPair, StepCopies
+from pagedkv.memory.tiers.base import HOST, REMOTE, CopyPair, StepCopies
 
 
 class HostTier:
@@ -45,6 +45,7 @@ class HostTier:
         self._loads: list[tuple[int, bytes]] = []  # (host block, payload) read from disk, this step
         self.disk_loaded_blocks = 0  # blocks read from the disk tier into this tier
         self.from_disk: set[bytes] = set()  # hashes loaded from disk and not yet reloaded (cache details)
+        self.from_remote: set[bytes] = set()  # the same, loaded from the remote tier
 
     # ------------------------------------------------------------------ LowerTier
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -123,9 +124,10 @@ class HostTier:
         self._out.append((block.block_id, target.block_id))
         self.offloaded_blocks += 1
 
-    def load(self, block_hash: bytes, payload: bytes) -> bool:
-        """Take a block read from the disk tier into this tier (most recently used); the runner
-        writes ``payload`` into it before this step's reloads. False when no host block is free."""
+    def load(self, block_hash: bytes, payload: bytes, source: str = "disk") -> bool:
+        """Take a block read from the disk (or ``source``: remote) tier into this tier (most recently
+        used); the runner writes ``payload`` into it before this step's reloads. False when no
+        host block is free."""
         host = self.pool
         if block_hash in host.cached or host.num_free == 0:
             return False
@@ -137,9 +139,10 @@ class HostTier:
         self._offloaded_now.append(target)
         self._loads.append((target.block_id, payload))
         self.disk_loaded_blocks += 1
-        if len(self.from_disk) > host.num_blocks:  # forget loads whose blocks left this tier unused
-            self.from_disk &= host.cached.keys()
-        self.from_disk.add(block_hash)
+        loaded = self.from_remote if source == REMOTE else self.from_disk
+        if len(loaded) > host.num_blocks:  # forget loads whose blocks left this tier unused
+            loaded &= host.cached.keys()
+        loaded.add(block_hash)
         return True
 
     # ------------------------------------------------------------------ admission (reloads)

@@ -206,7 +206,7 @@ class RemoteTier:
             tokens = self._tokens_of.pop(key, self.block_size)
             if key in device.cached:
                 continue
-            if self.host.load(key, payload):
+            if self.host.load(key, payload, REMOTE):
                 self.hit_tokens += tokens
             else:  # no host block free this step: whoever waits for it recomputes instead
                 self._load_failed.add(key)

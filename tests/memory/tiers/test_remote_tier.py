@@ -18,8 +18,8 @@ import time
 import pytest
 
 from pagedkv import SamplingParams
-from pagedkv.engine import LLMEngine
-from pagedkv.engine import kv_tiers
+from pagedkv.engine import LLMEngine, kv_tiers
+from pagedkv.kv_events import BlockStored
 from pagedkv.memory.prefix_hash import chain_hashes, root_hash
 from pagedkv.memory.tiers.remote import RemoteTier
 from pagedkv_testing.hf_checkpoints import make_hf_checkpoint
@@ -68,7 +68,8 @@ def _engine(model: str, url: str, **kw) -> LLMEngine:
                                   debug_integrity=True, kv_remote_url=url, **kw)
 
 
-def _generate(engine: LLMEngine, prompts: list[list[int]], timeout: float = 60.0) -> list[list[int]]:
+def _generate(engine: LLMEngine, prompts: list[list[int]], timeout: float = 60.0,
+              details: list | None = None) -> list[list[int]]:
     ids = [f"r{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts):
         engine.add_request(rid, prompt, GREEDY)
@@ -79,6 +80,8 @@ def _generate(engine: LLMEngine, prompts: list[list[int]], timeout: float = 60.0
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = list(out.outputs[0].token_ids)
+                if details is not None:
+                    details.append(out.cache_details)
     return [done[rid] for rid in ids]
 
 
@@ -97,12 +100,18 @@ def _written(engine: LLMEngine, blocks: int = len(HASHES)) -> None:
 
 
 def test_b_loads_what_a_computed_with_a_still_running(model, reference, redis_db):
-    a, b = _engine(model, redis_db.url), _engine(model, redis_db.url)
+    a, b = _engine(model, redis_db.url, kv_events=True), _engine(model, redis_db.url)
     try:
         assert _generate(a, [_prompt(0)]) == reference[:1]
         _written(a)  # written as they became cached: A's pool is not under pressure
         assert a.kv.stats().evictions == 0 and a.kv.stats().remote_blocks_written >= len(HASHES)
-        assert _generate(b, [_prompt(1)]) == reference[1:2]
+        _remote(a).take_events()  # (the engine takes them each step; the last writes landed after it)
+        stored = {h for e in a.take_kv_events() if isinstance(e, BlockStored) and e.medium == "REMOTE"
+                  for h in e.block_hashes}
+        assert set(HASHES) <= stored
+        details: list = []
+        assert _generate(b, [_prompt(1)], details=details) == reference[1:2]
+        assert details[0].tier_hits == {"device": 0, "host": 0, "disk": 0, "remote": len(PREFIX)}
         s = b.kv.stats()
         assert s.remote_hit_tokens == len(PREFIX) and s.tier_hit_tokens["remote"] == len(PREFIX)
         assert s.host_hit_tokens >= len(PREFIX) and s.remote_blocks_read == len(HASHES)
