@@ -8,12 +8,13 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from pagedkv.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from pagedkv.engine.config import EngineConfig
 from pagedkv.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
+    from pagedkv.engine.kv_sizing import KVSizing
     from pagedkv.lora.manager import LoRAManager
     from pagedkv.model_shape import ModelShape
     from pagedkv.models.tokenizer import Tokenizer
@@ -41,7 +42,7 @@ def build_runner(config: EngineConfig) -> RunnerParts:
 
     from pagedkv.models import load_model
     from pagedkv.models.dtype import resolve_dtype
-    from pagedkv.models.loader import resolve_model_path
+    from pagedkv.models.loader import release_freed_memory, resolve_model_path
     from pagedkv.models.packed_linear import PackedLinear
     from pagedkv.ops.kv_format import kv_format
     from pagedkv.runner import ModelRunner, bytes_per_block
@@ -65,10 +66,13 @@ def build_runner(config: EngineConfig) -> RunnerParts:
                                     config.max_model_len or loaded.config.max_position_embeddings, device,
                                     seq_len=config.block_size_seq_len)
     per_block = bytes_per_block(loaded.config, block_size, kv_dtype)  # scales included
+    sizing = kv_sizing(config, loaded, block_size, per_block, device.type)  # the defaults, from free memory
+    logger.info("%s", sizing.reason)
     device_blocks = config.num_kv_blocks or num_blocks_for_memory(
-        loaded.config, block_size, config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, kv_dtype)
+        loaded.config, block_size, config.kv_cache_memory or sizing.kv_bytes, kv_dtype)
     # More host blocks than 4x the device pool buy nothing.
-    host_blocks = min(int(config.kv_offloading_size * (1 << 30)) // per_block, 4 * device_blocks)
+    host_bytes = int(config.kv_offloading_size * (1 << 30)) if sizing.host_bytes is None else sizing.host_bytes
+    host_blocks = min(host_bytes // per_block, 4 * device_blocks)
     runner = ModelRunner(loaded, block_size=block_size, num_blocks=device_blocks,
                          num_host_blocks=host_blocks, kv_cache_dtype=kv_dtype, device=device,
                          max_loras=config.max_loras if config.enable_lora else 0,
@@ -77,6 +81,7 @@ def build_runner(config: EngineConfig) -> RunnerParts:
     head = runner.model.lm_head
     if isinstance(head, PackedLinear):  # every batch size's LM-head kernel built now: flat RSS later
         head.warm_up(config.max_num_seqs)
+    release_freed_memory()  # the loading's and warm-up's freed heap pages back to the OS
     identity = None
     if config.kv_offload_dir is not None or config.kv_remote_url is not None:  # (the tiers' fingerprint)
         from pagedkv.models.identity import model_identity
@@ -105,6 +110,31 @@ def resolve_block_size(setting: int | str, shape: ModelShape, max_model_len: int
     if (warning := block_size_warning(setting, max_model_len, dev)) is not None:
         logger.warning("%s", warning)
     return setting
+
+
+def kv_sizing(config: EngineConfig, loaded: Any, block_size: int, block_bytes: int, device_type: str) -> KVSizing:
+    """The KV pool and host tier defaults (``engine/kv_sizing.py``): what ``kv_cache_memory`` /
+    ``num_kv_blocks`` and ``kv_offloading_size`` leave unset, sized from the loaded model and the
+    memory available now; returns a ``KVSizing`` (its ``reason`` is logged at start)."""
+    from pagedkv.engine.config import _DefaultGiB
+    from pagedkv.engine.kv_sizing import available_device_memory, available_host_memory, size_kv
+    from pagedkv.models.quant_linear import weight_bytes
+    from pagedkv.units import parse_bytes
+
+    pool: int | None = None
+    if config.num_kv_blocks:
+        pool = config.num_kv_blocks * block_bytes
+    elif config.kv_cache_memory is not None:
+        pool = (config.kv_cache_memory if isinstance(config.kv_cache_memory, int)
+                else parse_bytes(str(config.kv_cache_memory), "kv_cache_memory"))
+    host = available_host_memory()
+    return size_kv(block_bytes=block_bytes, block_size=block_size,
+                   max_model_len=config.max_model_len or loaded.config.max_position_embeddings,
+                   weight_bytes=weight_bytes(loaded.model),
+                   device_available=host if device_type == "cpu" else available_device_memory(device_type),
+                   host_available=host, pool_bytes=pool,
+                   host_given=not isinstance(config.kv_offloading_size, _DefaultGiB),
+                   same_memory=device_type == "cpu")
 
 
 def generation_defaults(setting: str, model_defaults: dict[str, Any]) -> dict[str, Any]:

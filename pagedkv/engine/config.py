@@ -26,7 +26,12 @@ DEFAULT_KV_CACHE_MEMORY = "1GiB"
 
 class _DefaultGiB(float):
     """``kv_offloading_size``'s default, marked as such: giving the option (even at 0.5) beside its
-    deprecated alias ``swap_space`` is refused, which a plain 0.5 could not tell from the default."""
+    deprecated alias ``swap_space`` is refused, which a plain 0.5 could not tell from the default;
+    and the default host tier is sized from the pool and the free memory (``engine/kv_sizing.py``),
+    not taken as 0.5 GiB (the value only keeps the float checks' meaning: a host tier exists)."""
+
+    def __repr__(self) -> str:
+        return "auto"
 
 
 DEFAULT_HOST_TIER_GIB: float = _DefaultGiB(0.5)
@@ -70,14 +75,16 @@ class EngineConfig:
     enable_prefix_caching: bool = field(default=True, metadata={"help": "share KV blocks of common prompt prefixes"})
     kv_cache_memory: str | int | None = field(default=None, metadata={"help": (
         "memory for the device KV pool: bytes or a size such as 512MiB, 2GiB, 4G (= 4GiB, as vLLM's "
-        "--kv-cache-memory-bytes reads it; 4g and 4GB are 4 x 1000^3); give it or num_kv_blocks (default "
-        "1GiB)")})
+        "--kv-cache-memory-bytes reads it; 4g and 4GB are 4 x 1000^3); give it or num_kv_blocks (default: "
+        "room for one max_model_len sequence and at least 2x the weights, within half the memory available "
+        "after loading; engine/kv_sizing.py, logged at start)")})
     num_kv_blocks: int | None = field(default=None, metadata={"help": (
         "number of device KV blocks (instead of kv_cache_memory)")})
     kv_offloading_size: float = field(default=DEFAULT_HOST_TIER_GIB, metadata={"help": (
         "the host tier in GiB (vLLM's name): the one host pool, holding swapped-out sequences and the "
         "cached prefix blocks evicted from the device; swap_space is its deprecated alias (give one of "
-        "the two) (default 0.5)")})
+        "the two) (default: an eighth of a CPU KV pool, half of a GPU's, within a quarter of the host memory "
+        "left; logged at start)")})
     swap_space: float | None = field(default=None, metadata={"help": "deprecated alias of kv_offloading_size"})
     kv_offload_dir: str | None = field(default=None, metadata={"help": (
         "directory of the disk tier below the host tier: checksummed block files of evicted prefix blocks "

@@ -36,6 +36,21 @@ class LoadedModel:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
 
 
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's ``malloc_trim``): loading frees many
+    small and mid-sized buffers (tensor names, the float modules the quantized ones replace, file
+    reads) that glibc otherwise keeps resident: about 50 MiB of the bundled model's 400. A no-op
+    where the C library has no such call."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def resolve_model_path(model: str | Path | None, revision: str | None = None,
                        download_dir: str | Path | None = None) -> tuple[Path, str]:
     """(path, display name): None -> bundled default GGUF; a folder -> HF (or its only ``*.gguf``
@@ -116,5 +131,6 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
                              f"the model's ({config.vocab_size}): its ids past the model's would have no "
                              "embedding; give the model's own tokenizer or one of the same family")
     defaults = read_generation_defaults(path) if path.is_dir() else {}  # GGUF: no generation config
+    release_freed_memory()
     return LoadedModel(model=net, config=config, tokenizer=chosen, name=name, path=path, quantization=quant,
                        generation_defaults=defaults)
