@@ -102,12 +102,13 @@ class Sampler:
             processed = mine
         greedy_rows = sorted({r.row for r in rows if r.params.temperature == 0.0 and not r.processed})
         greedy: dict[int, int] = {}
-        if greedy_rows:
-            idx = torch.tensor(greedy_rows)
-            greedy = dict(zip(greedy_rows, logits.index_select(0, idx).argmax(-1).tolist()))
+        if greedy_rows:  # every row greedy (the usual batch): argmax in place, no copy of [rows, vocab]
+            picked = (logits if len(greedy_rows) == logits.shape[0]
+                      else logits.index_select(0, torch.tensor(greedy_rows)))
+            greedy = dict(zip(greedy_rows, argmax_rows(picked).tolist()))
         batch = SampleBatch(logits, greedy, self.default_generator, processed, penalized)
         if processed is not None:
-            batch.processed_greedy = processed.argmax(-1).tolist()
+            batch.processed_greedy = argmax_rows(processed).tolist()
         return batch
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
@@ -239,6 +240,28 @@ def _bin_counts(ids: list[torch.Tensor], m: int, vocab: int, dtype: torch.dtype)
         ok = (flat >= 0) & (flat < vocab)
         counts.view(-1).index_add_(0, (row * vocab + flat)[ok], torch.ones(int(ok.sum()), dtype=dtype))
     return counts
+
+
+def argmax_rows(x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """``x.argmax(-1)`` of ``x`` ``[rows, vocab]`` (no NaN; ties: the first maximum, as argmax), ~5x faster.
+
+    Why: torch's CPU argmax is a scalar reduction, ~8 ns per value: ~13 ms for 32 rows of a 49k
+    vocabulary (2.5 ms this way), a few percent of a decode step that does not need to be there.
+    ``amax`` is vectorized, so take each ``chunk``'s maximum
+    (a strided view, no copy), pick each row's first chunk holding the row's maximum, and
+    search only that chunk for its first occurrence.
+    """
+    rows, vocab = x.shape
+    chunks = vocab // chunk
+    if chunks < 2 or x.stride(-1) != 1:
+        return x.argmax(-1)
+    peaks = x.as_strided((rows, chunks, chunk), (x.stride(0), chunk, 1)).amax(-1)  # [rows, chunks]
+    if chunks * chunk < vocab:
+        peaks = torch.cat((peaks, x[:, chunks * chunk:].amax(-1, keepdim=True)), dim=1)
+    best = peaks.amax(-1, keepdim=True)  # [rows, 1]
+    start = (peaks == best).int().argmax(-1) * chunk  # [rows]: the first chunk that holds it
+    window = x.gather(1, (start.unsqueeze(1) + torch.arange(chunk)).clamp_(max=vocab - 1))
+    return start + (window == best).int().argmax(-1)
 
 
 def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:
