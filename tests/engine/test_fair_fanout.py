@@ -18,7 +18,7 @@ from pagedkv.server.limits import RequestLimits
 from pagedkv_testing.server import ServerThread, tiny_engine
 from pagedkv_testing.tiny_model import write_tiny_model
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.serial]
 
 
 def _entry_by_entry(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

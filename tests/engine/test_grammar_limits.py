@@ -29,7 +29,7 @@ from pagedkv_testing.latency_probe import HealthProbe, rss_bytes, victim_streams
 from pagedkv_testing.server import ServerThread, free_port, spawn_server, stop_server, tiny_engine
 from pagedkv_testing.tiny_model import write_tiny_model
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.serial]
 
 SMALL_ERROR = 1000  # bytes: the most any error body here may take (the inputs are megabytes)
 

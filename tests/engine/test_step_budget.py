@@ -23,6 +23,9 @@ from pagedkv.engine.step_cost import (
 from pagedkv.memory import KVCacheManager
 from pagedkv.sampling_params import SamplingParams
 
+# Its real-model checks time steps: they run in the serial phase, with the CPU to themselves.
+pytestmark = pytest.mark.serial
+
 B = 16
 # overhead 1 ms, 1 ms per token, 1 us per attended pair, 2 ms per row, 1 ms per processed row
 COEF = (1e-3, 1e-3, 1e-6, 2e-3, 1e-3)

@@ -20,7 +20,7 @@ import pytest
 from pagedkv_testing.cluster import Cluster, smg_binary
 from pagedkv_testing.tiny_model import write_tiny_model
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.serial,
               pytest.mark.skipif(smg_binary() is None, reason="the SMG router is not installed (pip install smg)")]
 
 WORDS = ("paged attention keeps the key value cache in fixed size blocks mapped through block tables "

@@ -17,7 +17,7 @@ from pagedkv.server.cli import add_serve_parser
 from pagedkv_testing.server import free_port, spawn_server
 from pagedkv_testing.tiny_model import write_tiny_model
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.serial]
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

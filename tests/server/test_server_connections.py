@@ -31,7 +31,7 @@ from pagedkv_testing.latency_probe import rss_bytes
 from pagedkv_testing.server import free_port, spawn_server, stop_server
 from pagedkv_testing.tiny_model import write_tiny_model
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.serial]
 
 HEADER_TIMEOUT = 3.0
 BODY_TIMEOUT = 8.0

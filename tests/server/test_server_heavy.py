@@ -30,7 +30,7 @@ from pagedkv_testing.latency_probe import HealthProbe, rss_bytes, victim_streams
 from pagedkv_testing.server import free_port, spawn_server, stop_server
 from pagedkv_testing.tiny_model import write_tiny_model
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.serial]
 
 MAX_MODEL_LEN = 2304
 PER_TOKEN = 7  # the tiny tokenizer's max_chars_per_token (checked below)

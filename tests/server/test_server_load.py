@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedkv_testing.server import ServerThread, tiny_engine
 from pagedkv_testing.tiny_model import write_tiny_model
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.serial]
 
 NUM_CONCURRENT = 64
 

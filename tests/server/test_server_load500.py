@@ -42,7 +42,7 @@ from test_server_soak import rss_bytes, wait_idle
 from pagedkv_testing.server import free_port, spawn_server, stop_server
 from pagedkv_testing.tiny_model import write_tiny_model
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420), pytest.mark.serial]
 
 STREAMS = 500
 ROUNDS = 3

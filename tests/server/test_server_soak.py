@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedkv_testing.server import free_port, spawn_server, stop_server
 from pagedkv_testing.tiny_model import write_tiny_model
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.serial]
 
 STREAMS = 200
 ROUNDS = int(os.environ.get("PAGEDKV_SOAK_ROUNDS", "5"))

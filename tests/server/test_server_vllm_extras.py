@@ -18,7 +18,7 @@ from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedkv_testing.server import ServerThread, tiny_engine
 from pagedkv_testing.tiny_model import write_tiny_model
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.serial]
 
 TEMPLATE = ("{{ bos_token }}{% if system_hint %}[{{ system_hint }}]{% endif %}"
             "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
