@@ -140,6 +140,13 @@ class LoRAStack:
         self.layers: dict[str, LoRALinear] = {}  # "layers.3.self_attn.qkv_proj" -> wrapper
         ref = next(model.parameters())
         dtype = ref.dtype if ref.dtype.is_floating_point else torch.float32
+        for i, layer in enumerate(getattr(model, "layers", ())):  # checked before anything is wrapped
+            for suffix in FUSED_PARTS:
+                parent_name, child = suffix.split(".")
+                if getattr(getattr(layer, parent_name), child, None) is None:  # models/moe.py, models/mla.py
+                    raise ValueError(f"enable_lora: layer {i} has no {suffix} (a mixture-of-experts or latent-"
+                                     "attention layer); LoRA slots are not supported on this model: leave "
+                                     "enable_lora off")
         for i, layer in enumerate(getattr(model, "layers", ())):
             for suffix, parts in FUSED_PARTS.items():
                 parent_name, child = suffix.split(".")

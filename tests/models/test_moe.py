@@ -198,6 +198,16 @@ def test_group_limited_choice_stays_in_the_best_groups() -> None:
     assert all(set(g) <= set(b) for g, b in zip(groups.tolist(), best.tolist()))
 
 
+def test_lora_slots_are_refused_on_expert_layers(tmp_path_factory: pytest.TempPathFactory,
+                                                built: dict[str, Any]) -> None:
+    from pagedkv.lora.layers import apply_lora
+
+    _, loaded = _case("mixtral", tmp_path_factory, built)
+    with pytest.raises(ValueError, match="layer 0 has no mlp.gate_up_proj .*leave enable_lora off"):
+        apply_lora(loaded.model, max_loras=1, max_rank=4)
+    assert type(loaded.model.layers[0].self_attn.qkv_proj).__name__ != "LoRALinear"  # nothing wrapped
+
+
 def test_sparse_attention_v32_is_refused_by_name() -> None:
     d = {"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", **TINY, "index_topk": 2048}
     with pytest.raises(UnsupportedModelError, match="DeepseekV32ForCausalLM.*sparse attention.*index_topk"):
