@@ -162,13 +162,17 @@ def run_size(args: argparse.Namespace) -> int:
     from pagedkv.block_size import is_auto
     from pagedkv.sim.model_spec import load_model_spec
     from pagedkv.sim.report import size_table
-    from pagedkv.sim.sizing import size_kv_cache
+    from pagedkv.sim.sizing import DoesNotFit, size_kv_cache
 
     try:
         spec = load_model_spec(args.model)
         shape = resolve_shape(args.dataset, args.prompt_len, args.output_len)
         block_size, note = _block_size(args, spec)
         result = size_kv_cache(spec, _sizing_inputs(args, block_size), shape)
+    except DoesNotFit as exc:  # what would fit: the smallest --tp, the widest weight format
+        print(json.dumps(exc.as_dict(), indent=2) if args.json else f"pagedkv size: does not fit: {exc}",
+              file=sys.stdout if args.json else sys.stderr)
+        return 1
     except ValueError as exc:
         print(f"pagedkv size: error: {exc}", file=sys.stderr)
         return 2

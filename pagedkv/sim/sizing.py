@@ -52,10 +52,32 @@ from pagedkv.model_shape import (
     kv_layer_slots,
     scale_bytes_per_block,
 )
+from pagedkv.weight_quant import LOWBIT_FORMATS, Q8_0_BYTES_PER_WEIGHT
 from pagedkv.workloads import WorkloadShape
 
 WEIGHT_DTYPE_BYTES: dict[str, float] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1,
                                         "int4": 0.5}
+# GGUF's types as pagedkv holds them (float32 scales and offsets: weight_quant.LOWBIT_FORMATS)
+WEIGHT_DTYPE_BYTES |= {"q8_0": Q8_0_BYTES_PER_WEIGHT, "q6_k": LOWBIT_FORMATS["i6"].bytes_per_weight(False),
+                       "q5_k": LOWBIT_FORMATS["u5"].bytes_per_weight(True),
+                       "q5_0": LOWBIT_FORMATS["i5"].bytes_per_weight(False),
+                       "q4_k": LOWBIT_FORMATS["u4"].bytes_per_weight(True),
+                       "q4_0": LOWBIT_FORMATS["i4"].bytes_per_weight(False)}
+MAX_SUGGESTED_TP = 64
+
+
+class DoesNotFit(ValueError):
+    """The weights leave no room for the KV cache: the message names the smallest ``--tp`` and the
+    widest weight format (``--weight-dtype``) with which one ``max_len`` sequence would fit
+    (``smallest_tp`` / ``weight_dtype``, None where none does)."""
+
+    def __init__(self, message: str, smallest_tp: int | None, weight_dtype: str | None) -> None:
+        super().__init__(message)
+        self.smallest_tp, self.weight_dtype = smallest_tp, weight_dtype
+
+    def as_dict(self) -> dict[str, object]:
+        return {"fits": False, "error": str(self), "smallest_tp": self.smallest_tp,
+                "weight_dtype": self.weight_dtype}
 CANDIDATE_BLOCK_SIZES = (16, 32, 64, 128)
 MIN_KERNEL_BLOCK = 16
 _SAMPLES = 20000
@@ -180,10 +202,7 @@ def size_kv_cache(spec: ModelShape, inputs: SizingInputs, shape: WorkloadShape) 
         assert inputs.device_memory is not None
         kv_memory = inputs.device_memory - reserved - weights_per_rank
         if kv_memory < block_bytes:
-            raise ValueError(f"--device-memory: {inputs.device_memory:,} bytes minus the reserved "
-                             f"{reserved:,} and {weights_per_rank:,} bytes of weights per rank leave "
-                             f"no room for one {block_bytes:,}-byte KV block; raise --tp or "
-                             f"--device-memory, or lower --reserved-fraction")
+            raise _does_not_fit(spec, inputs, weights, reserved, block_bytes, max_len)
     num_blocks = kv_memory // block_bytes
     blocks_per_seq = kv_blocks_per_sequence(spec, max_len, B)
     mean_final, mean_live = length_moments(shape, max_len)
@@ -207,6 +226,38 @@ def size_kv_cache(spec: ModelShape, inputs: SizingInputs, shape: WorkloadShape) 
         recommended_block_size=best, recommendation=reason, block_size_table=table,
         kv_groups=describe_groups(spec), seq_bytes_at_max_len=blocks_per_seq * block_bytes,
         full_cache_seq_bytes_at_max_len=math.ceil(max_len / B) * full_cache_block)
+
+
+def _does_not_fit(spec: ModelShape, inputs: SizingInputs, weights: int, reserved: int, block_bytes: int,
+                  max_len: int) -> DoesNotFit:
+    """The error for weights that leave no KV block, with what would fit: the smallest ``--tp``
+    (the same weights split across ranks, each rank's KV heads too) and the widest weight format at
+    this ``--tp``, each leaving room for one ``max_len`` sequence."""
+    assert inputs.device_memory is not None
+    budget = inputs.device_memory - reserved
+
+    def room(tp: int, weight_bytes: int) -> bool:
+        seq = kv_blocks_per_sequence(spec, max_len, inputs.block_size) * kv_bytes_per_block(
+            spec, inputs.block_size, inputs.kv_dtype, tp)
+        return budget - weight_bytes // tp >= seq
+    tp = next((t for t in (2 ** i for i in range(1, MAX_SUGGESTED_TP.bit_length()))
+               if t > inputs.tp and room(t, weights)), None)
+    params = spec.param_count()
+    current = weights / max(1, params)  # bytes a weight now (a file's own size counts its format)
+    dtype = next((d for d, b in sorted(WEIGHT_DTYPE_BYTES.items(), key=lambda kv: -kv[1])
+                  if b < current and room(inputs.tp, int(params * b))), None)
+    options = []
+    if tp is not None:
+        options.append(f"--tp {tp} ({weights // tp:,} bytes of weights per rank)")
+    if dtype is not None:
+        options.append(f"{dtype} weights at --tp {inputs.tp} (--weight-dtype {dtype}: "
+                       f"{int(params * WEIGHT_DTYPE_BYTES[dtype]):,} bytes)")
+    fix = (f"it would fit (one {max_len}-token sequence) with " + " or with ".join(options) if options else
+           f"no --tp up to {MAX_SUGGESTED_TP} nor weight format fits one {max_len}-token sequence: raise "
+           "--device-memory or lower --max-len")
+    return DoesNotFit(f"--device-memory: {inputs.device_memory:,} bytes minus the reserved {reserved:,} and "
+                      f"{weights // inputs.tp:,} bytes of weights per rank leave no room for one "
+                      f"{block_bytes:,}-byte KV block; {fix}", tp, dtype)
 
 
 def steady_footprint(spec: ModelShape, block_size: int, mean_live: float) -> tuple[float, float]:
