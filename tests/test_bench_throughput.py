@@ -1,0 +1,60 @@
+"""bench/throughput.py's decode-step profile: every part measured, nothing of the engine changed."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from pagedkv.benchmark import build_workload, run_pagedkv
+from pagedkv.workloads import BENCHMARK_CASES
+from pagedkv_testing.tiny_model import write_tiny_model
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "throughput.py"
+
+
+def _throughput() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_throughput", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_profile_measures_every_part_and_leaves_the_engine_as_it_was(tmp_path: Path) -> None:
+    from pagedkv.engine import LLMEngine
+    from pagedkv.runner import model_runner
+    from pagedkv.sampling.sampler import SampleBatch
+
+    bench = _throughput()
+    engine = LLMEngine.from_options(str(write_tiny_model(tmp_path / "tiny")), max_num_seqs=8,
+                                    kv_cache_memory="16MiB", threads=1)
+    vocab = engine.runner.config.vocab_size
+    small = dataclasses.replace(BENCHMARK_CASES["case_c"], num_requests=3, prefix_len=16, max_model_len=128)
+    work = dataclasses.replace(build_workload("p", vocab, config=small), new_tokens=[6, 6, 6])
+    before = run_pagedkv(engine, work)
+    call, sample = model_runner._StepAttention.__call__, SampleBatch.sample
+
+    profile = bench.profile_decode(engine, work, steps=3)
+
+    assert list(profile) == list(bench.PROFILE_PARTS)
+    measured = [p for p in bench.PROFILE_PARTS if not p.startswith(("model: other", "engine: rest", "total"))]
+    assert all(profile[p] > 0 for p in measured), profile  # each timer saw its calls
+    assert profile["total step"] >= profile["model: layer matmuls"] + profile["model: attention (cache write "
+                                                                               "+ paged attention)"]
+    # the timers are gone: methods are the classes' again, and the engine runs as before
+    assert model_runner._StepAttention.__call__ is call and SampleBatch.sample is sample
+    assert all("forward" not in vars(m) for m in engine.runner.model.modules())
+    assert not engine.has_unfinished_requests()
+    after = run_pagedkv(engine, work)
+    assert after.output_tokens == before.output_tokens and after.steps == before.steps
+    with pytest.raises(SystemExit):  # an unknown case is refused by name, before any engine is built
+        import sys
+        argv, sys.argv = sys.argv, ["throughput.py", "--cases", "case_z"]
+        try:
+            bench.main()
+        finally:
+            sys.argv = argv
