@@ -15,12 +15,23 @@ model-dtype cache:
 - decode speed at long contexts: ``--decode-seqs`` sequences at ``--decode-context`` tokens
   (random K/V written through each format's write path), decode steps of the whole model timed
   A B A B ... (float32 vs each 8-bit kind), median step time; plus the attention kernel alone.
+- mixed pools (``--sink-kind``, default int8; ``--sinks``, default 1,2): the first s blocks of the
+  sequence at the model dtype, the rest 8-bit, in one mixed pool read by the real kernels
+  (``kv_sink_blocks``): teacher forcing as above; greedy continuations by an engine with
+  ``kv_sink_blocks`` (``--sink-prompts`` prompts of ``--sink-prompt-len`` tokens, ``--sink-new-tokens``
+  new, against the model-dtype engine on the same prompts); and the tokens such a pool holds at
+  ``--sink-context`` tokens of context against model-dtype blocks at equal memory (the engine's own
+  split, ``ops/kv_format.full_block_fraction``). Beside them, not gated, the K/V split emulated
+  on a model-dtype pool: only K (or only V) rounded to 8 bits per block and KV head, in the
+  Hadamard basis, as the write kernel stores it (``<sink-kind>_k_only_*``, ``<sink-kind>_v_only_*``).
 
     .venv/bin/python bench/kv_quant.py [--threads 1] [--kinds int8,fp8_e4m3,fp8_e5m2,bfloat16,float16]
 
 Last line: one JSON object with ``<kind>_top1``, ``<kind>_ppl_ratio``, ``<kind>_greedy_match_len``,
 ``<kind>_greedy_full_matches``, ``<kind>_blocks_ratio`` and ``<kind>_decode_speed_ratio`` (8-bit
-kinds: float32 step time / kind step time) per kind, and the load average.
+kinds: float32 step time / kind step time) per kind; ``<sink-kind>_sink_top1``,
+``<sink-kind>_sink_ppl_ratio``, ``<sink-kind>_sink_greedy_equal``, ``<sink-kind>_sink_blocks_ratio``
+(one sink block; ``..._sink<s>_...`` for each s of ``--sinks``), the K/V splits, and the load average.
 """
 
 from __future__ import annotations
@@ -38,10 +49,11 @@ import torch
 from pagedkv.engine import LLMEngine
 from pagedkv.model_shape import kv_groups
 from pagedkv.models.loader import load_model
-from pagedkv.ops.kv_format import kv_format
+from pagedkv.ops.kv_format import dequantize, full_block_fraction, hadamard, kv_format, quantize
 from pagedkv.ops.paged_attention import NativeMetadata, native_paged_attention
 from pagedkv.runner import ModelRunner, SeqChunk
-from pagedkv.runner.kv_cache import num_blocks_for_memory
+from pagedkv.runner import model_runner as model_runner_module
+from pagedkv.runner.kv_cache import mixed_split, num_blocks_for_memory
 from pagedkv.sampling_params import SamplingParams
 
 TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "declaration_of_independence.txt"
@@ -61,8 +73,64 @@ def teacher_forced(loaded, tokens: list[int], kind: str, chunk: int, block_size:
     return torch.cat(out)
 
 
-def greedy(model: str | None, prompts: list[list[int]], kind: str, new_tokens: int) -> list[list[int]]:
-    engine = LLMEngine.from_options(model, kv_cache_dtype=kind, kv_cache_memory="512MiB", block_size=16)
+def teacher_forced_sinks(loaded, tokens: list[int], kind: str, sinks: int, chunk: int,
+                         block_size: int) -> torch.Tensor:
+    """``teacher_forced`` over a mixed pool: the sequence's first ``sinks`` blocks at the model
+    dtype (ids below the pool's split), the rest ``kind`` (the ids above it)."""
+    blocks = -(-len(tokens) // block_size)
+    if len(kv_groups(loaded.config)) > 1:
+        raise SystemExit("the mixed-pool figures take a model with one KV group")
+    runner = ModelRunner(loaded, block_size=block_size, num_blocks=sinks + blocks + 1, kv_cache_dtype=kind,
+                         kv_full_blocks=sinks + 1)
+    table = list(range(sinks)) + list(range(sinks + 1, sinks + 1 + blocks - sinks))
+    out = []
+    for start in range(0, len(tokens) - 1, chunk):
+        piece = tokens[start:min(start + chunk, len(tokens) - 1)]
+        logits = runner.execute([SeqChunk(piece, start, table, all_logits=True)])
+        out.append(torch.log_softmax(logits.double(), dim=-1))
+    return torch.cat(out)
+
+
+def teacher_forced_one_part(loaded, tokens: list[int], kind: str, part: int, chunk: int,
+                            block_size: int) -> torch.Tensor:
+    """``teacher_forced`` on a model-dtype pool where only K (``part`` 0) or only V (1) is rounded to
+    ``kind`` as the write kernel stores it: per block and KV head, absmax scale, in the Hadamard
+    basis; the written blocks re-rounded at each write (a block's scale follows its contents), so
+    every read, the chunk's own tokens included, sees the rounded values. An emulation: the real
+    pools round both (or, mixed, whole blocks)."""
+    fmt = kv_format(kind)
+    rotation = hadamard(loaded.config.head_dim)
+    plain_write = model_runner_module.write_kv
+
+    def rounding_write(k_cache, v_cache, k, v, slot_mapping):
+        plain_write(k_cache, v_cache, k, v, slot_mapping)
+        cache = (k_cache, v_cache)[part]
+        touched = torch.unique(slot_mapping // cache.shape[1])
+        x = cache.index_select(0, touched)  # [blocks, block_size, kv_heads, d]
+        if rotation is not None:
+            x = x @ rotation
+        scale = x.abs().amax(dim=(1, 3), keepdim=True) / fmt.qmax
+        y = dequantize(quantize(x, fmt, scale), fmt, scale)
+        cache.index_copy_(0, touched, (y @ rotation if rotation is not None else y).to(cache.dtype))
+
+    runner = ModelRunner(loaded, block_size=block_size, num_blocks=-(-len(tokens) // block_size) + 1,
+                         kv_cache_dtype="auto", attention_backend="native")
+    table = list(range(-(-len(tokens) // block_size)))
+    model_runner_module.write_kv = rounding_write  # this runner's writes only (restored below)
+    try:
+        out = [torch.log_softmax(runner.execute([SeqChunk(tokens[:1], 0, table, all_logits=True)]).double(), -1)]
+        for start in range(1, len(tokens) - 1, chunk):  # from position 1: every chunk reads the cache
+            piece = tokens[start:min(start + chunk, len(tokens) - 1)]
+            logits = runner.execute([SeqChunk(piece, start, table, all_logits=True)])
+            out.append(torch.log_softmax(logits.double(), dim=-1))
+    finally:
+        model_runner_module.write_kv = plain_write
+    return torch.cat(out)
+
+
+def greedy(model: str | None, prompts: list[list[int]], kind: str, new_tokens: int,
+           **options: object) -> list[list[int]]:
+    engine = LLMEngine.from_options(model, kv_cache_dtype=kind, kv_cache_memory="512MiB", block_size=16, **options)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
     done: dict[str, list[int]] = {}
@@ -114,6 +182,13 @@ def main() -> None:
     ap.add_argument("--decode-seqs", type=int, default=16)
     ap.add_argument("--decode-context", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=5, help="timed decode steps per kind (alternating)")
+    ap.add_argument("--sink-kind", default="int8", help="the 8-bit kind of the mixed-pool figures ('' skips them)")
+    ap.add_argument("--sinks", default="1,2", help="sink blocks at the model dtype (the first is gated)")
+    ap.add_argument("--sink-prompts", type=int, default=16)
+    ap.add_argument("--sink-prompt-len", type=int, default=32)
+    ap.add_argument("--sink-new-tokens", type=int, default=32)
+    ap.add_argument("--sink-context", type=int, default=2048, help="context of the capacity figure (tokens)")
+    ap.add_argument("--skip-speed", action="store_true", help="no decode-speed figures")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     kinds = [k for k in args.kinds.split(",") if k]
@@ -159,10 +234,13 @@ def main() -> None:
         result[f"{kind}_blocks_ratio"] = round(num_blocks_for_memory(loaded.config, args.block_size, "1GiB",
                                                                      kind) / base_blocks, 4)
 
+    if args.sink_kind:
+        mixed_figures(args, loaded, tokens, targets, base_kind, base_nll, base_top, result)
+
     # -- decode speed at long contexts, A B A B
-    quant = [k for k in kinds if kv_format(k).scaled]
+    quant = [] if args.skip_speed else [k for k in kinds if kv_format(k).scaled]
     runners = {k: decode_runner(loaded, k, args.decode_seqs, args.decode_context, args.block_size)
-               for k in [base_kind, *quant]}
+               for k in ([base_kind, *quant] if quant else [])}
     steps: dict[str, list[float]] = {k: [] for k in runners}
     attn: dict[str, list[float]] = {k: [] for k in runners}
     cfg = loaded.config
@@ -182,9 +260,10 @@ def main() -> None:
             for _ in range(cfg.num_hidden_layers):
                 native_paged_attention(out, q, k_cache, v_cache, meta, k_scales=ks, v_scales=vs)
             attn[kind].append(time.perf_counter() - t)
-    base_step, base_attn = statistics.median(steps[base_kind]), statistics.median(attn[base_kind])
-    print(f"decode, {args.decode_seqs} seqs x {args.decode_context} tokens: {base_kind} step "
-          f"{base_step * 1000:.1f} ms (attention {base_attn * 1000:.1f} ms)", flush=True)
+    if quant:
+        base_step, base_attn = statistics.median(steps[base_kind]), statistics.median(attn[base_kind])
+        print(f"decode, {args.decode_seqs} seqs x {args.decode_context} tokens: {base_kind} step "
+              f"{base_step * 1000:.1f} ms (attention {base_attn * 1000:.1f} ms)", flush=True)
     for kind in quant:
         step, at = statistics.median(steps[kind]), statistics.median(attn[kind])
         result[f"{kind}_decode_speed_ratio"] = round(base_step / step, 3)
@@ -195,6 +274,46 @@ def main() -> None:
     result["threads"] = args.threads
     result["load_avg_1m"] = round(os.getloadavg()[0], 2)
     print(json.dumps(result))
+
+
+def mixed_figures(args, loaded, tokens: list[int], targets: torch.Tensor, base_kind: str, base_nll: float,
+                  base_top: torch.Tensor, result: dict[str, float | int | str]) -> None:
+    """The mixed-pool figures (module docstring) into ``result``."""
+    kind, bs = args.sink_kind, args.block_size
+    sinks = [int(s) for s in args.sinks.split(",") if s]
+
+    def quality(lp: torch.Tensor, key: str) -> None:
+        nll = -lp.gather(1, targets.view(-1, 1)).mean().item()
+        top1 = (lp.argmax(-1) == base_top).double().mean().item()
+        result[f"{key}_top1"], result[f"{key}_ppl_ratio"] = round(top1, 5), round(math.exp(nll - base_nll), 5)
+        print(f"teacher forcing {key:16s}: top-1 agreement {top1:.4f}  ppl ratio {math.exp(nll - base_nll):.5f}",
+              flush=True)
+
+    for s in sinks:
+        quality(teacher_forced_sinks(loaded, tokens, kind, s, args.chunk, bs), f"{kind}_sink{s}")
+    for part, name in ((0, "k_only"), (1, "v_only")):
+        quality(teacher_forced_one_part(loaded, tokens, kind, part, args.chunk, bs), f"{kind}_{name}")
+    stride = max(1, (len(tokens) - args.sink_prompt_len) // args.sink_prompts)
+    prompts = [tokens[i * stride:i * stride + args.sink_prompt_len] for i in range(args.sink_prompts)]
+    base_out = greedy(args.model, prompts, base_kind, args.sink_new_tokens)
+    for s in sinks:
+        outs = greedy(args.model, prompts, kind, args.sink_new_tokens, kv_sink_blocks=s, kv_offloading_size=0)
+        equal = sum(a == b for a, b in zip(outs, base_out))
+        result[f"{kind}_sink{s}_greedy_equal"] = equal
+        print(f"greedy {kind} sink {s}: {equal} of {len(prompts)} equal to {base_kind} in full "
+              f"({args.sink_prompt_len} + {args.sink_new_tokens} tokens)", flush=True)
+    plain = greedy(args.model, prompts, kind, args.sink_new_tokens)
+    result[f"{kind}_greedy_equal"] = sum(a == b for a, b in zip(plain, base_out))
+    base_blocks = num_blocks_for_memory(loaded.config, bs, "1GiB", base_kind)
+    for s in sinks:
+        full, quant = mixed_split(loaded.config, bs, "1GiB", kind, base_kind,
+                                  full_block_fraction(s, args.sink_context, bs))
+        result[f"{kind}_sink{s}_blocks_ratio"] = round((full + quant) / base_blocks, 4)
+    first = f"{kind}_sink{sinks[0]}"
+    for key in ("top1", "ppl_ratio", "greedy_equal", "blocks_ratio"):
+        result[f"{kind}_sink_{key}"] = result[f"{first}_{key}"]
+    print(f"mixed {first}: {result[f'{first}_blocks_ratio']}x the {base_kind} blocks at {args.sink_context} tokens",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,9 @@ class SamplingParams:
     :class:`StructuredOutput`); not with beam search.
     ``speculative=False`` opts the request out of the engine's speculative decoding (its tokens
     are the same either way for greedy requests, and equally distributed for sampled ones).
+    ``kv_cache_dtype`` (None: the engine's) asks for the request's own KV format: a float kind
+    (``float32``, ``bfloat16``, ``float16``) keeps its blocks at full precision in an engine with a
+    mixed pool (``kv_sink_blocks``), never sharing them with 8-bit blocks of the same tokens.
     Invalid values (NaN and infinities included) raise ``ValueError`` naming the field.
     """
 
@@ -103,6 +106,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = field(default=None, hash=False)  # a dict: not hashed
     structured_output: StructuredOutput | None = None
     speculative: bool = True
+    kv_cache_dtype: str | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and single strings for convenience, store tuples (hashable, immutable).
@@ -142,6 +146,8 @@ class SamplingParams:
             raise ValueError("repetition_penalty must be > 0, got 0")
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
+        if self.kv_cache_dtype is not None and (not isinstance(self.kv_cache_dtype, str) or not self.kv_cache_dtype):
+            raise ValueError(f"kv_cache_dtype must be a KV format name or None, got {self.kv_cache_dtype!r}")
         if not isinstance(self.speculative, bool):
             raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):

@@ -70,13 +70,18 @@ def build_runner(config: EngineConfig) -> RunnerParts:
     logger.info("%s", sizing.reason)
     device_blocks = config.num_kv_blocks or num_blocks_for_memory(
         loaded.config, block_size, config.kv_cache_memory or sizing.kv_bytes, kv_dtype)
+    full_blocks = 0
+    if config.kv_sink_blocks:  # a mixed pool: sink blocks (and full-precision requests) at the model dtype
+        full_blocks, device_blocks = mixed_pool_blocks(config, loaded.config, block_size, kv_dtype,
+                                                       str(dtype).removeprefix("torch."), device_blocks,
+                                                       config.kv_cache_memory or sizing.kv_bytes)
     # More host blocks than 4x the device pool buy nothing.
     host_bytes = int(config.kv_offloading_size * (1 << 30)) if sizing.host_bytes is None else sizing.host_bytes
-    host_blocks = min(host_bytes // per_block, 4 * device_blocks)
+    host_blocks = min(host_bytes // per_block, 4 * device_blocks) if not full_blocks else 0  # (none mixed yet)
     runner = ModelRunner(loaded, block_size=block_size, num_blocks=device_blocks,
                          num_host_blocks=host_blocks, kv_cache_dtype=kv_dtype, device=device,
                          max_loras=config.max_loras if config.enable_lora else 0,
-                         max_lora_rank=config.max_lora_rank,
+                         max_lora_rank=config.max_lora_rank, kv_full_blocks=full_blocks,
                          cascade_attention=not config.disable_cascade_attn)
     head = runner.model.lm_head
     if isinstance(head, PackedLinear):  # every batch size's LM-head kernel built now: flat RSS later
@@ -135,6 +140,32 @@ def kv_sizing(config: EngineConfig, loaded: Any, block_size: int, block_bytes: i
                    host_available=host, pool_bytes=pool,
                    host_given=not isinstance(config.kv_offloading_size, _DefaultGiB),
                    same_memory=device_type == "cpu")
+
+
+def mixed_pool_blocks(config: EngineConfig, shape: Any, block_size: int, kv_dtype: str, model_dtype: str,
+                      device_blocks: int, memory: str | int) -> tuple[int, int]:
+    """(full-precision blocks, all blocks) of a mixed pool for ``kv_sink_blocks``: the share
+    ``ops/kv_format.full_block_fraction`` gives, raised to hold one full-precision request of
+    ``max_model_len`` where that is at most half the pool, in ``num_kv_blocks`` blocks or in
+    ``memory`` (the full-precision blocks take their own bytes, so fewer blocks fit)."""
+    from pagedkv.ops.kv_format import full_block_fraction
+    from pagedkv.runner.kv_cache import mixed_split
+
+    max_len = config.max_model_len or shape.max_position_embeddings
+    fraction = full_block_fraction(config.kv_sink_blocks, max_len, block_size)
+    per_seq = -(-max_len // block_size)  # room for one full-precision request of max_model_len, where it fits
+    if config.num_kv_blocks:
+        if device_blocks < 2:
+            raise ValueError("kv_sink_blocks needs num_kv_blocks >= 2 (a full-precision and an 8-bit block)")
+        full = max(1, round(fraction * device_blocks), min(per_seq, device_blocks // 2))
+        return min(device_blocks - 1, full), device_blocks
+    full, quant = mixed_split(shape, block_size, memory, kv_dtype, model_dtype, fraction)
+    if full < per_seq:
+        full, quant = mixed_split(shape, block_size, memory, kv_dtype, model_dtype,
+                                  min(0.5, max(fraction, per_seq / (full + quant))))
+    logger.info("mixed KV pool: %d full-precision (%s) blocks for %d sink block(s) a sequence, %d %s blocks",
+                full, model_dtype, config.kv_sink_blocks, quant, kv_dtype)
+    return full, full + quant
 
 
 def generation_defaults(setting: str, model_defaults: dict[str, Any]) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from pagedkv.memory import EVICTION_POLICIES
 from pagedkv.memory.prefix_index import PREFIX_INDEXES
 from pagedkv.memory.tenant_ledger import check_fraction, parse_quotas
 from pagedkv.memory.tiers.remote_store import check_url
-from pagedkv.model_shape import KV_CACHE_DTYPES
+from pagedkv.model_shape import KV_CACHE_DTYPES, SCALED_KV_DTYPES
 from pagedkv.speculative.config import SpeculativeConfig
 from pagedkv.units import parse_bytes
 from pagedkv.weight_quant import QUANTIZATIONS
@@ -121,6 +121,11 @@ class EngineConfig:
     kv_cache_dtype: str = field(default="auto", metadata={"help": (
         "KV block format: auto (the model dtype), a float dtype, or 8-bit blocks with one scale per "
         "block, layer, K/V and KV head: int8, fp8 (= fp8_e4m3), fp8_e5m2 (docs/kv_quantization.md)")})
+    kv_sink_blocks: int = field(default=0, metadata={"help": (
+        "with an 8-bit kv_cache_dtype: the first blocks of every sequence (the attention sinks) kept at the "
+        "model dtype in a mixed pool, the rest 8-bit; the pool gives full-precision blocks a share sized from "
+        "this and max_model_len, and requests may ask for full-precision KV (kv_cache_dtype in the request); "
+        "native CPU kernels; no host tier yet (kv_offloading_size then defaults to 0) (docs/kv_quantization.md)")})
     quantization: str = field(default="auto", metadata={"help": (
         "linear weights: none (the model dtype), q8_0 (int8 + a scale and offset per 32 values; GGUF "
         "types it cannot hold exactly are requantized), auto: a GGUF's weights kept 8-bit where exact "
@@ -284,6 +289,16 @@ class EngineConfig:
         _one_of("prefix_index", self.prefix_index, PREFIX_INDEXES)
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _int_in("kv_sink_blocks", self.kv_sink_blocks, 0, 1 << 20)
+        if self.kv_sink_blocks:
+            if self.kv_cache_dtype not in SCALED_KV_DTYPES and self.kv_cache_dtype != "fp8":
+                raise ValueError(f"kv_sink_blocks keeps sink blocks at the model dtype beside 8-bit ones: it needs an "
+                                 f"8-bit kv_cache_dtype (int8, fp8, fp8_e5m2), got {self.kv_cache_dtype!r}")
+            if isinstance(self.kv_offloading_size, _DefaultGiB):  # not given: no host tier under a mixed pool
+                object.__setattr__(self, "kv_offloading_size", 0.0)
+            elif self.kv_offloading_size:
+                raise ValueError("kv_sink_blocks (a mixed KV pool) has no host tier yet: give kv_offloading_size 0, "
+                                 "or kv_sink_blocks 0")
         _one_of("quantization", self.quantization, QUANTIZATIONS)
         if self.fault_injection:
             FaultSpec.parse(self.fault_injection)

@@ -56,6 +56,7 @@ _ARGPARSE: dict[str, dict[str, Any]] = {
     "watermark": {"type": float},
     "dtype": {"choices": DTYPES},
     "kv_cache_dtype": {"choices": KV_CACHE_DTYPES},
+    "kv_sink_blocks": {"type": int},
     "quantization": {"choices": QUANTIZATIONS},
     "seed": {"type": int},
     "debug_integrity": _SWITCH,

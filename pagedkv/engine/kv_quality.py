@@ -1,4 +1,5 @@
-"""The run-time quality guard of 8-bit KV blocks: how much error the stored K/V carry.
+"""The run-time quality guard of 8-bit KV blocks: how much error the stored K/V carry; and a
+request's own KV precision (:func:`request_kv_salt`).
 
 The runner's write kernel accumulates, per layer and K/V, ``sum((dequantized - x)^2)`` and
 ``sum(x^2)`` over every row it stores (measured on the values as written, before any later scale
@@ -14,10 +15,44 @@ import logging
 import math
 from typing import TYPE_CHECKING
 
+from pagedkv.engine.errors import RequestRejectedError
+from pagedkv.memory import FULL_PRECISION_SALT
+from pagedkv.model_shape import SCALED_KV_DTYPES, kv_dtype_name
+
 if TYPE_CHECKING:
     from pagedkv.runner.protocol import Runner
 
 logger = logging.getLogger(__name__)
+
+
+def request_kv_salt(kind: str | None, salt: str | None, runner: Runner, blocks_needed: int) -> str | None:
+    """The prefix-cache salt of a request that asks for KV format ``kind`` (``SamplingParams.kv_cache_dtype``,
+    the request's ``kv_cache_dtype`` extension): ``salt`` itself when the pool already stores that
+    precision; with ``FULL_PRECISION_SALT`` added when it asks for full precision (a float kind) in
+    a mixed pool, so that its blocks are all full precision (``memory/block_pool.py``) and never
+    shared with 8-bit blocks of the same tokens. RequestRejectedError when the pool cannot serve it:
+    a float kind from an 8-bit pool without full-precision blocks, another 8-bit kind, or more
+    blocks (``blocks_needed``, prompt and output) than the pool's full-precision ones."""
+    if kind is None or kind == "auto":
+        return salt
+    try:
+        name = kv_dtype_name(kind)
+    except ValueError as exc:
+        raise RequestRejectedError(f"kv_cache_dtype: {exc}") from None
+    pool = runner.kv_format.name
+    if name == pool or (name not in SCALED_KV_DTYPES and pool not in SCALED_KV_DTYPES):
+        return salt  # already stored so (a float pool: the model dtype is the full precision it has)
+    if name in SCALED_KV_DTYPES:
+        raise RequestRejectedError(f"kv_cache_dtype {name!r}: this engine stores {pool} blocks; a request may "
+                                   f"ask for its own format or full precision (float32, bfloat16, float16)")
+    full = getattr(runner, "kv_full_blocks", 0)
+    if not full:
+        raise RequestRejectedError(f"kv_cache_dtype {name!r}: this engine stores every block as {pool}; start it "
+                                   f"with kv_sink_blocks >= 1 (a mixed pool) to serve full-precision requests")
+    if blocks_needed > full:
+        raise RequestRejectedError(f"kv_cache_dtype {name!r}: the request needs {blocks_needed} full-precision "
+                                   f"blocks, the pool has {full}; shorten it or give the engine more KV memory")
+    return f"{salt or ''}{FULL_PRECISION_SALT}"
 
 
 class KVQuantGuard:

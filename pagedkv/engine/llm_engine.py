@@ -25,7 +25,7 @@ from pagedkv.engine.errors import RequestRejectedError
 from pagedkv.engine.faults import FaultInjectingScheduler, FaultInjector, install_disk_faults
 from pagedkv.engine.grammar_compiler import CompiledGrammar, GrammarLimits
 from pagedkv.engine.input_processor import InputProcessor, PromptInput, TokenizedPrompt
-from pagedkv.engine.kv_quality import KVQuantGuard, max_quant_error
+from pagedkv.engine.kv_quality import KVQuantGuard, max_quant_error, request_kv_salt
 from pagedkv.engine.kv_tiers import TierMover, disk_write_queue, open_disk_store, remote_tiers
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
@@ -93,7 +93,9 @@ class LLMEngine:
                                  tenant_quotas=config.tenant_quotas,
                                  default_tenant_quota=config.default_tenant_kv_quota,
                                  kv_events=config.kv_events,
-                                 max_tenant_pin_fraction=config.max_tenant_pin_fraction)
+                                 max_tenant_pin_fraction=config.max_tenant_pin_fraction,
+                                 num_full_blocks=getattr(runner, "kv_full_blocks", 0),
+                                 kv_sink_blocks=config.kv_sink_blocks)
         self.tiers = TierMover(runner, self.kv)
         self._closed = False
         spec = config.faults
@@ -160,6 +162,9 @@ class LLMEngine:
             # Prompt logprobs need logits at every prompt position: a salt of its own means no
             # prefix-cache hit lets the request skip computing part of its prompt.
             salt = f"{salt or ''}\x00prompt-logprobs\x00{self._arrivals}"
+        if params.kv_cache_dtype is not None:  # the request's own KV precision (engine/kv_quality.py)
+            salt = request_kv_salt(params.kv_cache_dtype, salt, self.runner,
+                                   -(-(len(ids) + max_tokens) // self.runner.block_size))
         ttl = self._pin_ttl(conversation_id, pin_ttl_s)
         lora = self._resolve_lora(lora_request)
         group = SequenceGroup(request_id, text, ids, params, self._arrivals, priority, salt,

@@ -11,11 +11,12 @@ from pagedkv.memory.kv_cache_manager import CopyPair, KVCacheManager
 from pagedkv.memory.prefix_hash import chain_hashes, root_hash
 from pagedkv.memory.prefix_index import PREFIX_INDEXES, HashChainIndex, PrefixIndex, RadixIndex
 from pagedkv.memory.radix_index import RadixPrefixIndex
+from pagedkv.memory.seq_state import FULL_PRECISION_SALT
 from pagedkv.memory.stats import KVStats
 from pagedkv.memory.tenant_ledger import DEFAULT_TENANT, TenantQuotaError
 
 __all__ = [
-    "DEFAULT_TENANT",
+    "DEFAULT_TENANT", "FULL_PRECISION_SALT",
     "TenantQuotaError",
     "Block", "BlockPool", "CopyPair", "EVICTION_POLICIES", "FreeBlockQueue", "HashChainIndex", "IntegrityError",
     "KVCacheConfig", "KVCacheManager", "KVStats", "OutOfBlocksError", "PREFIX_INDEXES", "PrefixIndex", "RadixIndex",

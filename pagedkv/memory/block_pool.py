@@ -11,6 +11,14 @@ hash leaves the index (an eviction). A prefix hit on a cached-free block pulls i
 middle of the queue in O(1). With per-tenant quotas (``tenants``, a ``TenantLedger``) each held
 block has an owner, and the ledger chooses whose cached blocks go first (``memory/tenant_ledger.py``).
 
+A mixed pool (``num_full_blocks`` F > 0, the runner's full-precision and 8-bit blocks side by side:
+``runner/kv_cache.py``) records a block's format by its id: ids below F are full precision, the rest
+8-bit. One free queue still holds both, and ``allocate(full=...)`` takes, per block, the first free
+block of the format asked for, or the other one when none is free (a sink block then stays 8-bit;
+an 8-bit block taken at full precision only costs room), except ``strict_full`` ones (a request
+that asked for full-precision KV), which fail instead. ``num_free`` counts both, so the admission
+arithmetic is the same as a single-format pool's.
+
 Who hears of an eviction is fixed when the pool is built: ``listeners``, in order (the device
 pool's: the radix index, the prefix cache's miss history, the lower tiers, the tenant ledger, the
 KV event log), each told ``on_evict(block, cause)`` before the block's hash is dropped. ``cause``
@@ -68,9 +76,13 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, *, name: str = "device",
                  eviction_policy: EvictionPolicy | None = None, tenants: TenantLedger | None = None,
-                 listeners: Sequence[EvictionListener] = ()) -> None:
+                 listeners: Sequence[EvictionListener] = (), num_full_blocks: int = 0) -> None:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        if not 0 <= num_full_blocks < max(num_blocks, 1):
+            raise ValueError(f"num_full_blocks must be in [0, num_blocks) = [0, {num_blocks}), got {num_full_blocks}")
+        self.num_full_blocks = num_full_blocks  # a mixed pool: ids below it hold full precision (0: one format)
+        self.num_free_full = num_full_blocks  # of them, in the free queue
         self.name = name
         self.blocks = [Block(block_id=i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
@@ -92,12 +104,24 @@ class BlockPool:
         """Blocks an allocation can take now (empty-free plus cached-free)."""
         return len(self.free_queue)
 
-    def allocate(self, n: int, tenant: str | None = None, *, quota: bool = True) -> list[Block]:
+    def is_full_precision(self, block: Block) -> bool:
+        """Whether ``block`` holds full precision in a mixed pool (False in a single-format one)."""
+        return block.block_id < self.num_full_blocks
+
+    def allocate(self, n: int, tenant: str | None = None, *, quota: bool = True,
+                 full: Sequence[bool] | None = None, strict_full: bool = False) -> list[Block]:
         """Take ``n`` blocks with ref count 1 (held by ``tenant`` when quotas are on), or raise
         OutOfBlocksError (TenantQuotaError: over the tenant's quota; ``quota=False`` skips that
-        check, e.g. for work coming back from swap) and take none."""
+        check, e.g. for work coming back from swap) and take none. In a mixed pool ``full[i]``
+        asks block i to be full precision (True) or 8-bit, the other format taken when none is
+        free; ``strict_full``: full-precision blocks or OutOfBlocksError (naming that pool)."""
         if n > len(self.free_queue):
             raise OutOfBlocksError(n, len(self.free_queue), self.name)
+        formats = full if self.num_full_blocks else None  # a mixed pool: the format of each block
+        if formats is not None and strict_full:
+            wanted = sum(1 for f in formats if f)
+            if wanted > self.num_free_full:
+                raise OutOfBlocksError(wanted, self.num_free_full, f"{self.name} full-precision")
         ledger = self.tenants
         if ledger is not None:
             tenant = tenant or DEFAULT_TENANT
@@ -107,7 +131,12 @@ class BlockPool:
                 raise error
             for block in ledger.victims(tenant, n, len(self.free_queue)):
                 self._evict(block, QUOTA)  # emptied: to the head of the queue, taken below
-        out = self.free_queue.popleft_n(n) if self._lru else [self._pop_victim() for _ in range(n)]
+        if formats is not None:
+            out = [self._pop_format(f) for f in formats]
+        else:
+            out = self.free_queue.popleft_n(n) if self._lru else [self._pop_victim() for _ in range(n)]
+            if self.num_full_blocks:
+                self.num_free_full -= sum(1 for b in out if b.block_id < self.num_full_blocks)
         cause = self.policy.name
         for block in out:
             if block.block_hash is not None:
@@ -126,10 +155,34 @@ class BlockPool:
         self.free_queue.remove(block)
         return block
 
+    def _pop_format(self, full: bool) -> Block:
+        """A mixed pool's next block of the format asked for: the first such block from the head
+        of the queue under LRU (empty blocks first, then the least recently used), the policy's
+        victim otherwise unless an empty block of that format is free; the other format when the
+        queue holds none of it."""
+        limit = self.num_full_blocks
+        have = self.num_free_full if full else len(self.free_queue) - self.num_free_full
+        block = None
+        if have:
+            for candidate in self.free_queue:
+                if (candidate.block_id < limit) == full and (self._lru or candidate.block_hash is None):
+                    block = candidate
+                    break
+                if not self._lru and candidate.block_hash is not None:
+                    break  # past the empty blocks: the policy chooses among cached ones
+        if block is None:
+            block = self.policy.choose(self.free_queue, self.clock)
+        self.free_queue.remove(block)
+        if block.block_id < limit:
+            self.num_free_full -= 1
+        return block
+
     def touch(self, block: Block) -> None:
         """Take one more reference (a prefix hit or a fork); revives a cached-free block."""
         if block.ref_count == 0:
             self.free_queue.remove(block)
+            if block.block_id < self.num_full_blocks:
+                self.num_free_full -= 1
             if self.tenants is not None:
                 self.tenants.revived(block)
         block.ref_count += 1
@@ -149,6 +202,8 @@ class BlockPool:
         for block in blocks:
             block.ref_count -= 1
             if block.ref_count == 0:
+                if block.block_id < self.num_full_blocks:
+                    self.num_free_full += 1
                 if block.block_hash is None:
                     queue.appendleft(block)
                 else:
@@ -232,6 +287,10 @@ class BlockPool:
         for block_hash, block in self.cached.items():
             if block.block_hash != block_hash:
                 raise IntegrityError(f"{self.name} index maps a hash to {block}, which holds another")
+        free_full = sum(1 for b in self.free_queue if b.block_id < self.num_full_blocks)
+        if free_full != self.num_free_full:
+            raise IntegrityError(f"{self.name} counts {self.num_free_full} free full-precision blocks, the queue "
+                                 f"holds {free_full}")
         if used + len(self.free_queue) != len(self.blocks):
             raise IntegrityError(f"{self.name} used {used} + free {len(self.free_queue)} != "
                                  f"total {len(self.blocks)}")

@@ -31,6 +31,11 @@ class KVCacheConfig:
             prefix blocks entering and leaving each tier's cache, for KV-aware routers.
         max_tenant_pin_fraction: the largest share of the device pool one tenant's conversation
             pins may hold (``pin_prefix`` refuses a pin past it); None: no limit but the pool.
+        num_full_blocks: a mixed pool (``runner/kv_cache.py``): device block ids below it hold full
+            precision, the others 8-bit (``memory/block_pool.py``); 0: one format.
+        kv_sink_blocks: in a mixed pool, the first blocks of every sequence asked at full
+            precision (the attention sinks); a sequence whose salt holds ``FULL_PRECISION_SALT``
+            asks for every block at full precision, strictly.
     """
 
     num_host_blocks: int = 0
@@ -47,8 +52,15 @@ class KVCacheConfig:
     default_tenant_quota: float | None = None
     kv_events: bool = False
     max_tenant_pin_fraction: float | None = None
+    num_full_blocks: int = 0
+    kv_sink_blocks: int = 0
 
     def __post_init__(self) -> None:
+        if self.num_full_blocks < 0 or self.kv_sink_blocks < 0:
+            raise ValueError(f"num_full_blocks and kv_sink_blocks must be >= 0, got {self.num_full_blocks} and "
+                             f"{self.kv_sink_blocks}")
+        if self.num_full_blocks and self.num_host_blocks:
+            raise ValueError("a mixed KV pool (num_full_blocks > 0) has no host pool yet: give num_host_blocks 0")
         if not self.kv_group_windows or self.kv_group_windows[0] is not None:
             raise ValueError(f"kv_group_windows must start with None (group 0 keeps every block), "
                              f"got {self.kv_group_windows!r}")

@@ -56,7 +56,7 @@ from pagedkv.memory.pins import PinOutcome
 from pagedkv.memory.prefix_cache import PrefixCache
 from pagedkv.memory.prefix_hash import root_hash
 from pagedkv.memory.prefix_index import make_prefix_index
-from pagedkv.memory.seq_state import RELEASED, AdmissionOutcome, SeqState, cdiv
+from pagedkv.memory.seq_state import FULL_PRECISION_SALT, RELEASED, AdmissionOutcome, SeqState, cdiv
 from pagedkv.memory.stats import KVStats
 from pagedkv.memory.swap import move_sequences
 from pagedkv.memory.tenancy import Tenancy
@@ -143,7 +143,8 @@ class KVCacheManager:
         if self.events is not None:
             listeners.append(EvictionEvents(self.events, MEDIUMS[DEVICE]))
         self.pool = BlockPool(num_blocks, name=DEVICE, eviction_policy=make_eviction_policy(eviction_policy, **kwargs),
-                              tenants=ledger, listeners=listeners)
+                              tenants=ledger, listeners=listeners, num_full_blocks=config.num_full_blocks)
+        self.sink_blocks = config.kv_sink_blocks if config.num_full_blocks else 0
         self.pools = {DEVICE: self.pool, HOST: self.host_pool}  # where a sequence's tables point (SeqState.tier)
         self.prefix = PrefixCache(self.pool, self.groups, block_size, index, history, self.events)
         # quotas and conversation pins (memory/tenancy.py)
@@ -245,7 +246,8 @@ class KVCacheManager:
             raise ValueError("cannot allocate an empty prompt")
         B, G, prefix = self.block_size, len(self.groups), self.prefix
         seq = SeqState(seq_id, token_ids, root_hash(salt, adapter_id), self.tenancy.holder(tenant),
-                       [[] for _ in range(G)], released=[0] * G, adapter=adapter_id)
+                       [[] for _ in range(G)], released=[0] * G, adapter=adapter_id,
+                       full_precision=bool(self.pool.num_full_blocks and salt and FULL_PRECISION_SALT in salt))
         hit, reload, max_hits = prefix.no_hit, None, 0  # reload: the reload-or-recompute decision, when made
         if self.enable_prefix_caching:
             prefix.admitted(seq, salt, adapter_id)
@@ -268,8 +270,9 @@ class KVCacheManager:
             on_host = [b for blocks, flags in zip(hit.blocks, hit.on_host) for b, h in zip(blocks, flags) if h]
         else:
             on_device, on_host = hit.blocks[0] if G == 1 else [b for blocks in hit.blocks for b in blocks], []
+        formats = None if on_host else [self._wants_full(seq, k + j) for _ in range(G) for j in range(per_group)]
         fresh = iter(self._take_blocks(seq, per_group * G + len(on_host), on_device, on_host,
-                                       tenant or DEFAULT_TENANT))
+                                       tenant or DEFAULT_TENANT, formats))
         for g, (blocks, flags) in enumerate(zip(hit.blocks, hit.on_host)):
             table = seq.tables[g]
             seq.released[g] = released = k - len(blocks)  # before the window of the first uncached token
@@ -307,8 +310,17 @@ class KVCacheManager:
             prefix.count(len(token_ids), num_cached)
         return num_cached
 
+    def _wants_full(self, seq: SeqState, index: int) -> bool:
+        """Whether a mixed pool's block ``index`` of ``seq`` is asked at full precision: every
+        block of a full-precision request, the first ``kv_sink_blocks`` of the others."""
+        return seq.full_precision or index < self.sink_blocks
+
+    def _formats(self, seq: SeqState, indices: Iterable[int]) -> list[bool] | None:
+        """``allocate``'s ``full`` for new blocks at these logical indices (None: one format)."""
+        return [self._wants_full(seq, i) for i in indices] if self.pool.num_full_blocks else None
+
     def _take_blocks(self, seq: SeqState, need: int, device_hits: list[Block], host_hits: list[Block],
-                     owner: str) -> list[Block]:
+                     owner: str, formats: list[bool] | None = None) -> list[Block]:
         """Touch the device hits, hold the host hits and allocate ``need`` fresh blocks; or raise,
         changing nothing: TenantQuotaError first (a tenant at its quota waits, not the line), then
         OutOfBlocksError. Pins give way first (other tenants' before ``owner``'s; never those
@@ -321,11 +333,18 @@ class KVCacheManager:
         available = pool.num_free - revived - self.watermark_blocks
         if need > available:
             raise OutOfBlocksError(need, max(available, 0))
+        if pool.num_full_blocks and seq.full_precision:  # its blocks at full precision, or it waits
+            revived_full = sum(1 for b in device_hits if b.ref_count == 0 and pool.is_full_precision(b))
+            full_free = pool.num_free_full - revived_full
+            if need > full_free:
+                raise OutOfBlocksError(need, max(full_free, 0), f"{pool.name} full-precision")
         for block in device_hits:
             pool.touch(block)
         if host_hits:  # held until the reload is done, before any allocation could evict them
             self.host_tier.hold(host_hits)  # type: ignore[union-attr]  # host hits: a host tier
-        return pool.allocate(need, seq.tenant, quota=False)  # (check_admission decided)
+        if not pool.num_full_blocks:
+            return pool.allocate(need, seq.tenant, quota=False)  # (check_admission decided)
+        return pool.allocate(need, seq.tenant, quota=False, full=formats, strict_full=seq.full_precision)
 
     @staticmethod
     def _loaded(host_hits: list[Block], loaded: set[bytes]) -> int:
@@ -498,7 +517,13 @@ class KVCacheManager:
         self.tenancy.make_room(total)
         if total > self.pool.num_free:
             raise OutOfBlocksError(total, self.pool.num_free)
-        fresh = iter(self.pool.allocate(total, seq.tenant, quota=quota))
+        if self.pool.num_full_blocks:  # a mixed pool: each new block in the format its index asks
+            formats = self._formats(seq, [i for table, shared, missing in plans
+                                          for i in [*shared, *range(len(table), len(table) + missing)]])
+            fresh = iter(self.pool.allocate(total, seq.tenant, quota=quota, full=formats,
+                                            strict_full=seq.full_precision))
+        else:
+            fresh = iter(self.pool.allocate(total, seq.tenant, quota=quota))
         copies: list[CopyPair] = []
         for table, shared, missing in plans:
             for i in shared:
@@ -569,7 +594,7 @@ class KVCacheManager:
         child = SeqState(child_id, token_ids, parent.root, parent.tenant, [list(t) for t in parent.tables],
                          parent.num_computed, list(parent.block_hashes), parent.num_cached_blocks,
                          released=list(parent.released), content_hashes=list(parent.content_hashes),
-                         adapter=parent.adapter)
+                         adapter=parent.adapter, full_precision=parent.full_precision)
         blocks = self.pool.blocks
         for block_id in child.block_ids():
             self.pool.touch(blocks[block_id])
@@ -689,6 +714,7 @@ class KVCacheManager:
             prefix_query_tokens=prefix.query_tokens, prefix_hit_tokens=prefix.hit_tokens,
             evictions=pool.evictions, cow_copies=self.cow_copies, window_released_blocks=self.released_blocks,
             rolled_back_blocks=self.rolled_back_blocks,
+            full_precision_blocks=pool.num_full_blocks, free_full_precision_blocks=pool.num_free_full,
             swapped_out_blocks=self.swapped_out_blocks, swapped_in_blocks=self.swapped_in_blocks,
             host_blocks=host.num_blocks, host_used_blocks=host.num_blocks - host.num_free,
             host_cached_blocks=len(host.cached), first_misses=prefix.first_misses_by_reason(),
@@ -747,6 +773,8 @@ class KVCacheManager:
             raise IntegrityError(f"sequence {sid!r} hashed blocks past its tokens")
         if seq.num_cached_blocks > seq.num_computed // B:
             raise IntegrityError(f"sequence {sid!r} cached a block before computing it")
+        if seq.full_precision and seq.on_device and any(b >= self.pool.num_full_blocks for b in held):
+            raise IntegrityError(f"full-precision sequence {sid!r} holds an 8-bit block: {tables}")
 
     def pretty_print(self) -> str:
         """A readable dump of every sequence's block tables and the cached blocks."""

@@ -18,6 +18,9 @@ from typing import NamedTuple
 from pagedkv.memory.tiers.base import DEVICE
 
 RELEASED = -1  # a table entry whose block is out of every query's window (memory/kv_groups.py)
+# In a request's prefix-cache salt: its KV is kept at full precision in a mixed pool. In the salt, so
+# that its blocks never match (or serve) the 8-bit blocks of the same tokens.
+FULL_PRECISION_SALT = "\x00kv:full-precision\x00"
 
 
 class AdmissionOutcome(NamedTuple):
@@ -55,6 +58,7 @@ class SeqState:
     content_hashes: list[bytes] = field(default_factory=list)  # unsalted chain of a salted root (miss reasons)
     adapter: str | None = None  # the LoRA adapter its KV was computed by (in the root too; for KV events)
     hits: AdmissionOutcome = NO_HITS  # the last allocate_prompt's outcome (PrefixCache.details)
+    full_precision: bool = False  # every block at full precision in a mixed pool (its salt says so)
 
     @property
     def on_device(self) -> bool:

@@ -42,6 +42,9 @@ class KVStats:
     reloaded_blocks: int = 0  # host blocks copied back up for a prompt's prefix
     window_released_blocks: int = 0  # a hybrid model's sliding-window blocks released as sequences advanced
     rolled_back_blocks: int = 0  # blocks released by rollback(): rejected speculative tokens' slots
+    # A mixed pool (full-precision and 8-bit blocks, runner/kv_cache.py); 0 in a single-format one
+    full_precision_blocks: int = 0  # device blocks whose format is full precision
+    free_full_precision_blocks: int = 0  # of them, free (the rest of free_blocks are 8-bit)
     # The disk tier (0 / False without one); sizes are whole files
     disk_enabled: bool = False  # writing (False once a write failed, or without a disk tier)
     disk_blocks: int = 0

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
+from pagedkv.ops.kv_format import KVFormat, dequantize, quantize
+
 
 def write_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
@@ -68,6 +70,42 @@ def copy_blocks(kv: torch.Tensor, pairs: Sequence[tuple[int, int]], scales: torc
     src, dst = src.to(kv.device), dst.to(kv.device)
     for t in (_raw(kv),) if scales is None else (_raw(kv), scales):
         t.index_copy_(2, dst, t.index_select(2, src))
+
+
+def copy_blocks_mixed(full_kv: torch.Tensor, quant_kv: torch.Tensor, scales: torch.Tensor, fmt: KVFormat,
+                      pairs: Sequence[tuple[int, int]]) -> None:
+    """Copy-on-write in a mixed pool (``runner/kv_cache.py``: ids below ``full_kv``'s block count
+    in ``full_kv``, the others in ``quant_kv`` of format ``fmt`` with ``scales``, each
+    ``[num_layers, 2, blocks, ...]``): block ``src`` -> block ``dst``, every
+    layer. Within one storage a plain copy (scales with the 8-bit blocks); across them the block is
+    converted: an 8-bit block into a full-precision one exactly (dequantized), a full-precision one
+    into an 8-bit one with fresh absmax scales per (layer, K/V, KV head), the write kernel's rule
+    for a whole block. All sources are read before any destination is written."""
+    if not pairs:
+        return
+    base, storage = full_kv.shape[2], quant_kv.dtype
+    if len({d for _, d in pairs}) != len(pairs):
+        raise ValueError("copy_blocks: a destination block appears twice")
+    quant_kv = _raw(quant_kv)
+    # read every source first (a block may be a source and, of another pair, a destination)
+    read: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    for src, _ in pairs:
+        if src < base:
+            read.append((full_kv[:, :, src].clone(), None))
+        else:
+            read.append((quant_kv[:, :, src - base].clone(), scales[:, :, src - base].clone()))
+    for (data, scale), (_, dst) in zip(read, pairs):
+        if dst < base:
+            if scale is not None:  # 8-bit -> full precision: exact
+                data = dequantize(data.view(storage), fmt, scale[:, :, None, :, None])
+            full_kv[:, :, dst] = data.to(full_kv.dtype)
+        elif scale is not None:
+            quant_kv[:, :, dst - base] = data
+            scales[:, :, dst - base] = scale
+        else:  # full precision -> 8-bit: [layers, 2, block_size, kv_heads, d], absmax per head
+            new_scale = data.float().abs().amax(dim=(2, 4)) / fmt.qmax  # type: ignore[operator]  # 8-bit: qmax set
+            quant_kv[:, :, dst - base] = _raw(quantize(data, fmt, new_scale[:, :, None, :, None]))
+            scales[:, :, dst - base] = new_scale
 
 
 def swap_blocks(src_kv: torch.Tensor, dst_kv: torch.Tensor, pairs: Sequence[tuple[int, int]],

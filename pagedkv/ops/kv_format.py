@@ -64,6 +64,18 @@ def kv_format(kind: str | torch.dtype | None, model_dtype: torch.dtype = torch.f
     return KVFormat(name, _STORAGE[name], name in SCALED_KV_DTYPES, _QMAX.get(name), name in ROTATED_KV_DTYPES)
 
 
+def full_block_fraction(sink_blocks: int, max_model_len: int, block_size: int) -> float:
+    """The share of a mixed pool's blocks kept at full precision for ``sink_blocks`` sink blocks per
+    sequence: twice what sequences of ``max_model_len`` tokens need (shorter ones need a larger
+    share, and full-precision requests draw on it too), at most half. Sinks beyond it stay 8-bit
+    (``memory/block_pool.py``: the other format is taken when one runs out), so a wrong guess costs
+    a little quality or a little room, never a failed allocation."""
+    if sink_blocks <= 0:
+        return 0.0
+    per_seq = max(1, -(-max_model_len // block_size))
+    return min(0.5, 2.0 * sink_blocks / per_seq)
+
+
 def hadamard(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
     """The orthonormal Sylvester-Hadamard matrix of size ``n`` (symmetric, ``H @ H = I``), or None
     when ``n`` is not a power of two."""

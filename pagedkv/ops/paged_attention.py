@@ -157,6 +157,18 @@ def _capped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return torch.bmm(torch.softmax(scores, dim=-1), v).transpose(0, 1)  # [n, heads, d]
 
 
+@dataclass(frozen=True, slots=True)
+class QuantBlocks:
+    """A mixed pool's 8-bit blocks of one layer: block ``b >= base`` is ``k_quant[b - base] *
+    k_scales[b - base, kv_head]`` (V alike); ids below ``base`` are the float caches'."""
+
+    k_quant: torch.Tensor  # [num_quant, block_size, kv_heads, head_dim] int8 / fp8
+    v_quant: torch.Tensor
+    k_scales: torch.Tensor  # [num_quant, kv_heads] float32
+    v_scales: torch.Tensor
+    base: int
+
+
 @dataclass(slots=True)
 class NativeMetadata:
     """Per-step inputs of the native kernel, shared by every layer: each token row's sequence (a
@@ -186,22 +198,33 @@ def native_paged_attention(
     k_scales: torch.Tensor | None = None,  # [num_blocks, kv_heads] float32: 8-bit caches only
     v_scales: torch.Tensor | None = None,
     softcap: float | None = None,
+    quant: QuantBlocks | None = None,
 ) -> torch.Tensor:
     """Attention of each row over its sequence's first ``row_len`` cached tokens (the last
     ``sliding_window`` of them), reading K and V blocks in place (``csrc/paged_attention.cpp``;
     needs ``pagedkv.ops.native.available()``). Caches: float32, float16, bfloat16, or int8 /
-    fp8 (e4m3, e5m2) with their per-block scales, dequantized inside the kernel. Accumulates in
+    fp8 (e4m3, e5m2) with their per-block scales, dequantized inside the kernel; or, with
+    ``quant``, a mixed pool: block ids below ``quant.base`` in the float ``k_cache``/``v_cache``,
+    the others 8-bit in ``quant`` (the format of a block is its id's range). Accumulates in
     float32; returns ``out``."""
     if not native.available():  # loads (or builds) the kernel on first use; a dict lookup after
         raise RuntimeError(f"the native paged-attention kernel is unavailable: {native.why_unavailable()}")
     d = q.shape[-1]
     qf = q.float().contiguous() if q.dtype != torch.float32 or not q.is_contiguous() else q
     target = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32)
-    torch.ops.pagedkv.paged_attention(target, qf, k_cache, v_cache, meta.block_tables, meta.row_seq,
-                                      meta.row_len, scale if scale is not None else d ** -0.5,
-                                      sliding_window or 0, k_scales, v_scales, softcap or 0.0)
+    alpha = scale if scale is not None else d ** -0.5
+    if quant is not None:  # a mixed pool: ids from quant.base are 8-bit blocks of k_quant / v_quant
+        if not hasattr(torch.ops.pagedkv, "paged_attention_mixed"):
+            raise RuntimeError("the native kernels were built without paged_attention_mixed (an older build): "
+                               "rebuild them with 'python -m pagedkv.ops.native'")
+        torch.ops.pagedkv.paged_attention_mixed(target, qf, k_cache, v_cache, quant.k_quant, quant.v_quant,
+                                                quant.k_scales, quant.v_scales, meta.block_tables, meta.row_seq,
+                                                meta.row_len, alpha, sliding_window or 0, softcap or 0.0)
+    else:
+        torch.ops.pagedkv.paged_attention(target, qf, k_cache, v_cache, meta.block_tables, meta.row_seq,
+                                          meta.row_len, alpha, sliding_window or 0, k_scales, v_scales,
+                                          softcap or 0.0)
     if target is not out:
         rows = meta.row_len > 0
         out[rows] = target[rows].to(out.dtype)
     return out
-

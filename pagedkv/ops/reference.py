@@ -40,11 +40,15 @@ def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               block_tables: list[list[int]], row_seq: list[int], row_len: list[int],
                               scale: float | None = None, sliding_window: int | None = None,
                               k_scales: torch.Tensor | None = None,
-                              v_scales: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+                              v_scales: torch.Tensor | None = None, softcap: float | None = None,
+                              k_quant: torch.Tensor | None = None, v_quant: torch.Tensor | None = None,
+                              base: int = 0) -> torch.Tensor:
     """What ``native_paged_attention`` computes, one row at a time: row r's sequence's first
     ``row_len[r]`` cached tokens gathered contiguously (8-bit blocks dequantized with their
     ``[num_blocks, kv_heads]`` scales) and attended by ``reference_attention`` (rows of length 0
-    stay zero); returns float32 ``[rows, heads, d]``."""
+    stay zero); returns float32 ``[rows, heads, d]``. A mixed pool (``k_quant``/``v_quant``):
+    block ``b < base`` is read from the float ``k_cache``/``v_cache`` as stored, block ``b >=
+    base`` is ``k_quant[b - base] * k_scales[b - base]``, block by block."""
     rows, heads, d = q.shape
     kvh = k_cache.shape[2]
     out = torch.zeros(rows, heads, d, dtype=torch.float32)
@@ -55,11 +59,26 @@ def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             blocks = blocks * scales.index_select(0, table).double()[:, None, :, None]
         return blocks.reshape(-1, kvh, d)[:n]
 
+    def gather_mixed(cache: torch.Tensor, quant: torch.Tensor, scales: torch.Tensor | None, table: torch.Tensor,
+                     n: int) -> torch.Tensor:
+        parts = []
+        for b in table.tolist():
+            if b < base:
+                parts.append(cache[b].double())
+            else:
+                assert scales is not None  # a mixed pool's 8-bit blocks come with their scales
+                parts.append(quant[b - base].double() * scales[b - base].double()[None, :, None])
+        return torch.cat(parts).reshape(-1, kvh, d)[:n]
+
     for r, n in enumerate(row_len):
         if n <= 0:
             continue
         table = torch.tensor(block_tables[row_seq[r]], dtype=torch.long)
-        keys = gather(k_cache, k_scales, table, n)
-        values = gather(v_cache, v_scales, table, n)
+        if k_quant is not None and v_quant is not None:
+            keys = gather_mixed(k_cache, k_quant, k_scales, table, n)
+            values = gather_mixed(v_cache, v_quant, v_scales, table, n)
+        else:
+            keys = gather(k_cache, k_scales, table, n)
+            values = gather(v_cache, v_scales, table, n)
         out[r] = reference_attention(q[r:r + 1].float(), keys, values, scale, sliding_window, softcap)[0]
     return out

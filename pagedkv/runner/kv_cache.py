@@ -13,9 +13,21 @@ layer, K/V and KV head (see :mod:`pagedkv.ops.kv_format`): the block's quantizat
 indexed by the same block id, so a copy-on-write copy or a swap moves it with the block. The bytes
 of one block come from :mod:`pagedkv.model_shape` (the one KV-bytes formula); a test checks that they
 equal what these tensors take.
+
+A mixed pool (an 8-bit kind with ``full_blocks`` F > 0: sink blocks and full-precision requests
+at model precision beside 8-bit blocks) holds two storages, and a block's format is its id's range::
+
+    ids [0, F)        kv        [num_layers, 2, F, block_size, kv_heads, head_dim]  model dtype
+    ids [F, F + Q)    quant_kv  [num_layers, 2, Q, ...]  8-bit, scales [num_layers, 2, Q, kv_heads]
+
+so one block table mixes formats and every kernel picks a block's from its id (``quant_base`` = F;
+:class:`LayerBlocks`). Each storage keeps today's layout, and an all-float or all-8-bit pool is
+exactly today's (``quant_base`` = num_blocks or 0).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -55,12 +67,54 @@ def num_blocks_for_memory(config: ModelConfig, block_size: int, memory: str | in
     return n
 
 
+def mixed_split(config: ModelConfig, block_size: int, memory: str | int, kv_dtype: str, full_dtype: str,
+                full_fraction: float) -> tuple[int, int]:
+    """(full-precision blocks, 8-bit blocks) of a mixed pool in ``memory``: a ``full_fraction``
+    share of the blocks (at least 1) at ``full_dtype``, the rest at ``kv_dtype``. ValueError when
+    not even one block of each fits."""
+    full, quant = bytes_per_block(config, block_size, full_dtype), bytes_per_block(config, block_size, kv_dtype)
+    budget = parse_memory_size(memory)
+    total = int(budget / (full_fraction * full + (1 - full_fraction) * quant))
+    num_full = max(1, round(total * full_fraction))
+    num_quant = (budget - num_full * full) // quant
+    if num_quant < 1:
+        raise ValueError(f"kv_cache_memory {memory!r} holds no 8-bit block beside {num_full} full-precision ones "
+                         f"({full} and {quant} bytes a block at block_size={block_size}); give more memory "
+                         f"or kv_sink_blocks=0")
+    return num_full, num_quant
+
+
+@dataclass(frozen=True, slots=True)
+class LayerBlocks:
+    """Where one layer's blocks lie (views). A single-format pool: ``k``/``v`` ``[num_blocks,
+    block_size, kv_heads, head_dim]`` (with ``k_scales``/``v_scales`` ``[num_blocks, kv_heads]``
+    for the 8-bit kinds), ``k_quant`` None. A mixed pool: block ``b < base`` is ``k[b]``, block
+    ``b >= base`` is ``k_quant[b - base] * k_scales[b - base, kv_head]`` (V alike)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scales: torch.Tensor | None
+    v_scales: torch.Tensor | None
+    k_quant: torch.Tensor | None = None
+    v_quant: torch.Tensor | None = None
+    base: int = 0
+
+    @property
+    def mixed(self) -> bool:
+        return self.k_quant is not None
+
+
 class KVCache:
     """The device pool (``kv``, ``scales``) and the host pool (``host_kv``, ``host_scales``; may
-    have 0 blocks). ``scales``/``host_scales`` are None for the float formats."""
+    have 0 blocks). ``scales``/``host_scales`` are None for the float formats.
+
+    ``full_blocks`` > 0 with an 8-bit ``dtype`` makes a mixed pool (module docstring): block ids
+    ``[0, full_blocks)`` at ``full_dtype`` (the model dtype), the other ``num_blocks - full_blocks``
+    8-bit (``quant_kv``; ``scales`` indexed by id - ``quant_base``). It has no host pool yet."""
 
     def __init__(self, config: ModelConfig, *, block_size: int, num_blocks: int, num_host_blocks: int = 0,
-                 dtype: str | torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: str | torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 full_blocks: int = 0, full_dtype: str | torch.dtype = torch.float32) -> None:
         check_block_size(block_size)
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -72,6 +126,21 @@ class KVCache:
         self.format: KVFormat = kv_format(dtype)
         self.dtype = self.format.storage
         self.bytes_per_block = bytes_per_block(config, block_size, self.format.name)
+        self.full_format: KVFormat = kv_format(full_dtype)
+        self.quant_kv: torch.Tensor | None = None  # a mixed pool's 8-bit storage
+        if full_blocks:
+            if not self.format.scaled or self.full_format.scaled:
+                raise ValueError(f"a mixed KV pool needs an 8-bit kv_cache_dtype and a float model dtype, got "
+                                 f"{self.format.name} and {self.full_format.name}")
+            if not 0 < full_blocks < num_blocks:
+                raise ValueError(f"full_blocks must be in [1, num_blocks - 1] = [1, {num_blocks - 1}] for a "
+                                 f"mixed pool, got {full_blocks}")
+            if num_host_blocks:
+                raise ValueError("a mixed KV pool (kv_sink_blocks > 0 with an 8-bit kv_cache_dtype) has no host "
+                                 "pool yet: give kv_offloading_size 0 (and preemption_mode recompute), or "
+                                 "kv_sink_blocks 0")
+        # ids below quant_base are full precision (model dtype), the others 8-bit
+        self.quant_base = full_blocks if full_blocks else (0 if self.format.scaled else num_blocks)
         self.groups = kv_groups(config)
         self.group_of = [0] * config.num_hidden_layers  # layer -> its KV group
         self.slot_of = [0] * config.num_hidden_layers  # layer -> its slot in a block
@@ -79,31 +148,65 @@ class KVCache:
             for slot, layer in enumerate(group.layers):
                 self.group_of[layer], self.slot_of[layer] = g, slot
         layers, kvh = max(len(g.layers) for g in self.groups), config.num_key_value_heads
-        shape = (layers, 2, block_size, kvh, config.head_dim)
+        pairs = 1 if getattr(config, "is_mla", False) else 2  # MLA: one latent serves as K and V
+        shape = (layers, pairs, block_size, kvh, config.head_dim)
+        self.scales: torch.Tensor | None = None
+        self.host_scales: torch.Tensor | None = None
+        if full_blocks:
+            full_bytes = bytes_per_block(config, block_size, self.full_format.name)
+            self.bytes_per_full_block, self.bytes_per_quant_block = full_bytes, self.bytes_per_block
+            # the mean, so that blocks * bytes_per_block is the pool's bytes
+            self.bytes_per_block = -(-(full_blocks * full_bytes + (num_blocks - full_blocks) * self.bytes_per_block)
+                                     // num_blocks)
+            num_quant = num_blocks - full_blocks
+            self.kv = torch.zeros(shape[:2] + (full_blocks,) + shape[2:], dtype=self.full_format.storage,
+                                  device=device)
+            self.quant_kv = torch.zeros(shape[:2] + (num_quant,) + shape[2:], dtype=self.dtype, device=device)
+            self.scales = torch.zeros(layers, pairs, num_quant, kvh, dtype=torch.float32, device=device)
+            self.host_kv = torch.zeros(shape[:2] + (0,) + shape[2:], dtype=self.dtype)
+            self.host_scales = torch.zeros(layers, pairs, 0, kvh, dtype=torch.float32)
+            return
         self.kv = torch.zeros(shape[:2] + (num_blocks,) + shape[2:], dtype=self.dtype, device=device)
         pin = torch.device(device).type == "cuda"  # pinned host blocks: faster swaps to and from the GPU
         self.host_kv = torch.zeros(shape[:2] + (num_host_blocks,) + shape[2:], dtype=self.dtype, pin_memory=pin)
-        self.scales: torch.Tensor | None = None
-        self.host_scales: torch.Tensor | None = None
         if self.format.scaled:
-            self.scales = torch.zeros(layers, 2, num_blocks, kvh, dtype=torch.float32, device=device)
-            self.host_scales = torch.zeros(layers, 2, num_host_blocks, kvh, dtype=torch.float32)
+            self.scales = torch.zeros(layers, pairs, num_blocks, kvh, dtype=torch.float32, device=device)
+            self.host_scales = torch.zeros(layers, pairs, num_host_blocks, kvh, dtype=torch.float32)
+
+    @property
+    def is_mixed(self) -> bool:
+        """Whether the pool mixes full-precision and 8-bit blocks (``quant_kv`` is set)."""
+        return self.quant_kv is not None
+
+    def block_format(self, block_id: int) -> KVFormat:
+        """The format block ``block_id`` is stored in."""
+        return self.full_format if block_id < self.quant_base else self.format
+
+    def layer_blocks(self, layer_idx: int) -> LayerBlocks:
+        """Where one layer's blocks lie, whatever the pool (:class:`LayerBlocks`)."""
+        slot = self.slot_of[layer_idx]
+        k_scales, v_scales = self.layer_scales(layer_idx)
+        if self.quant_kv is None:
+            return LayerBlocks(self.kv[slot, 0], self.kv[slot, -1], k_scales, v_scales, base=self.quant_base)
+        return LayerBlocks(self.kv[slot, 0], self.kv[slot, -1], k_scales, v_scales, self.quant_kv[slot, 0],
+                           self.quant_kv[slot, -1], self.quant_base)
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) of one layer, each ``[num_blocks, block_size, kv_heads, head_dim]`` (views)."""
+        """(K, V) of one layer, each ``[num_blocks, block_size, kv_heads, head_dim]`` (views; a
+        mixed pool's full-precision blocks only: see :meth:`layer_blocks`)."""
         slot = self.slot_of[layer_idx]
-        return self.kv[slot, 0], self.kv[slot, 1]
+        return self.kv[slot, 0], self.kv[slot, -1]  # (MLA: one latent, K's view twice)
 
     def layer_scales(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(K, V) scales of one layer, each ``[num_blocks, kv_heads]`` (views), or (None, None)."""
         if self.scales is None:
             return None, None
         slot = self.slot_of[layer_idx]
-        return self.scales[slot, 0], self.scales[slot, 1]
+        return self.scales[slot, 0], self.scales[slot, -1]
 
     @property
     def device_bytes(self) -> int:
-        return _bytes(self.kv) + _bytes(self.scales)
+        return _bytes(self.kv) + _bytes(self.quant_kv) + _bytes(self.scales)
 
     @property
     def host_bytes(self) -> int:
@@ -112,6 +215,7 @@ class KVCache:
     def __repr__(self) -> str:
         return (f"KVCache(block_size={self.block_size}, num_blocks={self.num_blocks}, "
                 f"num_host_blocks={self.num_host_blocks}, kv_dtype={self.format.name}, "
+                + (f"full_blocks={self.quant_base} ({self.full_format.name}), " if self.is_mixed else "") +
                 f"device_bytes={self.device_bytes})")
 
 

@@ -28,13 +28,18 @@ from pagedkv.ops import cascade, native
 from pagedkv.ops.cache_ops import (
     block_payloads,
     copy_blocks,
+    copy_blocks_mixed,
     load_block_payloads,
     swap_blocks,
     write_kv,
     write_kv_scaled,
 )
 from pagedkv.ops.kv_format import KVFormat, hadamard, kv_format
-from pagedkv.ops.paged_attention import paged_decode_attention, paged_prefill_attention
+from pagedkv.ops.paged_attention import (
+    QuantBlocks,
+    paged_decode_attention,
+    paged_prefill_attention,
+)
 from pagedkv.runner.batch import SeqChunk
 from pagedkv.runner.kv_cache import KVCache, num_blocks_for_memory
 from pagedkv.runner.step_inputs import BatchError, StepInputs, TritonMetadata, build_step_inputs
@@ -56,6 +61,8 @@ class _StepAttention:
         self.config = config
         self.scale = config.attention_scale
         self.softcap = config.attn_logit_softcapping  # Gemma 2: a tanh cap on the scores
+        # a mixed pool's new rows per storage, per KV group's inputs (built by its first layer)
+        self._splits: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.cache
@@ -64,6 +71,9 @@ class _StepAttention:
         rotation = self.rotation
         if rotation is not None:  # q.k and p.v are unchanged by an orthonormal H; outliers are spread
             q, k, v = q @ rotation, k @ rotation, v @ rotation
+        if cache.quant_kv is not None:  # a mixed pool: each block's format is its id's range
+            out = self._mixed(layer_idx, q, k, v, inp, window)
+            return out @ rotation if rotation is not None else out
         k_cache, v_cache = cache.layer(layer_idx)
         k_scales, v_scales = cache.layer_scales(layer_idx)
         if inp.triton is not None:
@@ -97,6 +107,39 @@ class _StepAttention:
                 q[p.start:p.end], k[p.start:p.end], v[p.start:p.end], k_cache, v_cache, p.block_table,
                 p.start_pos, scale, sliding_window=window, softcap=softcap,
             )
+        return out
+
+    def _mixed(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inp: StepInputs,
+               window: int | None) -> torch.Tensor:
+        """Cache write and attention over a mixed pool: new rows whose slot lies in a full-precision
+        block are stored as they are, the others quantized into their 8-bit block; the kernel reads
+        each block in its own format (every row goes through it)."""
+        blocks = self.cache.layer_blocks(layer_idx)
+        assert blocks.k_quant is not None and blocks.v_quant is not None and self.write_error is not None
+        assert blocks.k_scales is not None and blocks.v_scales is not None
+        split = self._splits.get(id(inp))
+        if split is None:  # once per step and KV group: which new rows go to which storage
+            slots = inp.slot_mapping
+            full = slots < blocks.base * self.cache.block_size
+            full_rows, quant_rows = full.nonzero().view(-1), (~full).nonzero().view(-1)
+            split = (full_rows, slots.index_select(0, full_rows), quant_rows,
+                     slots.index_select(0, quant_rows) - blocks.base * self.cache.block_size)
+            self._splits[id(inp)] = split
+        full_rows, full_slots, quant_rows, quant_slots = split
+        if len(full_rows):
+            write_kv(blocks.k, blocks.v, k.index_select(0, full_rows), v.index_select(0, full_rows), full_slots)
+        if len(quant_rows):
+            err = self.write_error[layer_idx]
+            write_kv_scaled(blocks.k_quant, blocks.k_scales, k.index_select(0, quant_rows), quant_slots, err[0])
+            write_kv_scaled(blocks.v_quant, blocks.v_scales, v.index_select(0, quant_rows), quant_slots, err[1])
+        if inp.native is None:
+            raise ValueError("a mixed KV pool (kv_sink_blocks > 0) is read by the native CPU kernels only; "
+                             "use attention_backend native, or kv_sink_blocks 0")
+        out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype)
+        if inp.native.num_rows:
+            quant = QuantBlocks(blocks.k_quant, blocks.v_quant, blocks.k_scales, blocks.v_scales, blocks.base)
+            cascade.cascade_attention(out, q, blocks.k, blocks.v, inp.native, inp.cascade, self.scale,
+                                      sliding_window=window, softcap=self.softcap, quant=quant)
         return out
 
     def _triton(self, layer_idx: int, q, k, v, k_cache, v_cache, k_scales, v_scales, inp: StepInputs,
@@ -213,6 +256,7 @@ class ModelRunner:
         attention_backend: str | None = None,
         max_loras: int = 0,
         max_lora_rank: int = 16,
+        kv_full_blocks: int = 0,
         cascade_attention: bool = True,
     ) -> None:
         net = model.model if isinstance(model, LoadedModel) else model
@@ -246,8 +290,13 @@ class ModelRunner:
         if num_blocks is None:
             assert kv_cache_memory is not None
             num_blocks = num_blocks_for_memory(self.config, block_size, kv_cache_memory, fmt.name)
+        if kv_full_blocks and self.backend != "native":
+            raise ValueError(f"a mixed KV pool (kv_full_blocks={kv_full_blocks}: sink blocks or full-precision "
+                             f"requests beside 8-bit blocks) is read by the native CPU kernels only, not the "
+                             f"{self.backend} backend; give kv_sink_blocks 0 there")
         self.cache = KVCache(self.config, block_size=block_size, num_blocks=num_blocks,
-                             num_host_blocks=num_host_blocks, dtype=fmt.name, device=self.device)
+                             num_host_blocks=num_host_blocks, dtype=fmt.name, device=self.device,
+                             full_blocks=kv_full_blocks, full_dtype=model_dtype)
         # Quantization error of what the 8-bit formats store: sum((dequantized - x)^2), sum(x^2)
         # per layer and K/V, accumulated by the write kernel (kv_quant_error reads it).
         self.write_error = (torch.zeros(self.config.num_hidden_layers, 2, 2, dtype=torch.float64,
@@ -273,6 +322,11 @@ class ModelRunner:
     @property
     def kv_format(self) -> KVFormat:
         return self.cache.format
+
+    @property
+    def kv_full_blocks(self) -> int:
+        """A mixed pool's full-precision blocks (ids below it); 0 for a single-format pool."""
+        return self.cache.quant_base if self.cache.is_mixed else 0
 
     def kv_quant_error(self) -> list[tuple[float, float]] | None:
         """Relative RMS error (K, V) per layer of every row stored so far in an 8-bit format
@@ -376,7 +430,10 @@ class ModelRunner:
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: device block src -> device block dst, all layers."""
         self._check(pairs, self.num_blocks, self.num_blocks, "copy_blocks")
-        if self.backend == "triton":
+        if self.cache.is_mixed:
+            assert self.cache.quant_kv is not None and self.cache.scales is not None
+            copy_blocks_mixed(self.cache.kv, self.cache.quant_kv, self.cache.scales, self.cache.format, pairs)
+        elif self.backend == "triton":
             from pagedkv.ops.triton.cache_ops import copy_blocks as triton_copy_blocks
             triton_copy_blocks(self.cache.kv, pairs, self.cache.scales)
         else:
@@ -398,6 +455,9 @@ class ModelRunner:
     def block_payloads(self, block_ids: Sequence[int]) -> list[bytes]:
         """Device blocks' K/V (and scales) as bytes, one ``bytes`` per block (the disk tier's payload)."""
         self._check([(b, 0) for b in block_ids], self.num_blocks, 1, "block_payloads")
+        if self.cache.is_mixed:
+            raise ValueError("a mixed KV pool (kv_sink_blocks > 0) has no disk payloads yet: give kv_offload_dir "
+                             "only with kv_sink_blocks 0")
         return block_payloads(self.cache.kv, block_ids, self.cache.scales)
 
     @torch.inference_mode()

@@ -104,6 +104,7 @@ class _SamplingFields(_Body):
     include_stop_str_in_output: bool = False  # vLLM's extras
     skip_special_tokens: bool = True
     speculative: bool = True  # pagedkv's: false opts out of the server's speculative decoding
+    kv_cache_dtype: str | None = Field(default=None, min_length=1)  # pagedkv's: e.g. float32 = full-precision KV
     user: str | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -203,6 +204,7 @@ class _SamplingFields(_Body):
                 skip_special_tokens=self.skip_special_tokens,
                 structured_output=self._structured_output(),
                 speculative=self.speculative,
+                kv_cache_dtype=self.kv_cache_dtype,
             )
         except ValueError as exc:
             # SamplingParams names the field first: "top_p must be in ...".

@@ -14,6 +14,8 @@
 // fp8 e4m3 and fp8 e5m2, which carry one float32 scale per (block, KV head) for K and one for V
 // (value = stored * scale). Scales are constant over a block, so they are folded into the scores
 // (K) and the softmax weights (V): a quantized block is never expanded to full precision.
+// A mixed pool (paged_attention_mixed) holds both: block ids [0, base) in a float format, ids from
+// base in an 8-bit one with their scales, so the kernel picks each block's format from its id.
 // Everything accumulates in float32. write_kv_scaled stores new tokens into 8-bit blocks (see
 // there for how a block's scale follows the tokens appended to it).
 //
@@ -96,6 +98,20 @@ struct Cache {
   const S* v;
   const float* k_scale;
   const float* v_scale;
+};
+
+// A mixed pool's one layer: block ids [0, base) are full-precision blocks (SF) in k/v [base,
+// block_size, kv_heads, d]; ids >= base are 8-bit blocks (SQ) at id - base in qk/qv [num_quant,
+// block_size, kv_heads, d] with scales [num_quant, kv_heads]. The format of a block is its id's range.
+template <typename SF, typename SQ>
+struct MixedCache {
+  const SF* k;
+  const SF* v;
+  const SQ* qk;
+  const SQ* qv;
+  const float* k_scale;
+  const float* v_scale;
+  int64_t base;
 };
 
 #ifdef PAGEDKV_AVX2
@@ -289,6 +305,126 @@ void attend_vec(const float* qs, const int64_t* row_start, const int64_t* row_en
     }
   }
 }
+
+// A mixed pool's vector path (attend_vec_mixed): the inner loops over one chunk [c0, c1) of the context whose K and V rows (as
+// floats, block scales folded in) are kp[t - c0] and vp[t - c0]: scores, online softmax and the V
+// sum of every (row, query head) of the tile. qs: the tile's scaled queries [nr * group][D];
+// acc/m/l: the online-softmax state per (row, query head).
+template <int D>
+__attribute__((always_inline)) inline void attend_rows(const float* qs, const int64_t* row_start,
+                                                       const int64_t* row_end, int64_t nr, int64_t group,
+                                                       int64_t c0, int64_t c1, const float* const* kp,
+                                                       const float* const* vp, float* acc, float* m, float* l,
+                                                       float cap) {
+  constexpr int NV = D / 8;
+  alignas(32) float p[CHUNK];
+  for (int64_t i = 0; i < nr; ++i) {
+    const int64_t a = std::max(c0, row_start[i]), e = std::min(c1, row_end[i]);
+    if (e <= a) continue;
+    const int64_t n = e - a;
+    const float* const* kr = kp + (a - c0);
+    const float* const* vr = vp + (a - c0);
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t j = i * group + g;
+      const float* qj = qs + j * D;
+      int64_t t = 0;
+      for (; t + 8 <= n; t += 8) {
+        __m256 s[8];
+        for (int u = 0; u < 8; ++u) s[u] = _mm256_setzero_ps();
+        for (int v = 0; v < NV; ++v) {
+          const __m256 qv = _mm256_loadu_ps(qj + 8 * v);
+          for (int u = 0; u < 8; ++u) s[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[t + u] + 8 * v), s[u]);
+        }
+        _mm256_store_ps(p + t, reduce8(s));
+      }
+      for (; t < n; ++t) {
+        __m256 s = _mm256_setzero_ps();
+        for (int v = 0; v < NV; ++v) s = _mm256_fmadd_ps(_mm256_loadu_ps(qj + 8 * v), _mm256_loadu_ps(kr[t] + 8 * v), s);
+        p[t] = hsum(s);
+      }
+      if (cap > 0.f) {  // Gemma 2's soft-cap on the scores: cap * tanh(score / cap)
+        for (t = 0; t < n; ++t) p[t] = cap * std::tanh(p[t] / cap);
+      }
+      float mb = m[j];
+      for (t = 0; t < n; ++t) mb = std::max(mb, p[t]);
+      const float corr = std::exp(m[j] - mb);
+      const __m256 mv = _mm256_set1_ps(mb);
+      __m256 sumv = _mm256_setzero_ps();
+      t = 0;
+      for (; t + 8 <= n; t += 8) {
+        const __m256 ev = exp256(_mm256_sub_ps(_mm256_load_ps(p + t), mv));
+        _mm256_store_ps(p + t, ev);
+        sumv = _mm256_add_ps(sumv, ev);
+      }
+      float sum = hsum(sumv);
+      for (; t < n; ++t) {
+        p[t] = std::exp(p[t] - mb);
+        sum += p[t];
+      }
+      float* aj = acc + j * D;
+      __m256 av[NV];
+      const __m256 cv = _mm256_set1_ps(corr);
+      for (int v = 0; v < NV; ++v) av[v] = _mm256_mul_ps(_mm256_loadu_ps(aj + 8 * v), cv);
+      for (t = 0; t < n; ++t) {
+        const __m256 pv = _mm256_set1_ps(p[t]);
+        const float* vrow = vr[t];
+        for (int v = 0; v < NV; ++v) av[v] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vrow + 8 * v), av[v]);
+      }
+      for (int v = 0; v < NV; ++v) _mm256_storeu_ps(aj + 8 * v, av[v]);
+      l[j] = l[j] * corr + sum;
+      m[j] = mb;
+    }
+  }
+}
+
+// D stored values of type S times ``scale`` (unit folded in) -> dst (32-byte aligned floats).
+template <int D, typename S>
+__attribute__((always_inline)) inline void convert_row(const S* src, float scale, float* dst) {
+  const __m256 sv = _mm256_set1_ps(scale * Vec<S>::unit);
+  for (int v = 0; v < D / 8; ++v) _mm256_store_ps(dst + 8 * v, _mm256_mul_ps(Vec<S>::load(src + 8 * v), sv));
+}
+
+// The same over a mixed pool (MixedCache): per block, rows of a full-precision block are read in
+// place (float32) or converted, rows of an 8-bit block converted with their block's scales.
+template <int D, typename SF, typename SQ>
+void attend_vec_mixed(const float* qs, const int64_t* row_start, const int64_t* row_end, int64_t nr,
+                      int64_t group, const MixedCache<SF, SQ>& cache, const int32_t* table, int64_t block_size,
+                      int64_t kv_heads, int64_t h, int64_t lo, int64_t hi, float* acc, float* m, float* l,
+                      float* conv, float cap) {
+  float* kbuf = conv;
+  float* vbuf = conv + CHUNK * D;
+  const int64_t row_stride = kv_heads * D;
+  const float* kp[CHUNK];
+  const float* vp[CHUNK];
+  for (int64_t c0 = lo; c0 < hi; c0 += CHUNK) {
+    const int64_t c1 = std::min<int64_t>(c0 + CHUNK, hi);
+    for (int64_t t = c0; t < c1; ++t) {
+      const int64_t blk = table[t / block_size];
+      float* kd = kbuf + (t - c0) * D;
+      float* vd = vbuf + (t - c0) * D;
+      if (blk >= cache.base) {  // an 8-bit block: its rows and scales at blk - base
+        const int64_t qb = blk - cache.base;
+        const int64_t off = (qb * block_size + t % block_size) * row_stride + h * D;
+        convert_row<D>(cache.qk + off, cache.k_scale[qb * kv_heads + h], kd);
+        convert_row<D>(cache.qv + off, cache.v_scale[qb * kv_heads + h], vd);
+        kp[t - c0] = kd;
+        vp[t - c0] = vd;
+      } else {
+        const int64_t off = (blk * block_size + t % block_size) * row_stride + h * D;
+        if constexpr (std::is_same_v<SF, float>) {
+          kp[t - c0] = cache.k + off;
+          vp[t - c0] = cache.v + off;
+        } else {
+          convert_row<D>(cache.k + off, 1.f, kd);
+          convert_row<D>(cache.v + off, 1.f, vd);
+          kp[t - c0] = kd;
+          vp[t - c0] = vd;
+        }
+      }
+    }
+    attend_rows<D>(qs, row_start, row_end, nr, group, c0, c1, kp, vp, acc, m, l, cap);
+  }
+}
 #endif
 
 template <typename S, bool SCALED>
@@ -404,6 +540,165 @@ void paged_attention_impl(const float* q, const Cache<S>& cache, const int32_t* 
   });
 }
 
+// The portable loop over one key block of a tile (block ``b`` of the sequence, its K and V rows
+// at kb / vb, row_stride apart, times k_scale / v_scale): scores, online softmax, V sum.
+template <typename S>
+inline void attend_block(const S* kb, const S* vb, float k_scale, float v_scale, int64_t b, const float* qs,
+                         const int32_t* lens, int64_t nr, int64_t group, int64_t d, int64_t block_size,
+                         int64_t row_stride, int64_t window, float cap, float* acc, float* m, float* l, float* p) {
+  const int64_t base = b * block_size;
+  for (int64_t i = 0; i < nr; ++i) {
+    const int64_t len = lens[i];
+    const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    const int64_t t0 = std::max<int64_t>(base, start) - base;
+    const int64_t t1 = std::min<int64_t>(base + block_size, len) - base;
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t j = i * group + g;
+      float* pj = p + j * block_size;
+      if (t1 <= t0) continue;
+      const float* qj = qs + j * d;
+      float mb = m[j];
+      for (int64_t t = t0; t < t1; ++t) {
+        pj[t] = dot(qj, kb + t * row_stride, static_cast<int>(d)) * k_scale;
+        if (cap > 0.f) pj[t] = cap * std::tanh(pj[t] / cap);
+        mb = std::max(mb, pj[t]);
+      }
+      const float corr = std::exp(m[j] - mb);  // 0 on the first block (m = -inf)
+      float sum = 0.f;
+      for (int64_t t = t0; t < t1; ++t) {
+        pj[t] = std::exp(pj[t] - mb);
+        sum += pj[t];
+      }
+      float* aj = acc + j * d;
+      if (corr != 1.f) {
+        for (int64_t x = 0; x < d; ++x) aj[x] *= corr;
+      }
+      l[j] = l[j] * corr + sum;
+      m[j] = mb;
+      for (int64_t t = t0; t < t1; ++t) axpy(pj[t] * v_scale, vb + t * row_stride, aj, static_cast<int>(d));
+    }
+  }
+}
+
+// A mixed pool as the driver below sees it: ``block(blk, h, f)`` calls f with the block's K and V rows
+// of KV head h (typed) and their scales; ``vec<D>`` runs a work item on the vector path.
+template <typename SF, typename SQ>
+struct TwoFormats {
+  MixedCache<SF, SQ> c;
+  int64_t block_size, row_stride, kv_heads, d;
+  static constexpr bool converts = true;
+  template <typename F>
+  void block(int64_t blk, int64_t h, F&& f) const {
+    if (blk >= c.base) {
+      const int64_t qb = blk - c.base;
+      const int64_t off = qb * block_size * row_stride + h * d;
+      f(c.qk + off, c.qv + off, c.k_scale[qb * kv_heads + h], c.v_scale[qb * kv_heads + h]);
+    } else {
+      const int64_t off = blk * block_size * row_stride + h * d;
+      f(c.k + off, c.v + off, 1.f, 1.f);
+    }
+  }
+#ifdef PAGEDKV_AVX2
+  static constexpr bool vec_ok = Vec<SF>::ok && Vec<SQ>::ok;
+  template <int D>
+  void vec(const float* qs, const int64_t* starts, const int64_t* ends, int64_t nr, int64_t group,
+           const int32_t* table, int64_t h, int64_t lo, int64_t hi, float* acc, float* m, float* l, float* conv,
+           float cap) const {
+    if constexpr (vec_ok)
+      attend_vec_mixed<D, SF, SQ>(qs, starts, ends, nr, group, c, table, block_size, kv_heads, h, lo, hi, acc, m,
+                                  l, conv, cap);
+  }
+#endif
+};
+
+// The tile driver of paged_attention_impl over a mixed pool (kept apart, so the single-format
+// path above stays as it was).
+template <typename Pool>
+void paged_attention_mixed_impl(const float* q, const Pool& pool, const int32_t* tables, int64_t max_blocks,
+                          const int32_t* row_seq, const int32_t* row_len, float* out, int64_t rows,
+                          int64_t heads, int64_t kv_heads, int64_t d, int64_t block_size, float scale,
+                          int64_t window, float cap) {
+  const int64_t group = heads / kv_heads;
+  std::vector<Tile> tiles;
+  for (int64_t r = 0; r < rows;) {
+    if (row_len[r] <= 0) { ++r; continue; }
+    int64_t n = 1;
+    while (r + n < rows && n < TILE && row_seq[r + n] == row_seq[r] && row_len[r + n] > 0) ++n;
+    tiles.push_back({r, n, row_seq[r]});
+    r += n;
+  }
+  const int64_t work = static_cast<int64_t>(tiles.size()) * kv_heads;
+  const int64_t row_stride = kv_heads * d;  // between consecutive tokens of a block
+  at::parallel_for(0, work, 1, [&](int64_t begin, int64_t end) {
+    const int64_t nq = TILE * group;
+    std::vector<float> qs(nq * d), acc(nq * d), m(nq), l(nq), p(nq * block_size);
+#ifdef PAGEDKV_AVX2
+    // chunk buffers of the converted formats, 32-byte aligned for the vector stores
+    std::vector<float> conv_store(Pool::converts ? 2 * CHUNK * d + 8 : 0);
+    float* conv = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(conv_store.data()) + 31) & ~uintptr_t(31));
+#endif
+    for (int64_t w = begin; w < end; ++w) {
+      const Tile& tile = tiles[w / kv_heads];
+      const int64_t h = w % kv_heads;
+      const int64_t nr = tile.count, nqt = nr * group;
+      int64_t hi = 0, lo = std::numeric_limits<int64_t>::max();
+      for (int64_t i = 0; i < nr; ++i) {
+        const int64_t len = row_len[tile.first + i];
+        hi = std::max(hi, len);
+        lo = std::min(lo, window > 0 ? std::max<int64_t>(0, len - window) : 0);
+        for (int64_t g = 0; g < group; ++g) {  // scaled queries of this KV head's query heads
+          const float* src = q + ((tile.first + i) * heads + h * group + g) * d;
+          float* dst = qs.data() + (i * group + g) * d;
+          for (int64_t x = 0; x < d; ++x) dst[x] = src[x] * scale;
+        }
+      }
+      std::fill(acc.begin(), acc.begin() + nqt * d, 0.f);
+      std::fill(m.begin(), m.begin() + nqt, -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.begin() + nqt, 0.f);
+      const int32_t* table = tables + tile.seq * max_blocks;
+      bool done = false;
+#ifdef PAGEDKV_AVX2
+      if constexpr (Pool::vec_ok) {
+        if (d == 64 || d == 128 || d == 256) {  // 256: Gemma 2/3
+          int64_t starts[TILE], ends[TILE];
+          for (int64_t i = 0; i < nr; ++i) {
+            ends[i] = row_len[tile.first + i];
+            starts[i] = window > 0 ? std::max<int64_t>(0, ends[i] - window) : 0;
+          }
+          if (d == 64) {
+            pool.template vec<64>(qs.data(), starts, ends, nr, group, table, h, lo, hi, acc.data(), m.data(),
+                                  l.data(), conv, cap);
+          } else if (d == 128) {
+            pool.template vec<128>(qs.data(), starts, ends, nr, group, table, h, lo, hi, acc.data(), m.data(),
+                                   l.data(), conv, cap);
+          } else {
+            pool.template vec<256>(qs.data(), starts, ends, nr, group, table, h, lo, hi, acc.data(), m.data(),
+                                   l.data(), conv, cap);
+          }
+          done = true;
+        }
+      }
+#endif
+      const int32_t* lens = row_len + tile.first;
+      for (int64_t b = lo / block_size; !done && b * block_size < hi; ++b) {
+        pool.block(table[b], h, [&](const auto* kb, const auto* vb, float k_scale, float v_scale) {
+          attend_block(kb, vb, k_scale, v_scale, b, qs.data(), lens, nr, group, d, block_size, row_stride, window,
+                       cap, acc.data(), m.data(), l.data(), p.data());
+        });
+      }
+      for (int64_t i = 0; i < nr; ++i) {
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t j = i * group + g;
+          float* dst = out + ((tile.first + i) * heads + h * group + g) * d;
+          const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
+          const float* aj = acc.data() + j * d;
+          for (int64_t x = 0; x < d; ++x) dst[x] = aj[x] * inv;
+        }
+      }
+    }
+  });
+}
+
 bool is_scaled(at::ScalarType t) {
   return t == at::kChar || t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2;
 }
@@ -454,6 +749,66 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
     case at::kFloat8_e4m3fn: run(c10::Float8_e4m3fn{}); break;
     case at::kFloat8_e5m2: run(c10::Float8_e5m2{}); break;
     default: TORCH_CHECK(false, "paged_attention: unsupported cache dtype ", st);
+  }
+}
+
+// A mixed pool (see MixedCache): k_cache, v_cache [base, block_size, kv_heads, d] in a float format
+// (float32, float16, bfloat16) hold block ids [0, base); k_quant, v_quant [num_quant, block_size,
+// kv_heads, d] in an 8-bit format (int8, fp8 e4m3, e5m2) with k_scales, v_scales [num_quant,
+// kv_heads] float32 hold ids [base, base + num_quant). Everything else as paged_attention.
+void paged_attention_mixed(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& k_quant, const at::Tensor& v_quant,
+                           const at::Tensor& k_scales, const at::Tensor& v_scales, const at::Tensor& block_tables,
+                           const at::Tensor& row_seq, const at::Tensor& row_len, double scale,
+                           int64_t sliding_window, double softcap) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: [rows, heads, d] float32");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kFloat && out.is_contiguous(), "out like q");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  !is_scaled(k_cache.scalar_type()),
+              "k_cache/v_cache: [base, block_size, kv_heads, d] float32/float16/bfloat16, contiguous");
+  TORCH_CHECK(k_quant.dim() == 4 && k_quant.is_contiguous() && v_quant.is_contiguous() &&
+                  k_quant.sizes() == v_quant.sizes() && k_quant.scalar_type() == v_quant.scalar_type() &&
+                  is_scaled(k_quant.scalar_type()),
+              "k_quant/v_quant: [num_quant, block_size, kv_heads, d] int8/fp8, contiguous");
+  TORCH_CHECK(k_quant.size(1) == k_cache.size(1) && k_quant.size(2) == k_cache.size(2) &&
+                  k_quant.size(3) == k_cache.size(3), "the two storages' blocks differ in shape");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
+              "block_tables: [seqs, max_blocks] int32");
+  TORCH_CHECK(row_seq.scalar_type() == at::kInt && row_len.scalar_type() == at::kInt, "row_seq/row_len int32");
+  const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t base = k_cache.size(0), block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == d && heads % kv_heads == 0, "head_dim / GQA mismatch");
+  TORCH_CHECK(row_seq.numel() == rows && row_len.numel() == rows, "row_seq/row_len: one per row");
+  for (const auto* s : {&k_scales, &v_scales}) {
+    TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->dim() == 2 &&
+                    s->size(0) == k_quant.size(0) && s->size(1) == kv_heads,
+                "k_scales/v_scales: [num_quant, kv_heads] float32");
+  }
+  auto run = [&](auto full_tag, auto quant_tag) {
+    using SF = decltype(full_tag);
+    using SQ = decltype(quant_tag);
+    MixedCache<SF, SQ> cache{reinterpret_cast<const SF*>(k_cache.data_ptr()),
+                             reinterpret_cast<const SF*>(v_cache.data_ptr()),
+                             reinterpret_cast<const SQ*>(k_quant.data_ptr()),
+                             reinterpret_cast<const SQ*>(v_quant.data_ptr()), k_scales.data_ptr<float>(),
+                             v_scales.data_ptr<float>(), base};
+    paged_attention_mixed_impl(q.data_ptr<float>(), TwoFormats<SF, SQ>{cache, block_size, kv_heads * d, kv_heads, d},
+                         block_tables.data_ptr<int32_t>(), block_tables.size(1), row_seq.data_ptr<int32_t>(),
+                         row_len.data_ptr<int32_t>(), out.data_ptr<float>(), rows, heads, kv_heads, d, block_size,
+                         static_cast<float>(scale), sliding_window, static_cast<float>(softcap));
+  };
+  auto with_quant = [&](auto full_tag) {
+    switch (k_quant.scalar_type()) {
+      case at::kChar: run(full_tag, int8_t{}); break;
+      case at::kFloat8_e4m3fn: run(full_tag, c10::Float8_e4m3fn{}); break;
+      default: run(full_tag, c10::Float8_e5m2{}); break;
+    }
+  };
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: with_quant(float{}); break;
+    case at::kHalf: with_quant(c10::Half{}); break;
+    default: with_quant(c10::BFloat16{}); break;
   }
 }
 
@@ -581,11 +936,15 @@ TORCH_LIBRARY(pagedkv, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor row_seq, Tensor row_len, float scale, int sliding_window, Tensor? k_scales=None, "
         "Tensor? v_scales=None, float softcap=0.0) -> ()");
+  m.def("paged_attention_mixed(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_quant, "
+        "Tensor v_quant, Tensor k_scales, Tensor v_scales, Tensor block_tables, Tensor row_seq, Tensor row_len, "
+        "float scale, int sliding_window, float softcap=0.0) -> ()");
   m.def("write_kv_scaled(Tensor(a!) cache, Tensor(b!) scales, Tensor x, Tensor slot_mapping, Tensor(c!) err) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
   m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention_mixed", &paged_attention_mixed);
   m.impl("rms_norm", &rms_norm);
   m.impl("write_kv_scaled", &write_kv_scaled);
 }

@@ -1,0 +1,267 @@
+"""A pool that mixes KV formats per block: full-precision blocks (ids below ``base``) beside 8-bit
+ones (ids from ``base``, with their scales), one block table mixing both.
+
+- the native kernel (``paged_attention_mixed``) against the plain reference, block by block, for
+  every float format x every 8-bit format, block sizes 1/3/16/64, GQA shapes, the vector and the
+  portable path, sliding windows and soft-capped scores;
+- copy-on-write within a format and across formats (8-bit -> full exact, full -> 8-bit by the
+  write kernel's whole-block rule);
+- the runner over a mixed pool: blocks in the full range give the float32 pool's logits, blocks in
+  the 8-bit range the int8 pool's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv.ops import native
+from pagedkv.ops.cache_ops import copy_blocks_mixed
+from pagedkv.ops.kv_format import dequantize, kv_format, quantize
+from pagedkv.ops.paged_attention import NativeMetadata, QuantBlocks, native_paged_attention
+from pagedkv.ops.reference import reference_paged_attention
+from pagedkv_testing.paged_cases import paged_case
+
+needs_native = pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
+FLOATS = [torch.float32, torch.bfloat16, torch.float16]
+KINDS = ["int8", "fp8_e4m3", "fp8_e5m2"]
+
+
+def mixed_case(kind: str, full_dtype: torch.dtype, seed: int, block_size: int, heads: int, kvh: int, d: int,
+               lens: list[int], new: list[int]):
+    """``paged_case``'s sequences in a mixed pool: the shuffled blocks split at ``base`` (about a
+    third full precision), so every table mixes both formats; 8-bit blocks quantized per block and
+    KV head with absmax scales."""
+    fmt = kv_format(kind)
+    q, k_all, v_all, tables, row_seq, row_len = paged_case(seed, block_size, heads, kvh, d, lens, new)
+    num_blocks = k_all.shape[0]
+    base = max(1, num_blocks // 3)
+    k_scales = k_all[base:].abs().amax(dim=(1, 3)) / fmt.qmax
+    v_scales = v_all[base:].abs().amax(dim=(1, 3)) / fmt.qmax
+    k_quant = quantize(k_all[base:], fmt, k_scales[:, None, :, None])
+    v_quant = quantize(v_all[base:], fmt, v_scales[:, None, :, None])
+    quant = QuantBlocks(k_quant, v_quant, k_scales, v_scales, base)
+    return q, k_all[:base].to(full_dtype).contiguous(), v_all[:base].to(full_dtype).contiguous(), quant, tables, \
+        row_seq, row_len
+
+
+def _check(q, kc, vc, quant: QuantBlocks, tables, row_seq, row_len, **kw):
+    meta = NativeMetadata.build(tables, row_seq, row_len)
+    out = native_paged_attention(torch.empty_like(q), q, kc, vc, meta, quant=quant, **kw)
+    expected = reference_paged_attention(q, kc, vc, tables, row_seq, row_len, k_scales=quant.k_scales,
+                                         v_scales=quant.v_scales, k_quant=quant.k_quant, v_quant=quant.v_quant,
+                                         base=quant.base, **kw)
+    torch.testing.assert_close(out, expected, atol=5e-5, rtol=1e-4)
+
+
+@needs_native
+@pytest.mark.parametrize("full_dtype", FLOATS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("d", [24, 64, 128])  # 64, 128: the vector path on AVX2 machines; 24 the portable one
+def test_every_float_and_8bit_format_in_one_table(full_dtype, kind, d):
+    lens, new = [1, 37, 150, 90], [1, 5, 1, 20]
+    case = mixed_case(kind, full_dtype, d + len(kind), 16, 8, 2, d, lens, new)
+    _check(*case)
+
+
+@needs_native
+@pytest.mark.parametrize("block_size", [1, 3, 16, 64])
+@pytest.mark.parametrize("heads,kvh", [(4, 4), (9, 3), (8, 1)])
+def test_block_sizes_and_gqa_shapes(block_size, heads, kvh):
+    lens, new = [2, 40, 130], [1, 7, 1]
+    for d in (32, 64):
+        _check(*mixed_case("int8", torch.float32, block_size * 10 + heads + d, block_size, heads, kvh, d, lens, new))
+
+
+@needs_native
+@pytest.mark.parametrize("d", [40, 64])
+def test_sliding_window_and_soft_cap(d):
+    q, kc, vc, quant, tables, row_seq, row_len = mixed_case("fp8_e4m3", torch.bfloat16, 7, 16, 6, 2, d,
+                                                            [200, 60], [1, 12])
+    _check(q, kc, vc, quant, tables, row_seq, row_len, sliding_window=33)
+    _check(q * 4, kc, vc, quant, tables, row_seq, row_len, softcap=2.0)
+
+
+@needs_native
+def test_the_format_is_read_per_block():
+    """The same K/V read through a table of full-precision blocks and through one of 8-bit blocks:
+    the full table gives the float attention exactly, the 8-bit one only within int8's error."""
+    q, kc, vc, quant, _, _, _ = mixed_case("int8", torch.float32, 3, 4, 4, 2, 64, [40], [1])  # base 4
+    fmt = kv_format("int8")
+    for cache, stored, scales in ((kc, quant.k_quant, quant.k_scales), (vc, quant.v_quant, quant.v_scales)):
+        scales[:3] = cache[:3].abs().amax(dim=(1, 3)) / fmt.qmax  # blocks 0-2 again, 8-bit, at base..base+2
+        stored[:3] = quantize(cache[:3], fmt, scales[:3, None, :, None])
+    q = q[:1]
+    full_table, quant_table = [[0, 1, 2]], [[quant.base, quant.base + 1, quant.base + 2]]
+    meta = NativeMetadata.build(full_table, [0], [12])
+    out_full = native_paged_attention(torch.empty_like(q), q, kc, vc, meta, quant=quant)
+    float_ref = reference_paged_attention(q, kc, vc, full_table, [0], [12])
+    torch.testing.assert_close(out_full, float_ref, atol=2e-5, rtol=1e-4)
+    meta = NativeMetadata.build(quant_table, [0], [12])
+    out_quant = native_paged_attention(torch.empty_like(q), q, kc, vc, meta, quant=quant)
+    assert 0 < (out_quant - float_ref).abs().max() < 0.03
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_copy_on_write_within_and_across_formats(kind):
+    fmt = kv_format(kind)
+    gen = torch.Generator().manual_seed(1)
+    layers, base, num_quant, bs, kvh, d = 2, 3, 4, 4, 2, 8
+    full = torch.randn(layers, 2, base, bs, kvh, d, generator=gen)
+    x = torch.randn(layers, 2, num_quant, bs, kvh, d, generator=gen)
+    scales = x.abs().amax(dim=(3, 5)) / fmt.qmax  # [layers, 2, num_quant, kvh]
+    qkv = quantize(x, fmt, scales[:, :, :, None, :, None])
+    before_full, before_q, before_s = full.clone(), qkv.clone(), scales.clone()
+    # full 0 -> full 1; 8-bit 3 -> 8-bit 4; 8-bit 5 -> full 2; full 0 -> 8-bit 6 (ids: base = 3)
+    copy_blocks_mixed(full, qkv, scales, fmt, [(0, 1), (3, 4), (5, 2), (0, 6)])
+    assert torch.equal(full[:, :, 1], before_full[:, :, 0])
+    assert torch.equal(qkv[:, :, 1].view(torch.uint8), before_q[:, :, 0].view(torch.uint8))
+    assert torch.equal(scales[:, :, 1], before_s[:, :, 0])
+    exact = dequantize(before_q[:, :, 2], fmt, before_s[:, :, 2][:, :, None, :, None])
+    assert torch.equal(full[:, :, 2], exact)  # 8-bit -> full precision loses nothing
+    back = dequantize(qkv[:, :, 3], fmt, scales[:, :, 3][:, :, None, :, None])
+    expected_scale = before_full[:, :, 0].abs().amax(dim=(2, 4)) / fmt.qmax
+    torch.testing.assert_close(scales[:, :, 3], expected_scale)
+    assert float((back - before_full[:, :, 0]).abs().max()) <= float(expected_scale.max()) * (0.51 if kind == "int8"
+                                                                                             else fmt.qmax / 8)
+    with pytest.raises(ValueError, match="destination block appears twice"):
+        copy_blocks_mixed(full, qkv, scales, fmt, [(0, 1), (3, 1)])
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    from pagedkv_testing.hf_checkpoints import make_hf_checkpoint
+
+    return make_hf_checkpoint(tmp_path_factory.mktemp("kvmixed"), "llama", seed=11)
+
+
+@needs_native
+def test_runner_reads_each_block_in_its_format(tiny_folder):
+    """A mixed runner (ids 0-15 float32, 16-47 int8): a sequence in full-precision blocks gives the
+    float32 pool's logits, one in 8-bit blocks exactly the int8 pool's, one mixing both lies
+    close to both; copy-on-write across the formats keeps the logits."""
+    from pagedkv.models.loader import load_model
+    from pagedkv.runner import ModelRunner, SeqChunk
+
+    loaded = load_model(str(tiny_folder))
+    mixed = ModelRunner(loaded, block_size=4, num_blocks=48, kv_cache_dtype="int8", kv_full_blocks=16)
+    assert mixed.cache.is_mixed and mixed.kv_full_blocks == 16 and mixed.cache.kv.dtype == torch.float32
+    assert mixed.cache.block_format(15).name == "float32" and mixed.cache.block_format(16).name == "int8"
+    f32 = ModelRunner(loaded, block_size=4, num_blocks=48, kv_cache_dtype="float32")
+    i8 = ModelRunner(loaded, block_size=4, num_blocks=48, kv_cache_dtype="int8")
+    prompt = list(range(7, 30))  # 23 tokens: 6 blocks
+
+    def run(runner, table):
+        runner.execute([SeqChunk(prompt[:10], 0, table)])
+        return runner.execute([SeqChunk(prompt[10:], 10, table, all_logits=True)])
+
+    full_table, quant_table, both = [0, 1, 2, 3, 4, 5], [16, 17, 18, 19, 20, 21], [6, 22, 23, 24, 25, 26]
+    torch.testing.assert_close(run(mixed, full_table), run(f32, full_table), atol=2e-4, rtol=1e-4)
+    assert torch.equal(run(mixed, quant_table), run(i8, quant_table))
+    mixed_logits, reference = run(mixed, both), run(f32, full_table)
+    assert not torch.equal(mixed_logits, run(i8, quant_table))  # its first block was read at full precision
+    assert float((mixed_logits - reference).norm() / reference.norm()) < 0.02  # int8's bound (test_kv_quant)
+    # copy-on-write across the formats: 8-bit block 16 -> full block 5 exactly; a decode reading
+    # the copy in place of the original attends to the same values
+    mixed.copy_blocks([(16, 5)])
+    via_copy = mixed.execute([SeqChunk([99], 23, [5, *quant_table[1:]])])
+    via_original = mixed.execute([SeqChunk([99], 23, quant_table)])
+    torch.testing.assert_close(via_copy, via_original, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="no disk payloads"):
+        mixed.block_payloads([0])
+
+
+def test_mixed_pool_sizing_and_refusals(tiny_folder):
+    from pagedkv.models.loader import load_model
+    from pagedkv.runner.kv_cache import KVCache, bytes_per_block, mixed_split
+
+    config = load_model(str(tiny_folder)).config
+    full, quant = mixed_split(config, 16, "4MiB", "int8", "float32", 1 / 64)
+    used = full * bytes_per_block(config, 16, "float32") + quant * bytes_per_block(config, 16, "int8")
+    assert used <= 4 << 20 and (4 << 20) - used < bytes_per_block(config, 16, "int8")
+    assert abs(full / (full + quant) - 1 / 64) < 0.01
+    cache = KVCache(config, block_size=16, num_blocks=full + quant, dtype="int8", full_blocks=full)
+    assert cache.device_bytes == used  # the tensors take what the formula says
+    with pytest.raises(ValueError, match="host pool"):
+        KVCache(config, block_size=16, num_blocks=8, num_host_blocks=2, dtype="int8", full_blocks=2)
+    with pytest.raises(ValueError, match="8-bit kv_cache_dtype"):
+        KVCache(config, block_size=16, num_blocks=8, dtype="float32", full_blocks=2)
+
+
+def _run(engine, prompts, params_of):
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params_of(i))
+    results = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = [c.token_ids for c in out.outputs]
+    return results
+
+
+@needs_native
+def test_engine_with_sink_blocks_and_a_full_precision_request(tiny_folder):
+    """An int8 engine with one sink block a sequence: sinks in full-precision blocks (integrity
+    checked every step), outputs close to the float32 engine's; a request asking for float32 KV
+    gets exactly the float32 engine's tokens, and shares no block with the int8 requests of the
+    same prompt."""
+    from pagedkv import SamplingParams
+    from pagedkv.engine import LLMEngine
+    from pagedkv.engine.errors import RequestRejectedError
+
+    prompt = list(range(3, 40))
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    full = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, kv_cache_dtype="float32")
+    base = dict(block_size=4, num_kv_blocks=96, kv_offloading_size=0, debug_integrity=True, max_model_len=64)
+    f32 = _run(LLMEngine.from_options(str(tiny_folder), **base), [prompt], lambda i: greedy)
+    engine = LLMEngine.from_options(str(tiny_folder), kv_cache_dtype="int8", kv_sink_blocks=1, **base)
+    assert engine.runner.kv_full_blocks == 16  # one request of max_model_len at full precision
+    got = _run(engine, [prompt, prompt, list(prompt)], lambda i: full if i == 1 else greedy)
+    assert got["r1"] == f32["r0"]  # the full-precision request: the float32 pool's tokens
+    stats = engine.kv.stats()
+    assert stats.full_precision_blocks == engine.runner.kv_full_blocks
+    assert stats.free_full_precision_blocks <= stats.full_precision_blocks
+    # a full-precision request is turned away by a pool without full-precision blocks
+    plain = LLMEngine.from_options(str(tiny_folder), kv_cache_dtype="int8", **base)
+    with pytest.raises(RequestRejectedError, match="kv_sink_blocks"):
+        plain.add_request("x", prompt, full)
+    with pytest.raises(RequestRejectedError, match="fp8_e5m2"):
+        engine.add_request("y", prompt, SamplingParams(kv_cache_dtype="fp8_e5m2"))
+
+
+@needs_native
+def test_engine_mixed_pool_under_faults_and_forks(tiny_folder):
+    """Seeded faults (recompute preemption, evictions, allocation failures) on a small mixed pool,
+    with forked (n=3) requests sharing blocks copy-on-write: every request finishes with all its
+    tokens, integrity holds after every step, no block leaks; the undisturbed run's tokens nearly
+    all agree (a recompute re-prefills a block whose 8-bit scale had grown token by token)."""
+    import random
+
+    from pagedkv import SamplingParams
+    from pagedkv.engine import LLMEngine
+
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (5, 30, 14, 22, 9, 41, 3, 18)]
+
+    def params(i):
+        return SamplingParams(temperature=0, n=3 if i % 3 == 2 else 1, max_tokens=12 + i, ignore_eos=True)
+
+    options = dict(block_size=4, num_kv_blocks=48, max_num_batched_tokens=40, kv_offloading_size=0,
+                   preemption_mode="recompute", debug_integrity=True, kv_cache_dtype="int8", kv_sink_blocks=1)
+    expected = _run(LLMEngine.from_options(str(tiny_folder), **{**options, "num_kv_blocks": 400}), prompts, params)
+    same = total = preemptions = 0
+    for seed in range(2):
+        faults = f"seed={seed},rate=0.15,kinds=recompute+evict+alloc"
+        engine = LLMEngine.from_options(str(tiny_folder), fault_injection=faults, **options)
+        got = _run(engine, prompts, params)
+        assert got.keys() == expected.keys()
+        for rid, outs in expected.items():
+            assert [len(o) for o in got[rid]] == [len(o) for o in outs], rid
+            for a, b in zip(got[rid], outs):
+                same += sum(x == y for x, y in zip(a, b))
+                total += len(b)
+        stats = engine.stats()
+        assert stats.kv.used_blocks == 0
+        preemptions += stats.preemptions_recompute
+    assert preemptions > 2
+    assert same / total >= 0.9, f"{same} of {total} tokens equal the undisturbed run's"
