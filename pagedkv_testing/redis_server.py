@@ -37,15 +37,18 @@ def _free_port() -> int:
 
 class RedisServer:
     """One ``redis-server`` process (see the module docstring). ``password``: ``requirepass``
-    (the URL then carries it); ``maxmemory``: bytes, with ``allkeys-lru`` eviction."""
+    (the URL then carries it); ``maxmemory``: bytes, with ``allkeys-lru`` eviction; ``tls``: TLS
+    only, with a self-signed certificate for 127.0.0.1 made by ``openssl`` (``ca_file``; the URL
+    is ``rediss://`` and names it)."""
 
-    def __init__(self, *, password: str | None = None, maxmemory: int | None = None) -> None:
+    def __init__(self, *, password: str | None = None, maxmemory: int | None = None, tls: bool = False) -> None:
         binary = redis_server_binary()
         if binary is None:
             raise RuntimeError(MISSING)
         self.binary = binary
         self.password = password
         self.maxmemory = maxmemory
+        self.tls = tls
         self.port = 0
         self.directory = Path(tempfile.mkdtemp(prefix="pagedkv-redis-"))
         self.process: subprocess.Popen[bytes] | None = None
@@ -53,13 +56,32 @@ class RedisServer:
     @property
     def url(self) -> str:
         auth = f"default:{self.password}@" if self.password else ""
+        if self.tls:
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.ca_file}"
         return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    @property
+    def ca_file(self) -> Path:
+        return self.directory / "cert.pem"
+
+    def _make_certificate(self) -> None:
+        if self.ca_file.exists():
+            return
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                        "-keyout", str(self.directory / "key.pem"), "-out", str(self.ca_file),
+                        "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                       check=True, capture_output=True)
 
     def start(self, timeout: float = 10.0) -> None:
         """Start the server (on its old port after a ``stop``, so clients reconnect to it)."""
+        if self.tls:
+            self._make_certificate()
         for _ in range(5):  # a free port may be taken between asking and binding: try another
             port = self.port or _free_port()
-            args = [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            listen = (["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(self.ca_file),
+                       "--tls-key-file", str(self.directory / "key.pem"), "--tls-auth-clients", "no"]
+                      if self.tls else ["--port", str(port)])
+            args = [self.binary, *listen, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                     "--dir", str(self.directory), "--protected-mode", "no", "--enable-debug-command", "yes",
                     "--logfile", str(self.directory / "redis.log")]
             if self.password:
@@ -94,6 +116,8 @@ class RedisServer:
     def client(self) -> Any:
         """A ``redis.Redis`` client of this server (raw bytes)."""
         import redis
+        if self.tls:
+            return redis.Redis.from_url(self.url)
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password)
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ loopback port, a temporary directory, no persistence) and stops it.
 from __future__ import annotations
 
 import logging
+import shutil
 import subprocess
 import sys
 import time
@@ -155,6 +156,19 @@ def test_the_password_is_never_logged_nor_reported(caplog):
         for text in (caplog.text, repr(store), store.url, str(store.stats()), str(wrong.stats())):
             assert secret not in text and "wrong-pw" not in text
         assert redact_url("rediss://u:p@h:1/0?ssl_ca_certs=/x&password=p") == "rediss://u:***@h:1/0?***"
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test's certificate")
+def test_tls_with_the_servers_certificate_and_a_miss_without_it():
+    with RedisServer(tls=True, password="tls-pw") as server:
+        assert server.url.startswith("rediss://")
+        store = RemoteStore(server.url, FP, payload_bytes=PAYLOAD)
+        assert store.put_missing([(_key(1), _payload(1))]) == [True] and store.get([_key(1)]) == [_payload(1)]
+        untrusted = RemoteStore(server.url.split("?")[0], FP, payload_bytes=PAYLOAD)  # no CA: verification fails
+        assert untrusted.exists([_key(1)]) is None and untrusted.stats().errors == 1
+        plain = RemoteStore(server.url.replace("rediss://", "redis://").split("?")[0] + "?socket_timeout=0.3", FP,
+                            payload_bytes=PAYLOAD)
+        assert plain.exists([_key(1)]) is None  # TLS only: a plain connection is refused (a miss)
 
 
 @pytest.mark.parametrize("url, message", [
