@@ -132,7 +132,9 @@ def _run_peer(name: str, python: str, script_text: str, model: Path, workloads: 
 
 def run_vllm(python: str, folder: Path, workloads: list[Workload], warmup: Workload,
              threads: int) -> dict[str, float]:
-    cores = "0" if threads == 1 else f"0-{threads - 1}"  # vLLM pins its OpenMP threads
+    # vLLM pins its OpenMP threads: to the cores this process may run on (taskset), not always from 0
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(threads))
+    cores = ",".join(str(c) for c in (allowed * threads)[:threads])
     return _run_peer("vllm", python, VLLM_SCRIPT, folder, workloads, warmup, [],
                      {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": cores})
 
