@@ -265,3 +265,27 @@ def test_engine_mixed_pool_under_faults_and_forks(tiny_folder):
         preemptions += stats.preemptions_recompute
     assert preemptions > 2
     assert same / total >= 0.9, f"{same} of {total} tokens equal the undisturbed run's"
+
+
+@pytest.mark.slow
+@needs_native
+def test_default_model_one_sink_block_greedy_matches_float32():
+    """The bundled model, greedy, 16 prompts of 32 tokens (windows of the shipped English text),
+    32 new tokens, int8 blocks with the first block of each sequence at float32: at least 10 of
+    the 16 outputs equal the float32 engine's (the issue's target; measured 12, with these
+    prompts and with bench/kv_quant.py's, 2026-12-02)."""
+    from pagedkv import LLM, SamplingParams
+    from pagedkv_testing import TEST_DATA
+
+    text = (TEST_DATA / "declaration_of_independence.txt").read_text()
+    outputs = {}
+    for kind, sinks in (("float32", 0), ("int8", 1)):
+        llm = LLM(kv_cache_dtype=kind, kv_cache_memory="256MiB", kv_sink_blocks=sinks, max_model_len=2048)
+        assert llm.engine.runner.kv_full_blocks > 0 if sinks else llm.engine.runner.kv_full_blocks == 0
+        tokens = llm.get_tokenizer().encode(text)
+        prompts = [tokens[i * 100:i * 100 + 32] for i in range(16)]
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+        outputs[kind] = [o.outputs[0].token_ids for o in outs]
+    equal = sum(a == b for a, b in zip(outputs["float32"], outputs["int8"]))
+    print(f"int8 + 1 sink block equals float32 on {equal} of 16 prompts")
+    assert equal >= 10, f"int8 with one sink block equals float32 on {equal} of 16 prompts"
