@@ -14,10 +14,12 @@ from typing import Any
 import pytest
 import torch
 
+from pagedkv import LLM
 from pagedkv.engine import LLMEngine
 from pagedkv.model_shape import kv_bytes_per_block
 from pagedkv.models import load_model
 from pagedkv.models.config import ModelConfig
+from pagedkv.ops import native
 from pagedkv.runner import ModelRunner, SeqChunk
 from pagedkv.sampling_params import SamplingParams
 from pagedkv_testing.hf_checkpoints import (
@@ -99,10 +101,35 @@ def test_the_cache_head_is_the_latent(name: str, tmp_path_factory: pytest.TempPa
     assert cfg.is_mla and cfg.num_key_value_heads == 1 and cfg.head_dim == cfg.latent_dim == 20 + 6
     assert cfg.moe is not None and cfg.moe.sparse_layers == {1, 2}
     assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg  # what a GGUF conversion writes reads back
-    runner = ModelRunner(loaded, block_size=16, num_blocks=10)
-    # one latent row of kv_lora_rank + qk_rope_head_dim per token and layer
+    # one latent row of kv_lora_rank + qk_rope_head_dim per token and layer, stored once (K and V)
     assert kv_bytes_per_block(cfg, 16, "float32") == 3 * 16 * 26 * 4
-    assert runner.cache.device_bytes >= 10 * kv_bytes_per_block(cfg, 16, "float32")
+    assert ModelRunner(loaded, block_size=16, num_blocks=10).cache.device_bytes == 10 * 3 * 16 * 26 * 4
+    if native.available():  # 8-bit latent blocks: one byte a value, one fp32 scale per block and layer
+        runner = ModelRunner(loaded, block_size=16, num_blocks=10, kv_cache_dtype="int8")
+        assert runner.cache.device_bytes == 10 * kv_bytes_per_block(cfg, 16, "int8") == 10 * (3 * 16 * 26 + 3 * 4)
+
+
+def test_int8_latent_blocks_stay_close_to_model_precision(tmp_path_factory: pytest.TempPathFactory,
+                                                          built: dict[str, Any]) -> None:
+    """int8 latent blocks (per-block scales, RoPE part included): logits of a 45-token prompt
+    prefilled in two chunks (the second reads the first's 8-bit blocks) stay within a few percent of
+    model-precision blocks, with the same top-1 token almost everywhere."""
+    if not native.available():
+        pytest.skip("8-bit KV blocks need the native kernels")
+    _, loaded = _case("v3_groups", tmp_path_factory, built)
+    ids = _prompt(45, loaded.config.vocab_size, 2)
+    table = TinyAllocator(16).take(3)
+
+    def logits(kv_dtype: str) -> torch.Tensor:
+        runner = ModelRunner(loaded, block_size=16, num_blocks=16, kv_cache_dtype=kv_dtype)
+        first = runner.execute([SeqChunk(ids[:20], 0, table)], return_all_logits=True)
+        return torch.cat((first, runner.execute([SeqChunk(ids[20:], 20, table)], return_all_logits=True)))
+
+    want, got = logits("auto"), logits("int8")
+    rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).mean().item()
+    top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    assert rel < 0.05 and top1 >= 0.9, (rel, top1)
+    assert not torch.equal(got, want)  # the blocks really were 8-bit
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 64])
@@ -178,3 +205,32 @@ def test_engine_on_latent_blocks_survives_faults(mode: str, tmp_path_factory: py
         assert stats.kv.used_blocks == 0 and stats.kv.host_used_blocks == 0
         faults += stats.faults_fired
     assert faults > 0
+
+
+@pytest.mark.slow
+def test_latent_blocks_through_the_disk_tier_and_speculative_decoding(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, built: dict[str, Any]) -> None:
+    """Latent blocks written to the disk tier are served after a restart with the same outputs
+    (bit-identical payloads), and n-gram speculative decoding (KV rollback on latent blocks) gives
+    the same greedy tokens as plain decoding."""
+    _case("v3_groups", tmp_path_factory, built)
+    folder = str(built["v3_groups"][2])
+    prefix = [(7 * i + 3) % 97 + 5 for i in range(32)]  # 8 blocks
+    prompts = [prefix + [200 + 3 * i, 201 + i, 150 + i] for i in range(2)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def run(llm: LLM) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+
+    with LLM(folder, block_size=4, num_kv_blocks=200, enable_prefix_caching=False) as plain:
+        reference = run(plain)
+    options = dict(block_size=4, num_kv_blocks=40, kv_offloading_size=0.002, debug_integrity=True,
+                   kv_offload_dir=str(tmp_path / "kv"))
+    with LLM(folder, **options) as first:
+        assert run(first) == reference
+    with LLM(folder, **options) as second:
+        assert run(second) == reference
+        assert second.stats().kv.disk_hit_tokens >= len(prefix)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    with LLM(folder, block_size=4, num_kv_blocks=200, speculative_config=spec, debug_integrity=True) as llm:
+        assert run(llm) == reference
