@@ -12,9 +12,11 @@
 // exactly those blocks at those positions. A row's nodes cover its context from position 0 up to
 // row_own_start[r]; the rest, [row_own_start[r], row_len[r]), is its own.
 //
-// Phase 1, work item = (node, part of its rows, KV head): each key chunk of the node is read (and,
-// for a non-float32 format, converted with its block scale folded in) once, then used by every
-// query head of every row of the part: the queries are batched against K and V held in L1/L2.
+// Phase 1, work item = (node, part of its rows, KV head): the node's K and V rows are gathered
+// once (converted to float32 with their block scales folded in, piece by piece) and attended by
+// every query head of every row of the part as matrix products (ATen's: MKL / oneDNN, near the
+// core's arithmetic peak; a per-query loop over the same keys stays far below it), with the
+// online softmax between pieces; a part with few queries takes the per-query loop instead.
 // Each (row, query head) leaves a partial online-softmax state (max m, sum l, accumulator acc),
 // over its visible part of the node (clipped to its length and window).
 // Phase 2, work item = (tile of consecutive rows of one sequence, KV head), as in paged_attention:
@@ -30,6 +32,7 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
+#include <ATen/ATen.h>
 #include <torch/library.h>
 #include <torch/types.h>
 
@@ -37,6 +40,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -346,190 +350,141 @@ void attend_vec(const Item& it, const Cache<F, Q>& cache, int64_t block_size, in
   }
 }
 
-// Phase 1's vector path when an item has many queries (a shared run's rows x query heads): the
-// same online softmax as attend_vec, computed as small matrix products. Per chunk, K is
-// transposed once into kt [D][CHUNK] (tokens in the vector lanes), then scores S [nq][CHUNK] =
-// queries x kt in register blocks of QB queries x 16 tokens (each K vector loaded once for QB
-// queries, no horizontal sums), and acc [nq][D] += P x V in blocks of QB queries x 16 dims (each V
-// vector loaded once for QB queries). Tokens outside a row's [start, end) weigh exactly 0.
-constexpr int QB = 6;
+#endif
 
-template <int D, int QN>
-inline void scores_block(const float* qs, const float* kt, float* S) {
-  for (int c = 0; c < CHUNK / 8; c += 2) {
-    __m256 acc[QN][2];
-    for (int i = 0; i < QN; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (int x = 0; x < D; ++x) {
-      const __m256 k0 = _mm256_load_ps(kt + x * CHUNK + 8 * c);
-      const __m256 k1 = _mm256_load_ps(kt + x * CHUNK + 8 * c + 8);
-      for (int i = 0; i < QN; ++i) {
-        const __m256 b = _mm256_broadcast_ss(qs + i * D + x);
-        acc[i][0] = _mm256_fmadd_ps(b, k0, acc[i][0]);
-        acc[i][1] = _mm256_fmadd_ps(b, k1, acc[i][1]);
-      }
-    }
-    for (int i = 0; i < QN; ++i) {
-      _mm256_store_ps(S + i * CHUNK + 8 * c, acc[i][0]);
-      _mm256_store_ps(S + i * CHUNK + 8 * c + 8, acc[i][1]);
-    }
+// Phase 1 when an item has many queries (a shared run's rows x query heads): the online softmax
+// as matrix products, in pieces of PIECE tokens: the piece's K and V rows gathered once into
+// contiguous float buffers (block scales folded in), scores S [nq, n] = Qs K^T and acc += P V by
+// ATen's matrix multiply (MKL / oneDNN: near the core's arithmetic peak, where per-query
+// matrix-vector loops stay far below it). Tokens outside a row's [start, end) weigh exactly 0.
+constexpr int64_t PIECE = 512;
+constexpr int64_t GEMM_MIN_QUERIES = 16;
+
+struct GemmScratch {
+  std::vector<float> k, v, s;
+  GemmScratch(int64_t queries, int64_t d) : k(PIECE * d), v(PIECE * d), s(queries * PIECE) {}
+};
+
+template <typename S>
+inline void gather_row(const S* src, float* dst, float scale, int64_t d) {
+  if constexpr (std::is_same_v<S, float>) {
+    std::copy(src, src + d, dst);
+  } else {
+#pragma omp simd
+    for (int64_t x = 0; x < d; ++x) dst[x] = to_f(src[x]) * scale;
   }
 }
 
-template <int D, int QN>
-inline void pv_block(const float* S, const float* const* vp, int64_t n, float* acc, const float* corr) {
-  for (int v = 0; v < D / 8; v += 2) {
-    __m256 a[QN][2];
-    for (int i = 0; i < QN; ++i) {
-      const __m256 cv = _mm256_set1_ps(corr[i]);
-      a[i][0] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + 8 * v), cv);
-      a[i][1] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + 8 * v + 8), cv);
-    }
-    for (int64_t t = 0; t < n; ++t) {
-      const __m256 v0 = _mm256_loadu_ps(vp[t] + 8 * v);
-      const __m256 v1 = _mm256_loadu_ps(vp[t] + 8 * v + 8);
-      for (int i = 0; i < QN; ++i) {
-        const __m256 b = _mm256_broadcast_ss(S + i * CHUNK + t);
-        a[i][0] = _mm256_fmadd_ps(b, v0, a[i][0]);
-        a[i][1] = _mm256_fmadd_ps(b, v1, a[i][1]);
-      }
-    }
-    for (int i = 0; i < QN; ++i) {
-      _mm256_storeu_ps(acc + i * D + 8 * v, a[i][0]);
-      _mm256_storeu_ps(acc + i * D + 8 * v + 8, a[i][1]);
-    }
-  }
+// max(m, x[0..n)), 8 lanes at a time (a scalar max is a 4-cycle dependency chain per element).
+inline float max_of(const float* x, int64_t n, float m) {
+  int64_t t = 0;
+#ifdef PAGEDKV_CASCADE_AVX2
+  __m256 mv = _mm256_set1_ps(m);
+  for (; t + 8 <= n; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + t));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mv);
+  for (int u = 0; u < 8; ++u) m = std::max(m, lanes[u]);
+#endif
+  for (; t < n; ++t) m = std::max(m, x[t]);
+  return m;
 }
 
-template <int D, int QN>
-void mm_blocks(const float* qs, const float* kt, float* S, int64_t nq, bool scores, const float* const* vp,
-               int64_t n, float* acc, const float* corr) {
-  int64_t j = 0;
-  for (; j + QN <= nq; j += QN) {
-    if (scores) scores_block<D, QN>(qs + j * D, kt, S + j * CHUNK);
-    else pv_block<D, QN>(S + j * CHUNK, vp, n, acc + j * D, corr + j);
+// e^(x - m) over n floats in place (exp256 on AVX2 machines), their sum returned.
+inline float exp_sum(float* x, int64_t n, float m) {
+  int64_t t = 0;
+  float sum = 0.f;
+#ifdef PAGEDKV_CASCADE_AVX2
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sv = _mm256_setzero_ps();
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + t), mv));
+    _mm256_storeu_ps(x + t, e);
+    sv = _mm256_add_ps(sv, e);
   }
-  switch (nq - j) {  // the last few queries
-    case 5: mm_blocks<D, 5>(qs + j * D, kt, S + j * CHUNK, 5, scores, vp, n, acc + j * D, corr + j); break;
-    case 4: mm_blocks<D, 4>(qs + j * D, kt, S + j * CHUNK, 4, scores, vp, n, acc + j * D, corr + j); break;
-    case 3: mm_blocks<D, 3>(qs + j * D, kt, S + j * CHUNK, 3, scores, vp, n, acc + j * D, corr + j); break;
-    case 2: mm_blocks<D, 2>(qs + j * D, kt, S + j * CHUNK, 2, scores, vp, n, acc + j * D, corr + j); break;
-    case 1: mm_blocks<D, 1>(qs + j * D, kt, S + j * CHUNK, 1, scores, vp, n, acc + j * D, corr + j); break;
-    default: break;
+  sum = hsum(sv);
+#endif
+  for (; t < n; ++t) {
+    x[t] = std::exp(x[t] - m);
+    sum += x[t];
   }
+  return sum;
 }
 
-template <int D, typename F, typename Q>
-void attend_batched(const Item& it, const Cache<F, Q>& cache, int64_t block_size, int64_t kv_heads, int64_t h,
-                    float* conv, float* kt, float* S, float* corr, float cap) {
+template <typename F, typename Q>
+void attend_gemm(const Item& it, const Cache<F, Q>& cache, int64_t block_size, int64_t kv_heads, int64_t h,
+                 int64_t d, float cap, GemmScratch& g, float* corr) {
   const int64_t nq = it.nr * it.group;
-  float* kbuf = conv;
-  float* vbuf = conv + CHUNK * D;
-  const int64_t row_stride = kv_heads * D;
-  const float* kp[CHUNK];
-  const float* vp[CHUNK];
-  const float ninf = -std::numeric_limits<float>::infinity();
-  auto convert = [](const auto* src, float* dst, float scale) {
-    using S_ = std::remove_cv_t<std::remove_pointer_t<decltype(src)>>;
-    const __m256 sv = _mm256_set1_ps(scale * Vec<S_>::unit);
-    for (int v = 0; v < D / 8; ++v) _mm256_store_ps(dst + 8 * v, _mm256_mul_ps(Vec<S_>::load(src + 8 * v), sv));
-  };
-  for (int64_t c0 = it.lo; c0 < it.hi; c0 += CHUNK) {
-    const int64_t c1 = std::min<int64_t>(c0 + CHUNK, it.hi);
-    const int64_t n = c1 - c0;
-    for (int64_t t = c0; t < c1; ++t) {
+  const int64_t row_stride = kv_heads * d;
+  const auto opts = at::TensorOptions().dtype(at::kFloat);
+  const at::Tensor qs = at::from_blob(const_cast<float*>(it.qs), {nq, d}, opts);
+  at::Tensor acc = at::from_blob(it.acc, {nq, d}, opts);
+  for (int64_t p0 = it.lo; p0 < it.hi; p0 += PIECE) {
+    const int64_t p1 = std::min(p0 + PIECE, it.hi), n = p1 - p0;
+    for (int64_t t = p0; t < p1; ++t) {
       const int64_t blk = it.table[t / block_size];
-      float* kd = kbuf + (t - c0) * D;
-      float* vd = vbuf + (t - c0) * D;
+      float* kd = g.k.data() + (t - p0) * d;
+      float* vd = g.v.data() + (t - p0) * d;
       if (blk < cache.base) {
-        const int64_t off = (blk * block_size + t % block_size) * row_stride + h * D;
-        if constexpr (std::is_same_v<F, float>) {
-          kp[t - c0] = cache.kf + off;
-          vp[t - c0] = cache.vf + off;
-          continue;
-        } else {
-          convert(cache.kf + off, kd, 1.f);
-          convert(cache.vf + off, vd, 1.f);
-        }
+        const int64_t off = (blk * block_size + t % block_size) * row_stride + h * d;
+        gather_row(cache.kf + off, kd, 1.f, d);
+        gather_row(cache.vf + off, vd, 1.f, d);
       } else {
         const int64_t qb = blk - cache.base;
-        const int64_t off = (qb * block_size + t % block_size) * row_stride + h * D;
-        convert(cache.kq + off, kd, cache.ks[qb * kv_heads + h]);
-        convert(cache.vq + off, vd, cache.vs[qb * kv_heads + h]);
+        const int64_t off = (qb * block_size + t % block_size) * row_stride + h * d;
+        gather_row(cache.kq + off, kd, cache.ks[qb * kv_heads + h], d);
+        gather_row(cache.vq + off, vd, cache.vs[qb * kv_heads + h], d);
       }
-      kp[t - c0] = kd;
-      vp[t - c0] = vd;
     }
-    // kt [D][CHUNK]: the chunk's keys, tokens in the lanes (the tail past n zeroed)
-    for (int64_t t = 0; t < n; ++t) {
-      const float* kr = kp[t];
-      for (int x = 0; x < D; ++x) kt[x * CHUNK + t] = kr[x];
-    }
-    if (n < CHUNK) {
-      for (int x = 0; x < D; ++x) std::fill(kt + x * CHUNK + n, kt + (x + 1) * CHUNK, 0.f);
-    }
-    mm_blocks<D, QB>(it.qs, kt, S, nq, true, nullptr, 0, nullptr, nullptr);
+    const at::Tensor keys = at::from_blob(g.k.data(), {n, d}, opts);
+    const at::Tensor values = at::from_blob(g.v.data(), {n, d}, opts);
+    at::Tensor scores = at::from_blob(g.s.data(), {nq, n}, opts);
+    at::mm_out(scores, qs, keys.t());
     for (int64_t i = 0; i < it.nr; ++i) {
-      const int64_t a = std::max(c0, it.start[i]) - c0, e = std::min(c1, it.end[i]) - c0;
-      for (int64_t g = 0; g < it.group; ++g) {
-        const int64_t j = i * it.group + g;
-        float* sj = S + j * CHUNK;
-        if (e <= a) {  // nothing of this chunk is visible to the row: weight 0, state kept
-          std::fill(sj, sj + CHUNK, 0.f);
+      const int64_t a = std::max(p0, it.start[i]) - p0, e = std::min(p1, it.end[i]) - p0;
+      for (int64_t gq = 0; gq < it.group; ++gq) {
+        const int64_t j = i * it.group + gq;
+        float* sj = g.s.data() + j * n;
+        if (e <= a) {  // nothing of this piece is visible to the row: weight 0, state kept
+          std::fill(sj, sj + n, 0.f);
           corr[j] = 1.f;
           continue;
         }
         if (cap > 0.f) {
           for (int64_t t = a; t < e; ++t) sj[t] = cap * std::tanh(sj[t] / cap);
         }
-        for (int64_t t = 0; t < a; ++t) sj[t] = ninf;
-        for (int64_t t = e; t < CHUNK; ++t) sj[t] = ninf;
-        __m256 mx = _mm256_set1_ps(it.m[j]);
-        for (int t = 0; t < CHUNK; t += 8) mx = _mm256_max_ps(mx, _mm256_load_ps(sj + t));
-        alignas(32) float lanes[8];
-        _mm256_store_ps(lanes, mx);
-        float mb = lanes[0];
-        for (int u = 1; u < 8; ++u) mb = std::max(mb, lanes[u]);
-        const __m256 mv = _mm256_set1_ps(mb);
-        for (int t = 0; t < CHUNK; t += 8) _mm256_store_ps(sj + t, exp256(_mm256_sub_ps(_mm256_load_ps(sj + t), mv)));
-        // exp256 of -inf is a denormal, not 0: the invisible tokens' weights set to exactly 0
-        for (int64_t t = 0; t < a; ++t) sj[t] = 0.f;
-        for (int64_t t = e; t < CHUNK; ++t) sj[t] = 0.f;
-        __m256 sumv = _mm256_setzero_ps();
-        for (int t = 0; t < CHUNK; t += 8) sumv = _mm256_add_ps(sumv, _mm256_load_ps(sj + t));
-        const float sum = hsum(sumv);
-        corr[j] = std::exp(it.m[j] - mb);
+        const float mb = max_of(sj + a, e - a, it.m[j]);
+        const float sum = exp_sum(sj + a, e - a, mb);
+        std::fill(sj, sj + a, 0.f);
+        std::fill(sj + e, sj + n, 0.f);
+        corr[j] = std::exp(it.m[j] - mb);  // 0 on the first piece (m = -inf)
         it.l[j] = it.l[j] * corr[j] + sum;
         it.m[j] = mb;
       }
     }
-    mm_blocks<D, QB>(nullptr, nullptr, S, nq, false, vp, n, it.acc, corr);
+    for (int64_t j = 0; j < nq; ++j) {
+      if (corr[j] != 1.f) {
+        float* aj = it.acc + j * d;
+        for (int64_t x = 0; x < d; ++x) aj[x] *= corr[j];
+      }
+    }
+    acc.addmm_(scores, values);
   }
 }
 
-#endif
-
 // Per-thread scratch for one item: queries, state, score and conversion buffers.
 struct Scratch {
-  std::vector<float> qs, acc, m, l, p, corr, conv_store, mm_store;
+  std::vector<float> qs, acc, m, l, p, corr, conv_store;
   std::vector<int64_t> start, end;
-  float* conv = nullptr;  // 2 * CHUNK * d floats
-  float* kt = nullptr;    // d * CHUNK floats (batched path)
-  float* scores = nullptr;  // rows * group * CHUNK floats (batched path)
-  Scratch(int64_t rows, int64_t group, int64_t d, int64_t block_size, bool batched)
+  float* conv = nullptr;  // 2 * CHUNK * d floats, 32-byte aligned (the vector path)
+  std::unique_ptr<GemmScratch> gemm;  // phase 1's matrix products
+  Scratch(int64_t rows, int64_t group, int64_t d, int64_t block_size, bool gemm_path)
       : qs(rows * group * d), acc(rows * group * d), m(rows * group), l(rows * group),
         p(std::max<int64_t>(block_size, 64)), corr(rows * group), start(rows), end(rows) {
 #ifdef PAGEDKV_CASCADE_AVX2
-    auto align = [](std::vector<float>& v) {
-      return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(v.data()) + 31) & ~uintptr_t(31));
-    };
     conv_store.resize(2 * CHUNK * d + 8);
-    conv = align(conv_store);
-    if (batched) {
-      mm_store.resize(d * CHUNK + rows * group * CHUNK + 16);
-      kt = align(mm_store);
-      scores = kt + d * CHUNK;  // d * CHUNK is a multiple of 8 floats: still aligned
-    }
+    conv = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(conv_store.data()) + 31) & ~uintptr_t(31));
 #endif
+    if (gemm_path) gemm = std::make_unique<GemmScratch>(rows * group, d);
   }
 };
 
@@ -537,13 +492,11 @@ template <typename F, typename Q>
 void attend(const Item& it, const Cache<F, Q>& cache, int64_t block_size, int64_t kv_heads, int64_t h, int64_t d,
             float cap, Scratch& sc) {
   if (it.hi <= it.lo) return;
+  if (sc.gemm && it.nr * it.group >= GEMM_MIN_QUERIES) {
+    return attend_gemm<F, Q>(it, cache, block_size, kv_heads, h, d, cap, *sc.gemm, sc.corr.data());
+  }
 #ifdef PAGEDKV_CASCADE_AVX2
   if constexpr (Vec<F>::ok && Vec<Q>::ok) {
-    if (sc.kt != nullptr && it.nr * it.group >= QB) {  // a shared run's many queries: matrix products
-      if (d == 64) return attend_batched<64, F, Q>(it, cache, block_size, kv_heads, h, sc.conv, sc.kt, sc.scores, sc.corr.data(), cap);
-      if (d == 128) return attend_batched<128, F, Q>(it, cache, block_size, kv_heads, h, sc.conv, sc.kt, sc.scores, sc.corr.data(), cap);
-      if (d == 256) return attend_batched<256, F, Q>(it, cache, block_size, kv_heads, h, sc.conv, sc.kt, sc.scores, sc.corr.data(), cap);
-    }
     if (d == 64) return attend_vec<64, F, Q>(it, cache, block_size, kv_heads, h, sc.conv, cap);
     if (d == 128) return attend_vec<128, F, Q>(it, cache, block_size, kv_heads, h, sc.conv, cap);
     if (d == 256) return attend_vec<256, F, Q>(it, cache, block_size, kv_heads, h, sc.conv, cap);
