@@ -272,6 +272,12 @@ class ModelRunner:
             net.to(self.device)
         self.model: LlamaForCausalLM = net
         self.config: ModelConfig = net.config
+        d = self.config.head_dim
+        if self.backend == "triton" and (d < 16 or d > 256 or d & (d - 1)):  # MLA's latent head: 576 for V3
+            raise ValueError(f"the triton attention backend takes heads of a power of two in 16..256; this model's "
+                             f"KV head has {d} dims" + (" (its MLA latent, kv_lora_rank + qk_rope_head_dim)"
+                                                         if self.config.is_mla else "")
+                             + ": use device cpu with attention_backend native or plain")
         model_dtype = next(net.parameters()).dtype
         fmt = kv_format(kv_cache_dtype, model_dtype)
         # The native kernels read blocks in place and fuse RMSNorm.

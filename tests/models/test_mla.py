@@ -109,6 +109,19 @@ def test_the_cache_head_is_the_latent(name: str, tmp_path_factory: pytest.TempPa
         assert runner.cache.device_bytes == 10 * kv_bytes_per_block(cfg, 16, "int8") == 10 * (3 * 16 * 26 + 3 * 4)
 
 
+def test_triton_backend_refuses_the_latent_head_by_name(tmp_path_factory: pytest.TempPathFactory,
+                                                        built: dict[str, Any]) -> None:
+    """The Triton prefill kernel takes power-of-two heads in 16..256; a latent head (26 here, 576
+    for V3) is refused when the runner is built, not at the first prompt."""
+    from pagedkv.ops import triton as triton_ops
+
+    if not triton_ops.usable_on("cpu"):
+        pytest.skip("Triton (or its interpreter) is unavailable here")
+    _, loaded = _case("v2_no_q_lora", tmp_path_factory, built)
+    with pytest.raises(ValueError, match=r"KV head has 26 dims \(its MLA latent.*native or plain"):
+        ModelRunner(loaded, block_size=16, num_blocks=4, attention_backend="triton")
+
+
 def test_int8_latent_blocks_stay_close_to_model_precision(tmp_path_factory: pytest.TempPathFactory,
                                                           built: dict[str, Any]) -> None:
     """int8 latent blocks (per-block scales, RoPE part included): logits of a 45-token prompt
