@@ -122,9 +122,10 @@ def test_triton_backend_refuses_the_latent_head_by_name(tmp_path_factory: pytest
         ModelRunner(loaded, block_size=16, num_blocks=4, attention_backend="triton")
 
 
-def test_int8_latent_blocks_stay_close_to_model_precision(tmp_path_factory: pytest.TempPathFactory,
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_8bit_latent_blocks_stay_close_to_model_precision(kv_dtype: str, tmp_path_factory: pytest.TempPathFactory,
                                                           built: dict[str, Any]) -> None:
-    """int8 latent blocks (per-block scales, RoPE part included): logits of a 45-token prompt
+    """8-bit latent blocks (per-block scales, RoPE part included): logits of a 45-token prompt
     prefilled in two chunks (the second reads the first's 8-bit blocks) stay within a few percent of
     model-precision blocks, with the same top-1 token almost everywhere."""
     if not native.available():
@@ -138,7 +139,7 @@ def test_int8_latent_blocks_stay_close_to_model_precision(tmp_path_factory: pyte
         first = runner.execute([SeqChunk(ids[:20], 0, table)], return_all_logits=True)
         return torch.cat((first, runner.execute([SeqChunk(ids[20:], 20, table)], return_all_logits=True)))
 
-    want, got = logits("auto"), logits("int8")
+    want, got = logits("auto"), logits(kv_dtype)
     rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).mean().item()
     top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     assert rel < 0.05 and top1 >= 0.9, (rel, top1)
