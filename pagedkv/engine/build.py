@@ -46,7 +46,7 @@ def build_runner(config: EngineConfig) -> RunnerParts:
     from pagedkv.models.packed_linear import PackedLinear
     from pagedkv.ops.kv_format import kv_format
     from pagedkv.runner import ModelRunner, bytes_per_block
-    from pagedkv.runner.kv_cache import num_blocks_for_memory
+    from pagedkv.runner.kv_cache import host_bytes_per_block, num_blocks_for_memory
     from pagedkv.runner.model_runner import resolve_device
 
     if config.threads:
@@ -77,7 +77,9 @@ def build_runner(config: EngineConfig) -> RunnerParts:
                                                        config.kv_cache_memory or sizing.kv_bytes)
     # More host blocks than 4x the device pool buy nothing.
     host_bytes = int(config.kv_offloading_size * (1 << 30)) if sizing.host_bytes is None else sizing.host_bytes
-    host_blocks = min(host_bytes // per_block, 4 * device_blocks) if not full_blocks else 0  # (none mixed yet)
+    host_per_block = (host_bytes_per_block(loaded.config, block_size, kv_dtype, str(dtype).removeprefix("torch."))
+                      if full_blocks else per_block)  # a mixed pool's host blocks hold either format
+    host_blocks = min(host_bytes // host_per_block, 4 * device_blocks)
     runner = ModelRunner(loaded, block_size=block_size, num_blocks=device_blocks,
                          num_host_blocks=host_blocks, kv_cache_dtype=kv_dtype, device=device,
                          max_loras=config.max_loras if config.enable_lora else 0,

@@ -59,8 +59,6 @@ class KVCacheConfig:
         if self.num_full_blocks < 0 or self.kv_sink_blocks < 0:
             raise ValueError(f"num_full_blocks and kv_sink_blocks must be >= 0, got {self.num_full_blocks} and "
                              f"{self.kv_sink_blocks}")
-        if self.num_full_blocks and self.num_host_blocks:
-            raise ValueError("a mixed KV pool (num_full_blocks > 0) has no host pool yet: give num_host_blocks 0")
         if not self.kv_group_windows or self.kv_group_windows[0] is not None:
             raise ValueError(f"kv_group_windows must start with None (group 0 keeps every block), "
                              f"got {self.kv_group_windows!r}")

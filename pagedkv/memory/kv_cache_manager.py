@@ -270,7 +270,13 @@ class KVCacheManager:
             on_host = [b for blocks, flags in zip(hit.blocks, hit.on_host) for b, h in zip(blocks, flags) if h]
         else:
             on_device, on_host = hit.blocks[0] if G == 1 else [b for blocks in hit.blocks for b in blocks], []
-        formats = None if on_host else [self._wants_full(seq, k + j) for _ in range(G) for j in range(per_group)]
+        formats = None
+        if self.pool.num_full_blocks:  # a mixed pool: the format of each fresh block, in the order taken below
+            formats = []
+            for blocks, flags in zip(hit.blocks, hit.on_host):
+                released = k - len(blocks)
+                formats += [self._wants_full(seq, released + j) for j, h in enumerate(flags) if h and on_host]
+                formats += [self._wants_full(seq, k + j) for j in range(per_group)]
         fresh = iter(self._take_blocks(seq, per_group * G + len(on_host), on_device, on_host,
                                        tenant or DEFAULT_TENANT, formats))
         for g, (blocks, flags) in enumerate(zip(hit.blocks, hit.on_host)):
@@ -652,6 +658,19 @@ class KVCacheManager:
         Raises OutOfBlocksError, changing nothing, when the device pool lacks the blocks.
         """
         seqs = self._in_tier(seq_ids, HOST)
+        full: dict[int, bool] | None = None
+        strict = False
+        if self.pool.num_full_blocks:  # a mixed pool: each block back in the format its position asks
+            full = {}
+            for seq in seqs:
+                for table in seq.tables:
+                    for i, b in enumerate(table):
+                        if b != RELEASED:
+                            full[b] = full.get(b, False) or self._wants_full(seq, i)
+            strict = any(seq.full_precision for seq in seqs)
+            wanted = sum(full.values())
+            if strict and wanted > self.pool.num_free_full:
+                raise OutOfBlocksError(wanted, self.pool.num_free_full, f"{self.pool.name} full-precision")
         if self.host_tier is not None:
             # The host blocks are read by this step's swap-in copies, after its swap-outs: hold
             # them so that an offload later in the step cannot take one and write it first.
@@ -661,7 +680,7 @@ class KVCacheManager:
             if len(sources) > self.pool.num_free:
                 raise OutOfBlocksError(len(sources), self.pool.num_free, self.pool.name)
             self.host_tier.hold(sources)
-        mapping = move_sequences(seqs, self.host_pool, self.pool)
+        mapping = move_sequences(seqs, self.host_pool, self.pool, full, strict)
         self.swapped_in_blocks += len(mapping)
         for seq in seqs:
             seq.num_cached_blocks = 0

@@ -13,6 +13,7 @@ formats, the block's scales ``[num_layers, 2, num_blocks, kv_heads]`` in a secon
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -72,40 +73,75 @@ def copy_blocks(kv: torch.Tensor, pairs: Sequence[tuple[int, int]], scales: torc
         t.index_copy_(2, dst, t.index_select(2, src))
 
 
-def copy_blocks_mixed(full_kv: torch.Tensor, quant_kv: torch.Tensor, scales: torch.Tensor, fmt: KVFormat,
-                      pairs: Sequence[tuple[int, int]]) -> None:
-    """Copy-on-write in a mixed pool (``runner/kv_cache.py``: ids below ``full_kv``'s block count
-    in ``full_kv``, the others in ``quant_kv`` of format ``fmt`` with ``scales``, each
-    ``[num_layers, 2, blocks, ...]``): block ``src`` -> block ``dst``, every
-    layer. Within one storage a plain copy (scales with the 8-bit blocks); across them the block is
-    converted: an 8-bit block into a full-precision one exactly (dequantized), a full-precision one
-    into an 8-bit one with fresh absmax scales per (layer, K/V, KV head), the write kernel's rule
-    for a whole block. All sources are read before any destination is written."""
-    if not pairs:
-        return
-    base, storage = full_kv.shape[2], quant_kv.dtype
-    if len({d for _, d in pairs}) != len(pairs):
-        raise ValueError("copy_blocks: a destination block appears twice")
-    quant_kv = _raw(quant_kv)
-    # read every source first (a block may be a source and, of another pair, a destination)
-    read: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-    for src, _ in pairs:
-        if src < base:
-            read.append((full_kv[:, :, src].clone(), None))
+@dataclass(frozen=True, slots=True)
+class MixedBlocks:
+    """One pool of a mixed cache (``runner/kv_cache.py``) as block moves see it: ``full_kv`` and
+    ``quant_kv`` ``[num_layers, 2, blocks, ...]`` (model dtype; 8-bit, with ``scales [num_layers, 2,
+    blocks, kv_heads]``). The device pool (``host_full`` None) places block ``b`` by its id: below
+    ``full_kv``'s block count in ``full_kv``, else at ``b - that`` in ``quant_kv``. A host pool holds
+    both storages for every block id and ``host_full[b]`` says which one block ``b`` was last
+    written in (a host block keeps the format its device block had)."""
+
+    full_kv: torch.Tensor
+    quant_kv: torch.Tensor
+    scales: torch.Tensor
+    host_full: list[bool] | None = None
+
+    def read(self, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Block ``b``'s data (a copy) and, 8-bit, its scales."""
+        if self.host_full is not None:
+            if self.host_full[b]:
+                return self.full_kv[:, :, b].clone(), None
+            return _raw(self.quant_kv)[:, :, b].clone(), self.scales[:, :, b].clone()
+        base = self.full_kv.shape[2]
+        if b < base:
+            return self.full_kv[:, :, b].clone(), None
+        return _raw(self.quant_kv)[:, :, b - base].clone(), self.scales[:, :, b - base].clone()
+
+    def write(self, b: int, data: torch.Tensor, scale: torch.Tensor | None, fmt: KVFormat) -> None:
+        """Store a block read by :meth:`read` at ``b``: as it is where the formats agree (a host
+        block takes the source's), else converted: 8-bit into full precision exactly, full
+        precision into 8-bit with fresh absmax scales per (layer, K/V, KV head)."""
+        if self.host_full is not None:
+            self.host_full[b] = scale is None
+            full, local = scale is None, b
         else:
-            read.append((quant_kv[:, :, src - base].clone(), scales[:, :, src - base].clone()))
-    for (data, scale), (_, dst) in zip(read, pairs):
-        if dst < base:
+            base = self.full_kv.shape[2]
+            full, local = b < base, (b if b < base else b - base)
+        if full:
             if scale is not None:  # 8-bit -> full precision: exact
-                data = dequantize(data.view(storage), fmt, scale[:, :, None, :, None])
-            full_kv[:, :, dst] = data.to(full_kv.dtype)
+                data = dequantize(data.view(self.quant_kv.dtype), fmt, scale[:, :, None, :, None])
+            self.full_kv[:, :, local] = data.to(self.full_kv.dtype)
         elif scale is not None:
-            quant_kv[:, :, dst - base] = data
-            scales[:, :, dst - base] = scale
+            _raw(self.quant_kv)[:, :, local] = data
+            self.scales[:, :, local] = scale
         else:  # full precision -> 8-bit: [layers, 2, block_size, kv_heads, d], absmax per head
             new_scale = data.float().abs().amax(dim=(2, 4)) / fmt.qmax  # type: ignore[operator]  # 8-bit: qmax set
-            quant_kv[:, :, dst - base] = _raw(quantize(data, fmt, new_scale[:, :, None, :, None]))
-            scales[:, :, dst - base] = new_scale
+            _raw(self.quant_kv)[:, :, local] = _raw(quantize(data, fmt, new_scale[:, :, None, :, None]))
+            self.scales[:, :, local] = new_scale
+
+
+def move_blocks_mixed(src: MixedBlocks, dst: MixedBlocks, pairs: Sequence[tuple[int, int]], fmt: KVFormat) -> None:
+    """Block ``s`` of ``src`` -> block ``d`` of ``dst`` for every pair, every layer (copy-on-write
+    within the device pool, swaps between it and the host pool), each block converted where the
+    destination's format differs (:meth:`MixedBlocks.write`). All sources are read before any
+    destination is written."""
+    if not pairs:
+        return
+    if len({d for _, d in pairs}) != len(pairs):
+        raise ValueError("copy_blocks: a destination block appears twice")
+    read = [src.read(s) for s, _ in pairs]
+    for (data, scale), (_, d) in zip(read, pairs):
+        dst.write(d, data, scale, fmt)
+
+
+def copy_blocks_mixed(full_kv: torch.Tensor, quant_kv: torch.Tensor, scales: torch.Tensor, fmt: KVFormat,
+                      pairs: Sequence[tuple[int, int]]) -> None:
+    """Copy-on-write in a mixed device pool (:class:`MixedBlocks`): block ``src`` -> block ``dst``,
+    every layer; within one storage a plain copy (scales with the 8-bit blocks), across them the
+    block is converted (:meth:`MixedBlocks.write`)."""
+    pool = MixedBlocks(full_kv, quant_kv, scales)
+    move_blocks_mixed(pool, pool, pairs, fmt)
 
 
 def swap_blocks(src_kv: torch.Tensor, dst_kv: torch.Tensor, pairs: Sequence[tuple[int, int]],

@@ -33,6 +33,7 @@ import torch
 
 from pagedkv.model_shape import check_block_size, kv_bytes_per_block, kv_groups
 from pagedkv.models.config import ModelConfig
+from pagedkv.ops.cache_ops import MixedBlocks
 from pagedkv.ops.kv_format import KVFormat, kv_format
 from pagedkv.units import parse_bytes
 
@@ -65,6 +66,12 @@ def num_blocks_for_memory(config: ModelConfig, block_size: int, memory: str | in
             f"({per_block} bytes at block_size={block_size})"
         )
     return n
+
+
+def host_bytes_per_block(config: ModelConfig, block_size: int, kv_dtype: str, full_dtype: str | None) -> int:
+    """Bytes one host block takes: a mixed pool's (``full_dtype`` given) hold both formats."""
+    own = bytes_per_block(config, block_size, kv_dtype)
+    return own + bytes_per_block(config, block_size, full_dtype) if full_dtype is not None else own
 
 
 def mixed_split(config: ModelConfig, block_size: int, memory: str | int, kv_dtype: str, full_dtype: str,
@@ -110,7 +117,9 @@ class KVCache:
 
     ``full_blocks`` > 0 with an 8-bit ``dtype`` makes a mixed pool (module docstring): block ids
     ``[0, full_blocks)`` at ``full_dtype`` (the model dtype), the other ``num_blocks - full_blocks``
-    8-bit (``quant_kv``; ``scales`` indexed by id - ``quant_base``). It has no host pool yet."""
+    8-bit (``quant_kv``; ``scales`` indexed by id - ``quant_base``). Its host pool holds both
+    storages for every host block (``host_kv``, ``host_quant_kv``, ``host_scales``) and
+    ``host_full[h]``: a swapped block keeps its format there (``ops/cache_ops.MixedBlocks``)."""
 
     def __init__(self, config: ModelConfig, *, block_size: int, num_blocks: int, num_host_blocks: int = 0,
                  dtype: str | torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -128,6 +137,8 @@ class KVCache:
         self.bytes_per_block = bytes_per_block(config, block_size, self.format.name)
         self.full_format: KVFormat = kv_format(full_dtype)
         self.quant_kv: torch.Tensor | None = None  # a mixed pool's 8-bit storage
+        self.host_quant_kv: torch.Tensor | None = None  # and its host pool's
+        self.host_full: list[bool] = []  # a mixed pool's host blocks: which storage holds each
         if full_blocks:
             if not self.format.scaled or self.full_format.scaled:
                 raise ValueError(f"a mixed KV pool needs an 8-bit kv_cache_dtype and a float model dtype, got "
@@ -135,10 +146,6 @@ class KVCache:
             if not 0 < full_blocks < num_blocks:
                 raise ValueError(f"full_blocks must be in [1, num_blocks - 1] = [1, {num_blocks - 1}] for a "
                                  f"mixed pool, got {full_blocks}")
-            if num_host_blocks:
-                raise ValueError("a mixed KV pool (kv_sink_blocks > 0 with an 8-bit kv_cache_dtype) has no host "
-                                 "pool yet: give kv_offloading_size 0 (and preemption_mode recompute), or "
-                                 "kv_sink_blocks 0")
         # ids below quant_base are full precision (model dtype), the others 8-bit
         self.quant_base = full_blocks if full_blocks else (0 if self.format.scaled else num_blocks)
         self.groups = kv_groups(config)
@@ -163,8 +170,13 @@ class KVCache:
                                   device=device)
             self.quant_kv = torch.zeros(shape[:2] + (num_quant,) + shape[2:], dtype=self.dtype, device=device)
             self.scales = torch.zeros(layers, pairs, num_quant, kvh, dtype=torch.float32, device=device)
-            self.host_kv = torch.zeros(shape[:2] + (0,) + shape[2:], dtype=self.dtype)
-            self.host_scales = torch.zeros(layers, pairs, 0, kvh, dtype=torch.float32)
+            # the host pool holds either format in every block (both storages; host_full says which)
+            pin = torch.device(device).type == "cuda"
+            host = shape[:2] + (num_host_blocks,) + shape[2:]
+            self.host_kv = torch.zeros(host, dtype=self.full_format.storage, pin_memory=pin)
+            self.host_quant_kv = torch.zeros(host, dtype=self.dtype, pin_memory=pin)
+            self.host_scales = torch.zeros(layers, pairs, num_host_blocks, kvh, dtype=torch.float32)
+            self.host_full = [False] * num_host_blocks
             return
         self.kv = torch.zeros(shape[:2] + (num_blocks,) + shape[2:], dtype=self.dtype, device=device)
         pin = torch.device(device).type == "cuda"  # pinned host blocks: faster swaps to and from the GPU
@@ -191,6 +203,14 @@ class KVCache:
         return LayerBlocks(self.kv[slot, 0], self.kv[slot, -1], k_scales, v_scales, self.quant_kv[slot, 0],
                            self.quant_kv[slot, -1], self.quant_base)
 
+    def mixed_blocks(self, host: bool = False) -> MixedBlocks:
+        """A mixed pool's device (or host) blocks as block moves see them."""
+        assert self.quant_kv is not None and self.scales is not None and self.host_quant_kv is not None
+        assert self.host_scales is not None  # a mixed pool has all four
+        if host:
+            return MixedBlocks(self.host_kv, self.host_quant_kv, self.host_scales, self.host_full)
+        return MixedBlocks(self.kv, self.quant_kv, self.scales)
+
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of one layer, each ``[num_blocks, block_size, kv_heads, head_dim]`` (views; a
         mixed pool's full-precision blocks only: see :meth:`layer_blocks`)."""
@@ -210,7 +230,7 @@ class KVCache:
 
     @property
     def host_bytes(self) -> int:
-        return _bytes(self.host_kv) + _bytes(self.host_scales)
+        return _bytes(self.host_kv) + _bytes(self.host_quant_kv) + _bytes(self.host_scales)
 
     def __repr__(self) -> str:
         return (f"KVCache(block_size={self.block_size}, num_blocks={self.num_blocks}, "

@@ -30,6 +30,7 @@ from pagedkv.ops.cache_ops import (
     copy_blocks,
     copy_blocks_mixed,
     load_block_payloads,
+    move_blocks_mixed,
     swap_blocks,
     write_kv,
     write_kv_scaled,
@@ -449,12 +450,18 @@ class ModelRunner:
     def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Device block -> host block for each (device_id, host_id) pair."""
         self._check(pairs, self.num_blocks, self.num_host_blocks, "swap_out")
+        if self.cache.is_mixed:  # each block keeps its format on the host
+            move_blocks_mixed(self.cache.mixed_blocks(), self.cache.mixed_blocks(host=True), pairs, self.cache.format)
+            return
         swap_blocks(self.cache.kv, self.cache.host_kv, pairs, self.cache.scales, self.cache.host_scales)
 
     @torch.inference_mode()
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Host block -> device block for each (host_id, device_id) pair."""
         self._check(pairs, self.num_host_blocks, self.num_blocks, "swap_in")
+        if self.cache.is_mixed:  # into the device block's format (converted where it differs)
+            move_blocks_mixed(self.cache.mixed_blocks(host=True), self.cache.mixed_blocks(), pairs, self.cache.format)
+            return
         swap_blocks(self.cache.host_kv, self.cache.kv, pairs, self.cache.host_scales, self.cache.scales)
 
     @torch.inference_mode()
@@ -470,12 +477,18 @@ class ModelRunner:
     def host_block_payloads(self, block_ids: Sequence[int]) -> list[bytes]:
         """Host blocks' K/V (and scales) as bytes (see :meth:`block_payloads`)."""
         self._check([(b, 0) for b in block_ids], self.num_host_blocks, 1, "host_block_payloads")
+        if self.cache.is_mixed:
+            raise ValueError("a mixed KV pool (kv_sink_blocks > 0) has no disk payloads yet: give kv_offload_dir "
+                             "only with kv_sink_blocks 0")
         return block_payloads(self.cache.host_kv, block_ids, self.cache.host_scales)
 
     @torch.inference_mode()
     def load_host_blocks(self, pairs: Sequence[tuple[int, bytes]]) -> None:
         """Write ``(host block, payload)`` pairs read from the disk tier into the host pool."""
         self._check([(0, b) for b, _ in pairs], 1, self.num_host_blocks, "load_host_blocks")
+        if self.cache.is_mixed:
+            raise ValueError("a mixed KV pool (kv_sink_blocks > 0) has no disk payloads yet: give kv_offload_dir "
+                             "only with kv_sink_blocks 0")
         load_block_payloads(self.cache.host_kv, pairs, self.cache.host_scales)
 
     @staticmethod

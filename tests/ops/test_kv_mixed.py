@@ -171,6 +171,38 @@ def test_runner_reads_each_block_in_its_format(tiny_folder):
         mixed.block_payloads([0])
 
 
+@needs_native
+def test_swap_keeps_each_block_in_its_format(tiny_folder):
+    """Device -> host -> device: a block comes back byte for byte (scales too) into a block of its
+    format; an 8-bit block swapped into a full-precision block is dequantized exactly, a
+    full-precision one into an 8-bit block quantized by the whole-block rule."""
+    from pagedkv.models.loader import load_model
+    from pagedkv.ops.kv_format import dequantize
+    from pagedkv.runner import ModelRunner, SeqChunk
+
+    runner = ModelRunner(load_model(str(tiny_folder)), block_size=4, num_blocks=24, num_host_blocks=6,
+                         kv_cache_dtype="int8", kv_full_blocks=8)
+    cache, fmt = runner.cache, runner.cache.format
+    runner.execute([SeqChunk(list(range(5, 16)), 0, [2, 9, 12])])  # 11 tokens: a full block, then two 8-bit
+    full_before = cache.kv[:, :, 2].clone()
+    quant_before = cache.quant_kv[:, :, [1, 4]].clone()  # ids 9 and 12: base 8
+    scales_before = cache.scales[:, :, [1, 4]].clone()
+    runner.swap_out([(2, 0), (9, 1), (12, 5)])
+    assert cache.host_full[:2] == [True, False] and cache.host_full[5] is False
+    cache.kv.zero_()
+    cache.quant_kv.zero_()
+    cache.scales.zero_()
+    runner.swap_in([(0, 3), (1, 10), (5, 20)])  # each back into a block of its own format
+    assert torch.equal(cache.kv[:, :, 3], full_before)
+    assert torch.equal(cache.quant_kv[:, :, [2, 12]].view(torch.uint8), quant_before.view(torch.uint8))
+    assert torch.equal(cache.scales[:, :, [2, 12]], scales_before)
+    runner.swap_in([(1, 4), (0, 15)])  # across: 8-bit -> full exactly, full -> 8-bit by the block rule
+    exact = dequantize(quant_before[:, :, 0], fmt, scales_before[:, :, 0][:, :, None, :, None])
+    assert torch.equal(cache.kv[:, :, 4], exact)
+    back = dequantize(cache.quant_kv[:, :, 7], fmt, cache.scales[:, :, 7][:, :, None, :, None])
+    assert float((back - full_before).abs().max()) <= float(cache.scales[:, :, 7].max()) * 0.51
+
+
 def test_mixed_pool_sizing_and_refusals(tiny_folder):
     from pagedkv.models.loader import load_model
     from pagedkv.runner.kv_cache import KVCache, bytes_per_block, mixed_split
@@ -182,8 +214,8 @@ def test_mixed_pool_sizing_and_refusals(tiny_folder):
     assert abs(full / (full + quant) - 1 / 64) < 0.01
     cache = KVCache(config, block_size=16, num_blocks=full + quant, dtype="int8", full_blocks=full)
     assert cache.device_bytes == used  # the tensors take what the formula says
-    with pytest.raises(ValueError, match="host pool"):
-        KVCache(config, block_size=16, num_blocks=8, num_host_blocks=2, dtype="int8", full_blocks=2)
+    with_host = KVCache(config, block_size=16, num_blocks=8, num_host_blocks=2, dtype="int8", full_blocks=2)
+    assert with_host.host_bytes == 2 * (bytes_per_block(config, 16, "int8") + bytes_per_block(config, 16, "float32"))
     with pytest.raises(ValueError, match="8-bit kv_cache_dtype"):
         KVCache(config, block_size=16, num_blocks=8, dtype="float32", full_blocks=2)
 
@@ -230,11 +262,35 @@ def test_engine_with_sink_blocks_and_a_full_precision_request(tiny_folder):
 
 
 @needs_native
-def test_engine_mixed_pool_under_faults_and_forks(tiny_folder):
-    """Seeded faults (recompute preemption, evictions, allocation failures) on a small mixed pool,
-    with forked (n=3) requests sharing blocks copy-on-write: every request finishes with all its
-    tokens, integrity holds after every step, no block leaks; the undisturbed run's tokens nearly
-    all agree (a recompute re-prefills a block whose 8-bit scale had grown token by token)."""
+def test_engine_mixed_pool_host_tier_reload(tiny_folder):
+    """A prompt's cached blocks evicted from a small mixed pool to the host tier come back on its
+    next turn (host hits) into blocks of their formats, and the output is the first turn's."""
+    from pagedkv import SamplingParams
+    from pagedkv.engine import LLMEngine
+
+    engine = LLMEngine.from_options(str(tiny_folder), block_size=4, num_kv_blocks=32, kv_offloading_size=0.01,
+                                    kv_cache_dtype="int8", kv_sink_blocks=1, debug_integrity=True, max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = list(range(3, 35))
+    first = _run(engine, [prompt], lambda i: params)["r0"]
+    for j in range(4):  # other prompts take the device blocks: the first prompt's go to the host
+        engine.add_request(f"o{j}", [200 + j] * 40, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+    again = _run(engine, [prompt], lambda i: params)["r0"]
+    stats = engine.kv.stats()
+    assert stats.host_hit_tokens > 0 and stats.reloaded_blocks > 0
+    assert again == first
+
+
+@needs_native
+@pytest.mark.parametrize("mode,kinds", [("swap", "swap+evict+alloc"), ("recompute", "recompute+evict+alloc")])
+def test_engine_mixed_pool_under_faults_and_forks(tiny_folder, mode, kinds):
+    """Seeded faults (swap or recompute preemption, evictions, allocation failures) on a small mixed
+    pool with a host tier, forked (n=3) requests sharing blocks copy-on-write: every request
+    finishes with all its tokens, integrity holds after every step, no block leaks; the undisturbed
+    run's tokens nearly all agree (a recompute re-prefills a block whose 8-bit scale had grown token
+    by token; a swapped block may come back into the other format when its own has none free)."""
     import random
 
     from pagedkv import SamplingParams
@@ -246,12 +302,12 @@ def test_engine_mixed_pool_under_faults_and_forks(tiny_folder):
     def params(i):
         return SamplingParams(temperature=0, n=3 if i % 3 == 2 else 1, max_tokens=12 + i, ignore_eos=True)
 
-    options = dict(block_size=4, num_kv_blocks=48, max_num_batched_tokens=40, kv_offloading_size=0,
-                   preemption_mode="recompute", debug_integrity=True, kv_cache_dtype="int8", kv_sink_blocks=1)
+    options = dict(block_size=4, num_kv_blocks=48, max_num_batched_tokens=40, kv_offloading_size=0.001,
+                   preemption_mode=mode, debug_integrity=True, kv_cache_dtype="int8", kv_sink_blocks=1)
     expected = _run(LLMEngine.from_options(str(tiny_folder), **{**options, "num_kv_blocks": 400}), prompts, params)
     same = total = preemptions = 0
     for seed in range(2):
-        faults = f"seed={seed},rate=0.15,kinds=recompute+evict+alloc"
+        faults = f"seed={seed},rate=0.15,kinds={kinds}"
         engine = LLMEngine.from_options(str(tiny_folder), fault_injection=faults, **options)
         got = _run(engine, prompts, params)
         assert got.keys() == expected.keys()
@@ -261,8 +317,8 @@ def test_engine_mixed_pool_under_faults_and_forks(tiny_folder):
                 same += sum(x == y for x, y in zip(a, b))
                 total += len(b)
         stats = engine.stats()
-        assert stats.kv.used_blocks == 0
-        preemptions += stats.preemptions_recompute
+        assert stats.kv.used_blocks == 0 and stats.kv.host_used_blocks == 0
+        preemptions += stats.preemptions_recompute + stats.preemptions_swap
     assert preemptions > 2
     assert same / total >= 0.9, f"{same} of {total} tokens equal the undisturbed run's"
 
