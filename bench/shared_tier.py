@@ -13,7 +13,7 @@ to the server as their blocks became cached).
 Two configurations, alternately (shared, local, shared, local, ...), ``--repeat`` times each:
 ``shared`` (``kv_remote_url`` on a flushed server) and ``local`` (the same replicas without it).
 
-    .venv/bin/python bench/shared_tier.py [--repeat 2] [--concurrency 16]
+    .venv/bin/python bench/shared_tier.py [--repeat 2] [--concurrency 32]
 
 Last line: one JSON object with ``remote_ttft_speedup`` (median TTFT, local / shared, of each
 replica's first request on a prefix whose first request went to the other replica: 4 per run),
@@ -178,7 +178,7 @@ def main() -> None:
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--own-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--concurrency", type=int, default=16,
+    p.add_argument("--concurrency", type=int, default=32,
                    help="clients, each sending its next request when its last one finished")
     p.add_argument("--host-gib", type=float, default=0.5, help="host tier of each replica (GiB)")
     p.add_argument("--seed", type=int, default=0)
