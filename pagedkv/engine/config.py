@@ -12,7 +12,7 @@ from pagedkv.engine.faults import FaultSpec
 from pagedkv.memory import EVICTION_POLICIES
 from pagedkv.memory.prefix_index import PREFIX_INDEXES
 from pagedkv.memory.tenant_ledger import check_fraction, parse_quotas
-from pagedkv.memory.tiers.remote_store import check_url
+from pagedkv.memory.tiers.remote_store import check_url, require_client
 from pagedkv.model_shape import KV_CACHE_DTYPES, SCALED_KV_DTYPES
 from pagedkv.speculative.config import SpeculativeConfig
 from pagedkv.units import parse_bytes
@@ -272,7 +272,8 @@ class EngineConfig:
                 raise ValueError("the disk tier (kv_offload_dir) holds prefix-cache blocks: it needs "
                                  "enable_prefix_caching")
         if self.kv_remote_url is not None:
-            check_url(self.kv_remote_url)  # (the client library is imported when the tier opens)
+            check_url(self.kv_remote_url)
+            require_client()  # before the model loads: a missing `redis` says what to install
             if self.kv_offloading_size <= 0:
                 raise ValueError("the remote tier (kv_remote_url) loads blocks through the host tier: give "
                                  "kv_offloading_size > 0 (GiB)")

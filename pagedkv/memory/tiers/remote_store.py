@@ -104,6 +104,15 @@ def check_url(url: object) -> str:
     return url
 
 
+def require_client() -> None:
+    """Raise RemoteTierError, saying what to install, unless the Redis client library imports."""
+    try:
+        import redis  # noqa: F401 - only whether it imports
+    except ImportError:
+        raise RemoteTierError("the remote KV tier (--kv-remote-url) needs the Redis client: "
+                              "pip install 'pagedkv[redis]' (or redis==8.1.0)") from None
+
+
 def fingerprint_digest(fingerprint: dict[str, str]) -> str:
     """32 hex digits naming a deployment's blocks: the fingerprint and the value format's version."""
     text = json.dumps({"layout_version": LAYOUT_VERSION, "fingerprint": fingerprint}, sort_keys=True)
@@ -146,13 +155,11 @@ class RemoteStore:
         check_url(url)
         if not isinstance(key_prefix, str):
             raise ValueError(f"key_prefix must be a string, got {key_prefix!r}")
-        try:
-            import redis
-            from redis.backoff import NoBackoff
-            from redis.retry import Retry
-        except ImportError:
-            raise RemoteTierError("the remote KV tier (--kv-remote-url) needs the Redis client: "
-                                  "pip install 'pagedkv[redis]' (or redis==8.1.0)") from None
+        require_client()
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
         self._response_error: type[BaseException] = redis.ResponseError
         self.url = redact_url(url)  # the only form kept: the password stays in the client

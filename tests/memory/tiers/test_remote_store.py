@@ -183,10 +183,13 @@ def test_bad_urls_say_what_to_give_without_the_password(url, message):
 def test_pagedkv_imports_without_the_client_and_says_what_to_install():
     code = ("import sys; sys.modules['redis'] = None\n"
             "import pagedkv, pagedkv.engine, pagedkv.memory.tiers.remote\n"
+            "from pagedkv.engine import EngineConfig\n"
             "from pagedkv.memory.tiers.remote_store import RemoteStore, RemoteTierError\n"
-            "try:\n    RemoteStore('redis://127.0.0.1:1', {})\nexcept RemoteTierError as e:\n    print(e)\n")
+            "for make in (lambda: RemoteStore('redis://127.0.0.1:1', {}),\n"
+            "             lambda: EngineConfig(kv_remote_url='redis://127.0.0.1:1')):  # before any model loads\n"
+            "    try:\n        make()\n    except RemoteTierError as e:\n        print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "pip install 'pagedkv[redis]'" in out.stdout
+    assert out.stdout.count("pip install 'pagedkv[redis]'") == 2
     assert issubclass(RemoteTierError, Exception)
 
 
