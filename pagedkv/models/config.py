@@ -116,6 +116,7 @@ class MoEConfig:
     correction_bias: bool = False
     shared_intermediate_size: int = 0
     shared_gate: bool = False
+    router_float32: bool = False  # DeepSeek: router logits from float32 inputs and weight (Qwen, Mixtral: model dtype)
 
     def __post_init__(self) -> None:
         if self.num_experts < 1 or self.intermediate_size < 1:
@@ -365,7 +366,8 @@ def moe_from_hf(d: dict[str, Any], shape: ModelShape) -> MoEConfig | None:
                          topk_group=int(d.get("topk_group") or (4 if v3 else 1)) if grouped else 1,
                          group_score="top2_sum" if method == "noaux_tc" else "max",
                          correction_bias=method == "noaux_tc",
-                         shared_intermediate_size=shape.num_shared_experts * shape.moe_intermediate_size)
+                         shared_intermediate_size=shape.num_shared_experts * shape.moe_intermediate_size,
+                         router_float32=True)
     return None
 
 

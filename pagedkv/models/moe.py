@@ -90,7 +90,8 @@ class MoEMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k, inter = self.moe.top_k, self.moe.intermediate_size
-        weights, ids = route(self.moe, F.linear(x, self.router), self.e_score_correction_bias)
+        logits = F.linear(x.float(), self.router.float()) if self.moe.router_float32 else F.linear(x, self.router)
+        weights, ids = route(self.moe, logits, self.e_score_correction_bias)
         flat = ids.flatten()  # [T * k]: pair p is token p // k
         order = flat.argsort(stable=True)  # pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()
