@@ -125,7 +125,7 @@ class EngineConfig:
         "with an 8-bit kv_cache_dtype: the first blocks of every sequence (the attention sinks) kept at the "
         "model dtype in a mixed pool, the rest 8-bit; the pool gives full-precision blocks a share sized from "
         "this and max_model_len, and requests may ask for full-precision KV (kv_cache_dtype in the request); "
-        "native CPU kernels; no disk or remote tier yet (docs/kv_quantization.md)")})
+        "native CPU kernels (docs/kv_quantization.md)")})
     quantization: str = field(default="auto", metadata={"help": (
         "linear weights: none (the model dtype), q8_0 (int8 + a scale and offset per 32 values; GGUF "
         "types it cannot hold exactly are requantized), auto: a GGUF's weights kept 8-bit where exact "
@@ -295,9 +295,6 @@ class EngineConfig:
             if self.kv_cache_dtype not in SCALED_KV_DTYPES and self.kv_cache_dtype != "fp8":
                 raise ValueError(f"kv_sink_blocks keeps sink blocks at the model dtype beside 8-bit ones: it needs an "
                                  f"8-bit kv_cache_dtype (int8, fp8, fp8_e5m2), got {self.kv_cache_dtype!r}")
-            if self.kv_offload_dir is not None or self.kv_remote_url is not None:
-                raise ValueError("kv_sink_blocks (a mixed KV pool) has no disk or remote tier yet (their block "
-                                 "payloads hold one format): drop kv_offload_dir / kv_remote_url, or kv_sink_blocks")
         _one_of("quantization", self.quantization, QUANTIZATIONS)
         if self.fault_injection:
             FaultSpec.parse(self.fault_injection)

@@ -12,6 +12,7 @@ formats, the block's scales ``[num_layers, 2, num_blocks, kv_heads]`` in a secon
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -133,6 +134,54 @@ def move_blocks_mixed(src: MixedBlocks, dst: MixedBlocks, pairs: Sequence[tuple[
     read = [src.read(s) for s, _ in pairs]
     for (data, scale), (_, d) in zip(read, pairs):
         dst.write(d, data, scale, fmt)
+
+
+def mixed_payloads(pool: MixedBlocks, block_ids: Sequence[int]) -> list[bytes]:
+    """A mixed pool's blocks as disk-tier payloads, all one size: a format byte (1: full
+    precision, 0: 8-bit), then :func:`block_payloads`'s bytes of that format (scales after the
+    8-bit K/V), zero-padded to the larger format's size. :func:`load_mixed_payloads` is the inverse."""
+    full_bytes, quant_bytes = _mixed_payload_sizes(pool)
+    size = max(full_bytes, quant_bytes)
+    out = []
+    for b in block_ids:
+        data, scale = pool.read(b)
+        if scale is None:
+            body = block_payloads(data.unsqueeze(2), [0])[0]
+        else:
+            body = block_payloads(data.view(pool.quant_kv.dtype).unsqueeze(2), [0], scale.unsqueeze(2))[0]
+        out.append(bytes([scale is None]) + body + bytes(size - len(body)))
+    return out
+
+
+def load_mixed_payloads(pool: MixedBlocks, pairs: Sequence[tuple[int, bytes]], fmt: KVFormat) -> None:
+    """Write ``(block id, payload)`` pairs made by :func:`mixed_payloads` into a mixed pool (a host
+    pool keeps each block's format); ValueError, writing nothing, for a payload of another size or
+    format byte."""
+    full_bytes, quant_bytes = _mixed_payload_sizes(pool)
+    size = 1 + max(full_bytes, quant_bytes)
+    for _, payload in pairs:
+        if len(payload) != size or payload[0] not in (0, 1):
+            raise ValueError(f"a mixed KV block payload has {len(payload)} bytes (format byte {payload[:1]!r}); "
+                             f"this pool's take {size}, format byte 0 or 1")
+    layers, pairs_kv = pool.full_kv.shape[:2]
+    for block_id, payload in pairs:
+        if payload[0]:
+            data = torch.empty_like(pool.full_kv[:, :, :1])
+            load_block_payloads(data, [(0, payload[1:1 + full_bytes])])
+            pool.write(block_id, data[:, :, 0], None, fmt)
+        else:
+            data = torch.empty_like(pool.quant_kv[:, :, :1])
+            scale = torch.empty(layers, pairs_kv, 1, pool.scales.shape[-1], dtype=pool.scales.dtype)
+            load_block_payloads(data, [(0, payload[1:1 + quant_bytes])], scale)
+            pool.write(block_id, _raw(data[:, :, 0]), scale[:, :, 0], fmt)
+
+
+def _mixed_payload_sizes(pool: MixedBlocks) -> tuple[int, int]:
+    """Bytes of one block's payload in each format (full precision; 8-bit with its scales)."""
+    def per_block(t: torch.Tensor) -> int:  # (a pool may hold no block at all)
+        return math.prod(n for i, n in enumerate(t.shape) if i != 2) * t.element_size()
+
+    return per_block(pool.full_kv), per_block(pool.quant_kv) + per_block(pool.scales)
 
 
 def copy_blocks_mixed(full_kv: torch.Tensor, quant_kv: torch.Tensor, scales: torch.Tensor, fmt: KVFormat,

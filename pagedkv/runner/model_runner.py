@@ -30,6 +30,8 @@ from pagedkv.ops.cache_ops import (
     copy_blocks,
     copy_blocks_mixed,
     load_block_payloads,
+    load_mixed_payloads,
+    mixed_payloads,
     move_blocks_mixed,
     swap_blocks,
     write_kv,
@@ -468,9 +470,8 @@ class ModelRunner:
     def block_payloads(self, block_ids: Sequence[int]) -> list[bytes]:
         """Device blocks' K/V (and scales) as bytes, one ``bytes`` per block (the disk tier's payload)."""
         self._check([(b, 0) for b in block_ids], self.num_blocks, 1, "block_payloads")
-        if self.cache.is_mixed:
-            raise ValueError("a mixed KV pool (kv_sink_blocks > 0) has no disk payloads yet: give kv_offload_dir "
-                             "only with kv_sink_blocks 0")
+        if self.cache.is_mixed:  # a format byte, then that format's bytes (ops/cache_ops.py)
+            return mixed_payloads(self.cache.mixed_blocks(), block_ids)
         return block_payloads(self.cache.kv, block_ids, self.cache.scales)
 
     @torch.inference_mode()
@@ -478,17 +479,16 @@ class ModelRunner:
         """Host blocks' K/V (and scales) as bytes (see :meth:`block_payloads`)."""
         self._check([(b, 0) for b in block_ids], self.num_host_blocks, 1, "host_block_payloads")
         if self.cache.is_mixed:
-            raise ValueError("a mixed KV pool (kv_sink_blocks > 0) has no disk payloads yet: give kv_offload_dir "
-                             "only with kv_sink_blocks 0")
+            return mixed_payloads(self.cache.mixed_blocks(host=True), block_ids)
         return block_payloads(self.cache.host_kv, block_ids, self.cache.host_scales)
 
     @torch.inference_mode()
     def load_host_blocks(self, pairs: Sequence[tuple[int, bytes]]) -> None:
         """Write ``(host block, payload)`` pairs read from the disk tier into the host pool."""
         self._check([(0, b) for b, _ in pairs], 1, self.num_host_blocks, "load_host_blocks")
-        if self.cache.is_mixed:
-            raise ValueError("a mixed KV pool (kv_sink_blocks > 0) has no disk payloads yet: give kv_offload_dir "
-                             "only with kv_sink_blocks 0")
+        if self.cache.is_mixed:  # each block back in the format its payload names
+            load_mixed_payloads(self.cache.mixed_blocks(host=True), pairs, self.cache.format)
+            return
         load_block_payloads(self.cache.host_kv, pairs, self.cache.host_scales)
 
     @staticmethod

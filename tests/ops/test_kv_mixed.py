@@ -167,8 +167,7 @@ def test_runner_reads_each_block_in_its_format(tiny_folder):
     via_copy = mixed.execute([SeqChunk([99], 23, [5, *quant_table[1:]])])
     via_original = mixed.execute([SeqChunk([99], 23, quant_table)])
     torch.testing.assert_close(via_copy, via_original, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="no disk payloads"):
-        mixed.block_payloads([0])
+    assert mixed.payload_bytes == 1 + mixed.cache.bytes_per_full_block  # the larger format, and its byte
 
 
 @needs_native
@@ -345,3 +344,28 @@ def test_default_model_one_sink_block_greedy_matches_float32():
     equal = sum(a == b for a, b in zip(outputs["float32"], outputs["int8"]))
     print(f"int8 + 1 sink block equals float32 on {equal} of 16 prompts")
     assert equal >= 10, f"int8 with one sink block equals float32 on {equal} of 16 prompts"
+
+
+@needs_native
+def test_disk_tier_restart_serves_a_mixed_pool(tiny_folder, tmp_path):
+    """The disk tier under a mixed pool: block files carry each block's format; after a restart
+    the prompt's blocks are read back (disk hits) and the output equals the first run's. A
+    payload of another format byte or size is refused, writing nothing."""
+    from pagedkv import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = list(range(3, 43))
+    options = dict(block_size=4, num_kv_blocks=40, kv_offloading_size=0.002, kv_cache_dtype="int8", kv_sink_blocks=1,
+                   debug_integrity=True, max_model_len=64, kv_offload_dir=str(tmp_path / "kv"))
+    with LLM(str(tiny_folder), **options) as llm:
+        first = llm.generate([prompt], params)[0].outputs[0].token_ids
+        runner = llm.engine.runner
+        payloads = runner.block_payloads([0, runner.kv_full_blocks])  # a full-precision and an 8-bit block
+        assert payloads[0][0] == 1 and payloads[1][0] == 0 and len(payloads[0]) == len(payloads[1])
+        with pytest.raises(ValueError, match="format byte"):
+            runner.load_host_blocks([(0, b"\x07" + payloads[0][1:])])
+    assert list((tmp_path / "kv" / "blocks").glob("*/*.kvb"))
+    with LLM(str(tiny_folder), **options) as llm:
+        again = llm.generate([prompt], params)[0]
+        assert llm.engine.kv.stats().disk_hit_tokens > 0
+    assert again.outputs[0].token_ids == first
