@@ -180,6 +180,48 @@ def _our_moe_from(block: torch.nn.Module, shape: Any, moe: Any) -> MoEMLP:
     return ours.eval()
 
 
+def test_experts_run_one_matmul_each_over_their_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Grouped by expert: one router matmul, then one gate/up matmul per expert that received rows
+    (each over all of its rows), whatever the number of tokens; never a loop over tokens."""
+    import pagedkv.models.moe as moe_module
+    from pagedkv.models.config import MoEConfig
+
+    moe = MoEConfig(num_experts=12, top_k=3, intermediate_size=8, sparse_layers=frozenset({0}))
+    layer = MoEMLP(type("C", (), {"moe": moe, "hidden_size": 16})())  # type: ignore[arg-type]
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    rows: list[int] = []
+    real = moe_module.F.linear
+
+    def counting(x: torch.Tensor, w: torch.Tensor, *args: Any) -> torch.Tensor:
+        rows.append(x.shape[0])
+        return real(x, w, *args)
+
+    monkeypatch.setattr(moe_module.F, "linear", counting)
+    x = torch.randn(50, 16, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        out = layer(x)
+    _, ids = moe_module.route(moe, real(x, layer.router), None)
+    active = torch.unique(ids).numel()
+    assert len(rows) == 1 + active and rows[0] == 50 and sum(rows[1:]) == 50 * 3
+    # the same as computing every token alone
+    with torch.inference_mode():
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(50)])
+    torch.testing.assert_close(out, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_deepseek_moe_layer_freq_and_first_dense_pick_the_sparse_layers() -> None:
+    d = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **TINY, "num_hidden_layers": 7,
+         "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "first_k_dense_replace": 2,
+         "moe_layer_freq": 2, "n_group": 2, "topk_group": 1, "kv_lora_rank": 16, "qk_rope_head_dim": 4,
+         "qk_nope_head_dim": 8, "v_head_dim": 8}
+    moe = ModelConfig.from_hf_dict(d).moe
+    assert moe is not None and moe.sparse_layers == {2, 4, 6}
+    assert (moe.scoring, moe.group_score, moe.correction_bias, moe.norm_topk_prob) == ("sigmoid", "top2_sum", True,
+                                                                                       True)
+
+
 def test_group_limited_choice_stays_in_the_best_groups() -> None:
     """With topk_group of n_group groups, every chosen expert lies in one of the kept groups."""
     from pagedkv.models.config import MoEConfig
