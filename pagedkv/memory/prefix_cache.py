@@ -34,6 +34,8 @@ from pagedkv.memory.seq_state import RELEASED, SeqState
 from pagedkv.memory.tenant_ledger import DEFAULT_TENANT
 from pagedkv.memory.tiers.base import DEVICE
 
+FULL_PRECISION_EVENT_KEY = "kv:full-precision"  # extra_keys entry of blocks kept at full precision
+
 DEVICE_MEDIUM = MEDIUMS[DEVICE]
 
 
@@ -239,10 +241,13 @@ class PrefixCache:
 
     def _stored_events(self, seq: SeqState, new: list[int]) -> None:
         """BlockStored events for the sequence's blocks ``new`` (indices, ascending), one per run
-        of consecutive blocks; the salt travels only as the root hash it made."""
+        of consecutive blocks; the salt travels only as the root hash it made, and a full-precision
+        request's blocks (a mixed pool) carry ``FULL_PRECISION_EVENT_KEY`` in ``extra_keys``."""
         B, hashes, events = self.block_size, seq.block_hashes, self.events
         assert events is not None
         extra = None if seq.root == UNSALTED_ROOT else [seq.root.hex()]
+        if seq.full_precision:  # a mixed pool's full-precision request: its blocks' format, said (its root differs too)
+            extra = [*(extra or []), FULL_PRECISION_EVENT_KEY]
         run = [new[0]]
         for i in new[1:] + [-1]:
             if i == run[-1] + 1:

@@ -108,3 +108,18 @@ def test_fork_and_copy_on_write_keep_the_format_of_the_position():
     assert len(copies) == 1 and copies[0][0] >= 6 and copies[0][1] >= 6
     assert kv.block_table("c")[0] == kv.block_table("p")[0] < 6
     kv.check_integrity()
+
+
+def test_kv_events_say_which_blocks_a_full_precision_request_stored():
+    from pagedkv.kv_events import BlockStored
+    from pagedkv.memory.prefix_cache import FULL_PRECISION_EVENT_KEY
+
+    kv = _manager(kv_events=True)
+    prompt = list(range(12))
+    kv.allocate_prompt("q8", prompt)
+    kv.mark_computed("q8", 12)
+    kv.allocate_prompt("fp", list(prompt), salt=FULL_PRECISION_SALT)
+    kv.mark_computed("fp", 12)
+    stored = [e for e in kv.events.events if isinstance(e, BlockStored)]
+    assert [e.extra_keys is not None and FULL_PRECISION_EVENT_KEY in e.extra_keys for e in stored] == [False, True]
+    assert stored[0].block_hashes != stored[1].block_hashes  # same tokens, not the same blocks
