@@ -332,6 +332,26 @@ def kv_bytes_per_block(shape: ModelShape, block_size: int, kv_dtype: str, tp: in
     return block_size * kv_bytes_per_token(shape, kv_dtype, tp) + scale_bytes_per_block(shape, kv_dtype, tp)
 
 
+def full_block_fraction(sink_blocks: int, max_model_len: int, block_size: int) -> float:
+    """The share of a mixed pool's blocks kept at full precision for ``sink_blocks`` sink blocks per
+    sequence (``kv_sink_blocks``): twice what sequences of ``max_model_len`` tokens need (shorter
+    ones need a larger share, and full-precision requests draw on it too), at most half. Sinks
+    beyond it stay 8-bit (``memory/block_pool.py``: the other format is taken when one runs out),
+    so a wrong guess costs a little quality or a little room, never a failed allocation."""
+    if sink_blocks <= 0:
+        return 0.0
+    per_seq = max(1, -(-max_model_len // block_size))
+    return min(0.5, 2.0 * sink_blocks / per_seq)
+
+
+def mixed_block_split(budget: int, full_block_bytes: int, quant_block_bytes: int, fraction: float) -> tuple[int, int]:
+    """(full-precision blocks, 8-bit blocks) of a mixed pool in ``budget`` bytes: a ``fraction``
+    share of the blocks (at least 1) full precision, the rest of the bytes 8-bit (may be 0)."""
+    total = int(budget / (fraction * full_block_bytes + (1 - fraction) * quant_block_bytes))
+    num_full = max(1, round(total * fraction))
+    return num_full, max(0, budget - num_full * full_block_bytes) // quant_block_bytes
+
+
 def hf_text_config(d: dict[str, Any]) -> dict[str, Any]:
     """``d`` with its nested ``text_config`` merged in when the top level lacks the shape keys
     (multimodal configs keep the language model there)."""

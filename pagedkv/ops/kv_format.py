@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.model_shape import KV_CACHE_DTYPES, SCALED_KV_DTYPES, kv_dtype_name
+from pagedkv.model_shape import full_block_fraction as full_block_fraction  # (a mixed pool's split, re-exported)
 
 _STORAGE: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8,
@@ -62,18 +63,6 @@ def kv_format(kind: str | torch.dtype | None, model_dtype: torch.dtype = torch.f
     except ValueError:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kind!r}") from None
     return KVFormat(name, _STORAGE[name], name in SCALED_KV_DTYPES, _QMAX.get(name), name in ROTATED_KV_DTYPES)
-
-
-def full_block_fraction(sink_blocks: int, max_model_len: int, block_size: int) -> float:
-    """The share of a mixed pool's blocks kept at full precision for ``sink_blocks`` sink blocks per
-    sequence: twice what sequences of ``max_model_len`` tokens need (shorter ones need a larger
-    share, and full-precision requests draw on it too), at most half. Sinks beyond it stay 8-bit
-    (``memory/block_pool.py``: the other format is taken when one runs out), so a wrong guess costs
-    a little quality or a little room, never a failed allocation."""
-    if sink_blocks <= 0:
-        return 0.0
-    per_seq = max(1, -(-max_model_len // block_size))
-    return min(0.5, 2.0 * sink_blocks / per_seq)
 
 
 def hadamard(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.model_shape import check_block_size, kv_bytes_per_block, kv_groups
+from pagedkv.model_shape import check_block_size, kv_bytes_per_block, kv_groups, mixed_block_split
 from pagedkv.models.config import ModelConfig
 from pagedkv.ops.cache_ops import MixedBlocks
 from pagedkv.ops.kv_format import KVFormat, kv_format
@@ -80,10 +80,7 @@ def mixed_split(config: ModelConfig, block_size: int, memory: str | int, kv_dtyp
     share of the blocks (at least 1) at ``full_dtype``, the rest at ``kv_dtype``. ValueError when
     not even one block of each fits."""
     full, quant = bytes_per_block(config, block_size, full_dtype), bytes_per_block(config, block_size, kv_dtype)
-    budget = parse_memory_size(memory)
-    total = int(budget / (full_fraction * full + (1 - full_fraction) * quant))
-    num_full = max(1, round(total * full_fraction))
-    num_quant = (budget - num_full * full) // quant
+    num_full, num_quant = mixed_block_split(parse_memory_size(memory), full, quant, full_fraction)
     if num_quant < 1:
         raise ValueError(f"kv_cache_memory {memory!r} holds no 8-bit block beside {num_full} full-precision ones "
                          f"({full} and {quant} bytes a block at block_size={block_size}); give more memory "

@@ -121,6 +121,10 @@ def add_size_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--reserved-fraction", type=float, default=0.10,
                    help="device memory kept for activations, graphs and the runtime")
     p.add_argument("--kv-dtype", default="fp16", help=", ".join(KV_DTYPE_BYTES))
+    p.add_argument("--kv-sink-blocks", type=int, default=0,
+                   help="with an 8-bit --kv-dtype: blocks a sequence kept at --sink-dtype in a mixed pool, "
+                        "split as the engine's kv_sink_blocks splits it (docs/kv_quantization.md)")
+    p.add_argument("--sink-dtype", default="bf16", help="the full precision of those blocks (the model dtype)")
     p.add_argument("--block-size", type=parse_block_size, default=AUTO,
                    help=f"tokens per KV block, {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE} (the engine's bounds), or auto "
                         f"(default): the size `pagedkv serve` picks for this model, --max-len and --device")
@@ -154,7 +158,8 @@ def _sizing_inputs(args: argparse.Namespace, block_size: int) -> Any:
         weight_dtype=getattr(args, "weight_dtype", "bf16"),
         reserved_fraction=args.reserved_fraction, kv_dtype=args.kv_dtype, block_size=block_size,
         max_len=getattr(args, "max_len", None), tp=args.tp,
-        max_waste=getattr(args, "max_waste", 0.02))
+        max_waste=getattr(args, "max_waste", 0.02), kv_sink_blocks=getattr(args, "kv_sink_blocks", 0),
+        sink_dtype=getattr(args, "sink_dtype", "bf16"))
 
 
 def run_size(args: argparse.Namespace) -> int:

@@ -79,6 +79,9 @@ def size_table(result: SizingResult) -> str:
         ("KV memory per rank", f"{r.kv_memory:,} ({format_bytes(r.kv_memory)})"),
         ("KV blocks", f"{r.num_blocks:,} ({r.token_capacity:,} "
                       + ("token slots of one group each)" if r.kv_groups else "tokens)")),
+        *([("of them full precision (sinks)", f"{r.full_precision_blocks:,} x {r.full_precision_block_bytes:,} bytes "
+                                               f"(the other {r.num_blocks - r.full_precision_blocks:,} 8-bit)")]
+          if r.full_precision_blocks else []),
         ("max length", f"{r.max_len:,} ({r.blocks_per_max_len_seq:,} blocks)"),
         ("max concurrent at max length", f"{r.max_concurrent_at_max_len:,}"),
         (f"{r.distribution} mean length", f"final {r.mean_final_len:.0f}, live {r.mean_live_len:.0f}"),

@@ -41,8 +41,10 @@ from dataclasses import asdict, dataclass, field
 from pagedkv.model_shape import (
     MAX_BLOCK_SIZE,
     MIN_BLOCK_SIZE,
+    SCALED_KV_DTYPES,
     ModelShape,
     check_block_size,
+    full_block_fraction,
     kv_blocks_per_sequence,
     kv_bytes_per_block,
     kv_bytes_per_token,
@@ -50,6 +52,7 @@ from pagedkv.model_shape import (
     kv_groups,
     kv_heads_per_rank,
     kv_layer_slots,
+    mixed_block_split,
     scale_bytes_per_block,
 )
 from pagedkv.weight_quant import LOWBIT_FORMATS, Q8_0_BYTES_PER_WEIGHT
@@ -98,6 +101,8 @@ class SizingInputs:
     max_len: int | None = None
     tp: int = 1
     max_waste: float = 0.02
+    kv_sink_blocks: int = 0  # a mixed pool (kv_sink_blocks): that many blocks a sequence at sink_dtype
+    sink_dtype: str = "bf16"
 
     def validate(self) -> None:
         try:
@@ -110,7 +115,11 @@ class SizingInputs:
         if self.device_memory is None and self.kv_memory is None:
             raise ValueError("--device-memory or --kv-memory is required")
         check_block_size(self.block_size, "--block-size")
+        if self.kv_sink_blocks and kv_dtype_name(self.kv_dtype) not in SCALED_KV_DTYPES:
+            raise ValueError(f"--kv-sink-blocks: needs an 8-bit --kv-dtype (int8, fp8, fp8_e5m2), "
+                             f"got {self.kv_dtype!r}")
         checks = [
+            (self.kv_sink_blocks >= 0, "--kv-sink-blocks", ">= 0", self.kv_sink_blocks),
             (0.0 <= self.reserved_fraction < 1.0, "--reserved-fraction", "in [0, 1)",
              self.reserved_fraction),
             (self.max_len is None or self.max_len >= 1, "--max-len", ">= 1", self.max_len),
@@ -160,6 +169,9 @@ class SizingResult:
     # --block-size auto: the choice and its reason, as the engine logs it; an explicit size: its
     # warning (pagedkv/block_size.py), or ""
     block_size_choice: str = ""
+    # a mixed pool (--kv-sink-blocks): of num_blocks, these hold the sink dtype (block_bytes: the 8-bit ones)
+    full_precision_blocks: int = 0
+    full_precision_block_bytes: int = 0
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -204,6 +216,12 @@ def size_kv_cache(spec: ModelShape, inputs: SizingInputs, shape: WorkloadShape) 
         if kv_memory < block_bytes:
             raise _does_not_fit(spec, inputs, weights, reserved, block_bytes, max_len)
     num_blocks = kv_memory // block_bytes
+    full_blocks = full_bytes = 0
+    if inputs.kv_sink_blocks:  # a mixed pool: the engine's split (model_shape.full_block_fraction)
+        full_bytes = kv_bytes_per_block(spec, B, inputs.sink_dtype, tp)
+        full_blocks, quant_blocks = mixed_block_split(
+            kv_memory, full_bytes, block_bytes, full_block_fraction(inputs.kv_sink_blocks, max_len, B))
+        num_blocks = full_blocks + quant_blocks
     blocks_per_seq = kv_blocks_per_sequence(spec, max_len, B)
     mean_final, mean_live = length_moments(shape, max_len)
     table = [_block_size_row(b, spec, inputs, kv_memory, mean_live)
@@ -225,7 +243,8 @@ def size_kv_cache(spec: ModelShape, inputs: SizingInputs, shape: WorkloadShape) 
         internal_waste=waste / footprint,
         recommended_block_size=best, recommendation=reason, block_size_table=table,
         kv_groups=describe_groups(spec), seq_bytes_at_max_len=blocks_per_seq * block_bytes,
-        full_cache_seq_bytes_at_max_len=math.ceil(max_len / B) * full_cache_block)
+        full_cache_seq_bytes_at_max_len=math.ceil(max_len / B) * full_cache_block,
+        full_precision_blocks=full_blocks, full_precision_block_bytes=full_bytes)
 
 
 def _does_not_fit(spec: ModelShape, inputs: SizingInputs, weights: int, reserved: int, block_bytes: int,

@@ -219,3 +219,25 @@ def test_hybrid_models_size_sliding_groups_by_their_window(name: str, window: in
     assert r.full_cache_seq_bytes_at_max_len > 3 * r.seq_bytes_at_max_len
     short = size_kv_cache(spec, SizingInputs(kv_memory=8 << 30, max_len=window // 2), SHAREGPT)
     assert short.blocks_per_max_len_seq == len(groups) * (window // 2 // 16)  # nothing out of the window yet
+
+
+def test_kv_sink_blocks_count_each_format_as_the_engine_splits_it() -> None:
+    """--kv-sink-blocks: the KV memory holds full-precision blocks (the sinks' share the engine's
+    kv_sink_blocks gives) beside 8-bit ones, each at its own bytes, and fewer blocks in all than
+    an all-8-bit pool; an 8-bit --kv-dtype is required."""
+    from pagedkv.model_shape import full_block_fraction, kv_bytes_per_block
+
+    spec = load_model_spec("llama-3-8b")
+    memory = 8 << 30
+    plain = size_kv_cache(spec, SizingInputs(kv_memory=memory, kv_dtype="int8", max_len=2048), SHAREGPT)
+    mixed = size_kv_cache(spec, SizingInputs(kv_memory=memory, kv_dtype="int8", max_len=2048, kv_sink_blocks=1),
+                          SHAREGPT)
+    full_bytes = kv_bytes_per_block(spec, 16, "bf16")
+    assert mixed.full_precision_block_bytes == full_bytes == 2 * kv_bytes_per_block(spec, 16, "fp8") - 2 * 2048
+    quant = mixed.num_blocks - mixed.full_precision_blocks
+    assert mixed.full_precision_blocks * full_bytes + quant * mixed.block_bytes <= memory
+    assert memory - (mixed.full_precision_blocks * full_bytes + quant * mixed.block_bytes) < mixed.block_bytes
+    assert abs(mixed.full_precision_blocks / mixed.num_blocks - full_block_fraction(1, 2048, 16)) < 0.001
+    assert plain.full_precision_blocks == 0 and mixed.num_blocks < plain.num_blocks
+    with pytest.raises(ValueError, match="--kv-sink-blocks"):
+        size_kv_cache(spec, SizingInputs(kv_memory=memory, kv_dtype="fp16", kv_sink_blocks=1), SHAREGPT)
