@@ -55,6 +55,7 @@ from pagedkv.engine import EngineConfig, LLMEngine
 from pagedkv.models.default_model import default_model_path
 from pagedkv.models.gguf_loader import converted_folder
 from pagedkv.models.loader import load_model
+from pagedkv.paths import cache_root
 from pagedkv.runner import ModelRunner
 
 LAYOUTS = ("auto", "q8_0")
@@ -234,6 +235,8 @@ def main() -> None:
                 finally:  # its converted folders (keyed by this temporary file) are of no further use
                     for layout in LAYOUTS:
                         shutil.rmtree(converted_folder(path, layout), ignore_errors=True)
+                    for stamp in (cache_root() / "gguf").glob(f"{path.stem}-*.json"):  # its types, remembered
+                        stamp.unlink(missing_ok=True)
         else:
             ap.error(f"--files: expected q4_1 and/or mix, got {key!r}")
     result["threads"] = args.threads
