@@ -169,7 +169,8 @@ class EngineConfig:
     disable_cascade_attn: bool = field(default=False, metadata={"help": (
         "attend every row alone: turns off shared-block (cascade) attention, which attends the blocks several "
         "rows of a step hold at the same positions (a cached prefix, the parent blocks of n > 1 and beam "
-        "forks) once for all of them (native CPU kernel; pagedkv/ops/cascade.py) (vLLM's name)")})
+        "forks) once for all of them (the native CPU kernel and the Triton decode kernel; pagedkv/ops/cascade.py) "
+        "(vLLM's name)")})
     enable_lora: bool = field(default=False, metadata={"help": (
         "serve LoRA adapters (--lora-modules, or selected per request; docs/lora.md)")})
     max_loras: int = field(default=1, metadata={"help": (
