@@ -256,11 +256,13 @@ def _does_not_fit(spec: ModelShape, inputs: SizingInputs, weights: int, reserved
     budget = inputs.device_memory - reserved
 
     def room(tp: int, weight_bytes: int) -> bool:
-        seq = kv_blocks_per_sequence(spec, max_len, inputs.block_size) * kv_bytes_per_block(
-            spec, inputs.block_size, inputs.kv_dtype, tp)
+        try:
+            seq = kv_blocks_per_sequence(spec, max_len, inputs.block_size) * kv_bytes_per_block(
+                spec, inputs.block_size, inputs.kv_dtype, tp)
+        except ValueError:  # a --tp that does not divide the model's heads
+            return False
         return budget - weight_bytes // tp >= seq
-    tp = next((t for t in (2 ** i for i in range(1, MAX_SUGGESTED_TP.bit_length()))
-               if t > inputs.tp and room(t, weights)), None)
+    tp = next((t for t in range(inputs.tp + 1, MAX_SUGGESTED_TP + 1) if room(t, weights)), None)
     params = spec.param_count()
     current = weights / max(1, params)  # bytes a weight now (a file's own size counts its format)
     dtype = next((d for d, b in sorted(WEIGHT_DTYPE_BYTES.items(), key=lambda kv: -kv[1])

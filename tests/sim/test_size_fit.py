@@ -56,3 +56,10 @@ def test_the_command_says_so_and_json_carries_it(capsys: pytest.CaptureFixture[s
     assert main(["size", "llama-3-70b", "--device-memory", "1GiB", "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
     assert data["smallest_tp"] is None and "raise --device-memory" in data["error"]
+
+
+def test_tp_sizes_that_do_not_divide_the_heads_are_skipped(capsys: pytest.CaptureFixture[str]) -> None:
+    # SmolLM2-135M has 3 KV heads: --tp 2 is no candidate, its error does not surface
+    assert main(["size", "smollm2-135m", "--device-memory", "400MB", "--weight-dtype", "fp32", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["smallest_tp"] in (None, 3) and data["weight_dtype"] is not None
