@@ -12,6 +12,8 @@ ones (ids from ``base``, with their scales), one block table mixing both.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -25,6 +27,15 @@ from pagedkv_testing.paged_cases import paged_case
 needs_native = pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 KINDS = ["int8", "fp8_e4m3", "fp8_e5m2"]
+# PAGEDKV_KV_FORMAT_FULL_MATRIX=1: every float x 8-bit format x head dim, every block size x GQA
+# shape, and the default model's greedy target; by default a slice where each value appears once.
+FULL_MATRIX = os.environ.get("PAGEDKV_KV_FORMAT_FULL_MATRIX") == "1"
+FORMAT_CASES = ([(f, k, d) for f in FLOATS for k in KINDS for d in (24, 64, 128)] if FULL_MATRIX
+                else [(torch.float32, "int8", 24), (torch.bfloat16, "fp8_e4m3", 64), (torch.float16, "fp8_e5m2", 128),
+                      (torch.float32, "fp8_e4m3", 128)])
+SHAPES = [(4, 4), (9, 3), (8, 1)]
+LAYOUT_CASES = ([(b, h, k) for b in (1, 3, 16, 64) for h, k in SHAPES] if FULL_MATRIX
+                else [(b, *SHAPES[i % 3]) for i, b in enumerate((1, 3, 16, 64))])
 
 
 def mixed_case(kind: str, full_dtype: torch.dtype, seed: int, block_size: int, heads: int, kvh: int, d: int,
@@ -55,9 +66,7 @@ def _check(q, kc, vc, quant: QuantBlocks, tables, row_seq, row_len, **kw):
 
 
 @needs_native
-@pytest.mark.parametrize("full_dtype", FLOATS)
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("d", [24, 64, 128])  # 64, 128: the vector path on AVX2 machines; 24 the portable one
+@pytest.mark.parametrize("full_dtype,kind,d", FORMAT_CASES)  # d 64, 128: the vector path on AVX2; 24 the portable
 def test_every_float_and_8bit_format_in_one_table(full_dtype, kind, d):
     lens, new = [1, 37, 150, 90], [1, 5, 1, 20]
     case = mixed_case(kind, full_dtype, d + len(kind), 16, 8, 2, d, lens, new)
@@ -65,8 +74,7 @@ def test_every_float_and_8bit_format_in_one_table(full_dtype, kind, d):
 
 
 @needs_native
-@pytest.mark.parametrize("block_size", [1, 3, 16, 64])
-@pytest.mark.parametrize("heads,kvh", [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize("block_size,heads,kvh", LAYOUT_CASES)
 def test_block_sizes_and_gqa_shapes(block_size, heads, kvh):
     lens, new = [2, 40, 130], [1, 7, 1]
     for d in (32, 64):
@@ -324,6 +332,8 @@ def test_engine_mixed_pool_under_faults_and_forks(tiny_folder, mode, kinds):
 
 @pytest.mark.slow
 @needs_native
+@pytest.mark.skipif(not FULL_MATRIX, reason="about a minute: PAGEDKV_KV_FORMAT_FULL_MATRIX=1 (bench/kv_quant.py "
+                                            "reports the same figure)")
 def test_default_model_one_sink_block_greedy_matches_float32():
     """The bundled model, greedy, 16 prompts of 32 tokens (windows of the shipped English text),
     32 new tokens, int8 blocks with the first block of each sequence at float32: at least 10 of
@@ -369,3 +379,25 @@ def test_disk_tier_restart_serves_a_mixed_pool(tiny_folder, tmp_path):
         again = llm.generate([prompt], params)[0]
         assert llm.engine.kv.stats().disk_hit_tokens > 0
     assert again.outputs[0].token_ids == first
+
+
+@needs_native
+def test_hybrid_model_with_a_mixed_pool(tmp_path):
+    """A model with sliding-window and global layers (Gemma 3: KV groups with tables of their own)
+    over a mixed pool: every group's sink block is full precision, integrity holds every step, and
+    the greedy tokens stay close to the float32 pool's."""
+    from pagedkv import SamplingParams
+    from pagedkv.engine import LLMEngine
+    from pagedkv_testing.hf_checkpoints import make_hf_checkpoint
+
+    folder = make_hf_checkpoint(tmp_path, "gemma3", seed=5, num_hidden_layers=4, sliding_window=6,
+                                sliding_window_pattern=3, head_dim=64)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [list(range(3, 3 + n)) for n in (30, 9, 21)]
+    base = dict(block_size=4, num_kv_blocks=120, kv_offloading_size=0, debug_integrity=True, max_model_len=64)
+    f32 = _run(LLMEngine.from_options(str(folder), **base), prompts, lambda i: params)
+    engine = LLMEngine.from_options(str(folder), kv_cache_dtype="int8", kv_sink_blocks=1, **base)
+    assert len(engine.runner.kv_groups) > 1 and engine.runner.kv_full_blocks > 0
+    got = _run(engine, prompts, lambda i: params)
+    same = sum(x == y for rid in f32 for x, y in zip(got[rid][0], f32[rid][0]))
+    assert same >= 0.8 * sum(len(o[0]) for o in f32.values()), f"{same} tokens equal the float32 run's"

@@ -109,6 +109,9 @@ def test_sampling_extras_reach_the_sampling_params() -> None:
     assert p.include_stop_str_in_output and not p.skip_special_tokens
     q = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]).to_sampling_params()
     assert not q.include_stop_str_in_output and q.skip_special_tokens
+    assert p.kv_cache_dtype is None  # the engine's KV format unless the request asks for its own
+    full = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], kv_cache_dtype="float32")
+    assert full.to_sampling_params().kv_cache_dtype == "float32"  # pagedkv's extension (docs/kv_quantization.md)
 
 
 def test_skip_special_tokens_false_keeps_them_in_the_text(server: ServerThread) -> None:
