@@ -33,6 +33,12 @@ def folder(request, tmp_path_factory):
                               **_MODELS[request.param])
 
 
+@pytest.fixture(autouse=True)
+def every_shared_run(monkeypatch):
+    """Tiny prompts share fewer tokens than the default threshold pays for: attend every run."""
+    monkeypatch.setattr(cascade, "MIN_SAVED_TOKENS", 0)
+
+
 @pytest.fixture
 def planned(monkeypatch):
     """Counts the steps whose inputs found shared runs (so a test knows cascade really ran)."""

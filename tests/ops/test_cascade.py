@@ -47,7 +47,7 @@ def test_a_tree_of_forks_of_forks():
     tables = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6], [7, 8], [1]]
     row_seq = [0, 1, 2, 3, 4, 4]
     row_len = [60, 50, 40, 20, 3, 4]
-    plan = find_shared_runs(tables, row_seq, row_len, block_size=16)
+    plan = find_shared_runs(tables, row_seq, row_len, block_size=16, min_saved_tokens=0)
     assert plan is not None
     nodes = sorted(_nodes(plan))
     # blocks [0, 1): A B C E; blocks [1, 2): A B C; block [2, 3): A B; each row's own blocks after
@@ -67,7 +67,7 @@ def test_released_blocks_and_blocks_past_the_rows():
     # A sliding group's released blocks (-1) are no one's and everyone's: no row's window reaches
     # them, so the run continues through them; blocks allocated past a row's length are not shared.
     tables = [[-1, -1, 5, 6, 9], [-1, -1, 5, 7]]
-    plan = find_shared_runs(tables, [0, 1], [70, 60], block_size=16)
+    plan = find_shared_runs(tables, [0, 1], [70, 60], block_size=16, min_saved_tokens=0)
     assert plan is not None and sorted(_nodes(plan)) == [(0, 48, [0, 1])]
     assert find_shared_runs([[1, 2, 3], [4, 2, 3]], [0, 1], [40, 40], block_size=16) is None
 
@@ -75,6 +75,20 @@ def test_released_blocks_and_blocks_past_the_rows():
 def test_min_seqs_is_checked():
     with pytest.raises(ValueError, match="min_seqs"):
         find_shared_runs([[1]], [0], [1], block_size=16, min_seqs=1)
+
+
+def test_runs_too_short_to_pay_join_their_sub_branches():
+    """A branch saving fewer token reads than min_saved_tokens is no node: its blocks join each
+    sub-branch's node (whose sequences hold them too) or stay its rows' own."""
+    # blocks 0-1 held by A B C (saves 2 x 32 = 64 reads); then A B go on together 10 blocks more
+    tables = [[1, 2] + list(range(10, 20)) + [40], [1, 2] + list(range(10, 20)) + [41], [1, 2, 30, 31]]
+    lens = [13 * 16, 13 * 16, 4 * 16]
+    every = find_shared_runs(tables, [0, 1, 2], lens, block_size=16, min_saved_tokens=0)
+    assert every is not None and sorted(_nodes(every)) == [(0, 32, [0, 1, 2]), (32, 192, [0, 1])]
+    plan = find_shared_runs(tables, [0, 1, 2], lens, block_size=16, min_saved_tokens=100)
+    assert plan is not None and sorted(_nodes(plan)) == [(0, 192, [0, 1])]
+    assert plan.row_own_start.tolist() == [192, 192, 0]
+    assert find_shared_runs(tables, [0, 1, 2], lens, block_size=16, min_saved_tokens=1000) is None
 
 
 # -- the kernel against the reference -----------------------------------------------------------------
@@ -110,7 +124,7 @@ def _stored(fmt: str, k: torch.Tensor, v: torch.Tensor, gen: torch.Generator):
 def _check(seed: int, block_size: int, fmt: str, heads: int, kvh: int, d: int, window: int | None,
            softcap: float | None, num_seqs: int = 7) -> None:
     case = sharing_case(seed, block_size, heads, kvh, d, num_seqs=num_seqs)
-    plan = find_shared_runs(case.tables, case.row_seq, case.row_len, block_size)
+    plan = find_shared_runs(case.tables, case.row_seq, case.row_len, block_size, min_saved_tokens=0)
     assert plan is not None  # every tree shares its root
     meta = NativeMetadata.build(case.tables, case.row_seq, case.row_len)
     k, v, kernel_kw, ref_kw = _stored(fmt, case.k_cache, case.v_cache, torch.Generator().manual_seed(seed))
@@ -151,7 +165,7 @@ def test_many_rows_on_one_run_and_a_window_short_of_it():
 def test_same_as_the_per_row_kernel():
     """The cascade result is the per-row kernel's up to float32 rounding of another sum order."""
     case = sharing_case(3, 16, 9, 3, 64, num_seqs=20)
-    plan = find_shared_runs(case.tables, case.row_seq, case.row_len, 16)
+    plan = find_shared_runs(case.tables, case.row_seq, case.row_len, 16, min_saved_tokens=0)
     meta = NativeMetadata.build(case.tables, case.row_seq, case.row_len)
     out = cascade.cascade_attention(torch.zeros_like(case.q), case.q, case.k_cache, case.v_cache, meta, plan)
     alone = native_paged_attention(torch.zeros_like(case.q), case.q, case.k_cache, case.v_cache, meta)
@@ -167,7 +181,7 @@ def test_without_a_plan_or_the_op_the_per_row_kernel_runs(monkeypatch):
                                          case.row_len)
     if not native.available():
         pytest.skip("no native kernels: the runner takes the plain path, which never plans")
-    plan = find_shared_runs(case.tables, case.row_seq, case.row_len, 4)
+    plan = find_shared_runs(case.tables, case.row_seq, case.row_len, 4, min_saved_tokens=0)
     monkeypatch.setattr(cascade, "available", lambda: False)
     for p in (None, plan):
         out = cascade.cascade_attention(torch.zeros_like(case.q), case.q, case.k_cache, case.v_cache, meta, p)
@@ -177,7 +191,7 @@ def test_without_a_plan_or_the_op_the_per_row_kernel_runs(monkeypatch):
 @needs_kernel
 def test_bad_plans_are_refused_by_name():
     case = sharing_case(2, 16, 4, 2, 64)
-    plan = find_shared_runs(case.tables, case.row_seq, case.row_len, 16)
+    plan = find_shared_runs(case.tables, case.row_seq, case.row_len, 16, min_saved_tokens=0)
     assert plan is not None
     meta = NativeMetadata.build(case.tables, case.row_seq, case.row_len)
     plan.node_rows[0] = len(case.row_seq) + 5
@@ -191,7 +205,7 @@ def test_random_trees_cover_forks_of_forks():
     depths = set()
     for seed in range(20):
         case = sharing_case(seed, 16, 4, 2, 32, num_seqs=random.Random(seed).randint(4, 9))
-        plan = find_shared_runs(case.tables, case.row_seq, case.row_len, 16)
+        plan = find_shared_runs(case.tables, case.row_seq, case.row_len, 16, min_saved_tokens=0)
         if plan is None:
             continue
         for r in range(len(case.row_seq)):
