@@ -81,7 +81,7 @@ _HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral
                      "MixtralForCausalLM": "mixtral",
                      "DeepseekV2ForCausalLM": "deepseek_v2",
                      "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe"}
-_GGUF_MODEL_TYPES = {"deepseek2": "deepseek_v2"}  # llama.cpp architecture -> HF model_type
+_GGUF_MODEL_TYPES = {"deepseek2": "deepseek_v2", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}  # llama.cpp -> HF
 _MODEL_TYPE_ALIASES = {"gemma3_text": "gemma3"}  # config.json model_type -> ours
 # Attention kinds of a layer (config.json "layer_types"): every earlier token visible, or only the
 # last ``sliding_window`` of them.
@@ -447,13 +447,17 @@ def shape_from_gguf(reader: Any, name: str = "") -> ModelShape:
     if arch is None:
         raise ValueError("GGUF file has no general.architecture; not a model GGUF")
     model_type = _GGUF_MODEL_TYPES.get(str(arch), str(arch))
-    defaults = _HF_DEFAULTS.get(model_type, _HF_DEFAULTS["llama"])
 
     def key(suffix: str, default: Any = None) -> Any:
         return get(f"{arch}.{suffix}", default)
 
-    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     names = {t.name for t in reader.tensors}
+    if model_type == "deepseek_v2" and any(n.endswith("exp_probs_b.bias") for n in names):
+        model_type = "deepseek_v3"  # V3's routing: a correction bias per expert
+    elif model_type == "llama" and int(key("expert_count", 0) or 0):
+        model_type = "mixtral"  # llama.cpp writes Mixtral as llama with ffn_*_exps
+    defaults = _HF_DEFAULTS.get(model_type, _HF_DEFAULTS["llama"])
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     kv_lora, rope_dim = _opt_int(key("attention.kv_lora_rank")), _opt_int(key("rope.dimension_count"))
     head_dim = int(key("attention.key_length", hidden // heads))
@@ -480,12 +484,16 @@ def shape_from_gguf(reader: Any, name: str = "") -> ModelShape:
         layer_types=_gguf_layer_types(reader, f"{arch}.attention.sliding_window_pattern", model_type, layers, window),
         kv_lora_rank=kv_lora,
         qk_rope_head_dim=rope_dim if kv_lora is not None else None,
-        qk_nope_head_dim=head_dim - (rope_dim or 0) if kv_lora is not None else None,
-        v_head_dim=_opt_int(key("attention.value_length")) if kv_lora is not None else None,
+        # llama.cpp's files since the MLA split: key_length = the latent's, key_length_mla = q/k's
+        qk_nope_head_dim=int(key("attention.key_length_mla", head_dim)) - (rope_dim or 0)
+        if kv_lora is not None else None,
+        v_head_dim=_opt_int(key("attention.value_length_mla", key("attention.value_length")))
+        if kv_lora is not None else None,
         q_lora_rank=_opt_int(key("attention.q_lora_rank")),
         num_experts=experts,
         num_shared_experts=int(key("expert_shared_count", 0) or 0),
-        moe_intermediate_size=int(key("expert_feed_forward_length", 0) or 0),
+        moe_intermediate_size=int(key("expert_feed_forward_length", 0)
+                                  or (key("feed_forward_length", 0) if experts else 0) or 0),
         first_k_dense=int(key("leading_dense_block_count", 0) or 0),
         name=str(get("general.name", name)),
         num_params=sum(int(t.n_elements) for t in reader.tensors),

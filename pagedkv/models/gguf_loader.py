@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from pagedkv.model_shape import ModelShape, shape_from_gguf
-from pagedkv.models.config import ModelConfig, RopeConfig
+from pagedkv.models.config import ModelConfig, MoEConfig, RopeConfig
 from pagedkv.models.errors import ModelLoadError, UnsupportedModelError
 from pagedkv.models.gguf_file import check_model_metadata, open_gguf
 from pagedkv.models.gguf_quants import EXACT_TYPES, LOWBIT_TYPES, as_unsigned, unpack, unpack_lowbit
@@ -51,9 +51,15 @@ from pagedkv.progress import phase
 from pagedkv.weight_quant import Q8_0_GROUP, check_quantization
 
 CONVERTER_VERSION = "5"
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")  # mistral GGUFs use the llama architecture
+# mistral and Mixtral GGUFs use the llama architecture (Mixtral with ffn_*_exps)
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "qwen2moe", "qwen3moe", "deepseek2")
 _DONE = ".complete"
 
+# Parts llama.cpp stores apart that one checkpoint tensor holds (joined by _join_parts): the experts'
+# gate and up ([E, I, hidden] each -> transformers 5's [E, 2I, hidden] gate_up_proj) and MLA's
+# K and V up-projections (attn_k_b [H, rank, nope], attn_v_b [H, v, rank] -> kv_b_proj [H * (nope + v), rank]).
+_EXPERTS_GATE, _EXPERTS_UP = "mlp.experts.gate_proj", "mlp.experts.up_proj"
+_K_B, _V_B = "self_attn.k_b_proj", "self_attn.v_b_proj"
 _GGUF_TO_HF_LAYER = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -71,6 +77,26 @@ _GGUF_TO_HF_LAYER = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # mixture-of-experts layers (models/moe.py): the router, DeepSeek-V3's correction bias, shared
+    # experts, Qwen2-MoE's shared-expert gate; the 3-D experts are joined by _join_parts
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_exps.weight": _EXPERTS_GATE,
+    "ffn_up_exps.weight": _EXPERTS_UP,
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    # MLA (deepseek2, models/mla.py): attn_k_b / attn_v_b (llama.cpp's split kv_b) are joined by _join_parts
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+    "attn_k_b.weight": _K_B,
+    "attn_v_b.weight": _V_B,
 }
 _GGUF_TO_HF_TOP = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -129,11 +155,13 @@ def gguf_config(reader: Any) -> tuple[ModelConfig, dict[str, Any]]:
         return _field(reader, f"{arch}.{name}", default)
 
     scaling = key("rope.scaling.type", "none")
-    rope_type = {"none": "default", "linear": "linear"}.get(scaling)
+    rope_type = {"none": "default", "linear": "linear", "yarn": "yarn"}.get(scaling)
     if rope_type is None:
         raise UnsupportedModelError(f"GGUF rope scaling type {scaling!r} is not supported")
     orig = key("rope.scaling.original_context_length")
     shape = shape_from_gguf(reader)
+    if nextn := int(key("nextn_predict_layers", 0) or 0):  # multi-token-prediction layers at the end
+        shape = replace(shape, num_hidden_layers=shape.num_hidden_layers - nextn)
     rope_dim = key("rope.dimension_count")
     long_factor, short_factor = _tensor_values(reader, "rope_factors_long.weight"), \
         _tensor_values(reader, "rope_factors_short.weight")
@@ -152,10 +180,72 @@ def gguf_config(reader: Any) -> tuple[ModelConfig, dict[str, Any]]:
         attention_factor=float(attn_factor) if attn_factor is not None and rope_type == "longrope" else None,
         partial_rotary_factor=int(rope_dim) / shape.head_dim if rope_dim and arch == "phi3" else 1.0,
     )
+    if rope_type == "yarn":
+        rope = replace(rope, **_yarn_fields(key, deepseek=shape.is_mla))
+    extra: dict[str, Any] = _gemma3_fields(shape, key) if arch == "gemma3" else {}
+    if shape.num_experts:
+        extra["moe"] = gguf_moe(reader, shape, key)
+    if shape.is_mla:
+        extra["rope_interleave"] = True  # llama.cpp's deepseek2 rotates adjacent pairs (its NORM RoPE)
     config = ModelConfig.from_shape(shape, rope=rope,
-                                    rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-                                    **(_gemma3_fields(shape, key) if arch == "gemma3" else {}))
+                                    rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)), **extra)
     return config, _special_token_ids(reader)
+
+
+def _yarn_fields(key: Callable[..., Any], deepseek: bool) -> dict[str, Any]:
+    """RopeConfig's YaRN fields from GGUF metadata. DeepSeek's mscale: llama.cpp stores
+    ``yarn_log_multiplier`` = 0.1 * ``mscale_all_dim`` and not ``mscale``, which the released
+    configs set equal to it (cos/sin then unscaled); other models' cos/sin factor is
+    ``yarn_attn_factor`` when present, else YaRN's default."""
+    fields: dict[str, Any] = {}
+    for name, gguf_key in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+        if (value := key(f"rope.scaling.{gguf_key}")) is not None:
+            fields[name] = float(value)
+    log_mul = key("rope.scaling.yarn_log_multiplier")
+    if deepseek and log_mul:
+        fields["mscale"] = fields["mscale_all_dim"] = float(log_mul) / 0.1
+    elif (attn := key("rope.scaling.yarn_attn_factor")) is not None:
+        fields["attention_factor"] = float(attn)
+    return fields
+
+
+# llama.cpp's expert_gating_func values (LLAMA_EXPERT_GATING_FUNC_TYPE_*) -> MoEConfig.scoring
+_GATING = {1: "softmax", 2: "sigmoid"}
+
+
+def gguf_moe(reader: Any, shape: ModelShape, key: Callable[..., Any]) -> MoEConfig:
+    """The routing of a GGUF's mixture-of-experts layers, read as llama.cpp reads it.
+
+    Sparse layers: those with a router (``blk.N.ffn_gate_inp``). Scoring: ``expert_gating_func``;
+    absent, sigmoid when the file has DeepSeek-V3's correction bias (``exp_probs_b``), else softmax.
+    Groups (``expert_group_count`` / ``expert_group_used_count``) ranked by the sum of their two best
+    biased scores with a bias (V3), else by their best score (V2). Renormalized top-k weights:
+    ``expert_weights_norm``; absent, llama.cpp's per-architecture choice (Mixtral and Qwen3-MoE yes,
+    Qwen2-MoE and DeepSeek no). Shared experts: ``expert_shared_feed_forward_length`` (Qwen2-MoE,
+    gated by ``ffn_gate_inp_shexp``) or ``expert_shared_count`` experts (DeepSeek)."""
+    names = {t.name for t in reader.tensors}
+    bias = any(n.endswith("exp_probs_b.bias") for n in names)
+    gating = key("expert_gating_func")
+    if gating is not None and int(gating) not in _GATING:
+        raise UnsupportedModelError(f"GGUF {shape.model_type}: expert_gating_func {int(gating)} is not supported "
+                                    f"(supported: {', '.join(f'{k} ({v})' for k, v in _GATING.items())})")
+    scoring = _GATING[int(gating)] if gating is not None else "sigmoid" if bias else "softmax"
+    norm = key("expert_weights_norm")
+    n_group = int(key("expert_group_count", 1) or 1)
+    shared = int(key("expert_shared_feed_forward_length", 0) or 0) \
+        or shape.num_shared_experts * shape.moe_intermediate_size
+    return MoEConfig(
+        num_experts=shape.num_experts, top_k=int(key("expert_used_count", 2)),
+        intermediate_size=shape.moe_intermediate_size,
+        sparse_layers=frozenset(i for i in range(shape.num_hidden_layers) if f"blk.{i}.ffn_gate_inp.weight" in names),
+        scoring=scoring,
+        norm_topk_prob=bool(norm) if norm is not None else shape.model_type in ("mixtral", "qwen3_moe"),
+        routed_scaling_factor=float(key("expert_weights_scale", 1.0) or 1.0),
+        n_group=n_group, topk_group=int(key("expert_group_used_count", n_group) or n_group),
+        group_score="top2_sum" if bias else "max", correction_bias=bias,
+        shared_intermediate_size=shared, shared_gate=any(n.endswith("ffn_gate_inp_shexp.weight") for n in names),
+        router_float32=shape.model_type in ("deepseek_v2", "deepseek_v3"),  # as transformers' DeepSeek
+    )
 
 
 def _special_token_ids(reader: Any) -> dict[str, Any]:
@@ -259,6 +349,8 @@ def _kept_quantized(reader: Any, config: ModelConfig, arch: str, quantization: s
         if name is None or not _is_matrix(name) or len(t.shape) != 2 or int(t.shape[0]) % Q8_0_GROUP:
             continue  # GGML lists dims innermost first: shape[0] is the input
         target = map_name(config, name)
+        if target is not None and not target.param.endswith(".weight"):
+            continue  # a bare Parameter (MLA's kv_b): no quantized layout
         modules.setdefault(name if target is None else target.param, []).append(t)
     kept: dict[str, str] = {}
     for parts in modules.values():
@@ -268,8 +360,40 @@ def _kept_quantized(reader: Any, config: ModelConfig, arch: str, quantization: s
     return kept
 
 
+def _join_parts(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``tensors`` with the parts llama.cpp stores apart joined into their checkpoint tensor: the
+    experts' gate and up into ``mlp.experts.gate_up_proj``, MLA's attn_k_b (K transposed) and
+    attn_v_b into ``kv_b_proj.weight``. Raises ModelLoadError for a part whose partner is missing."""
+    pairs = ((_EXPERTS_GATE, _EXPERTS_UP, "mlp.experts.gate_up_proj"), (_K_B, _V_B, "self_attn.kv_b_proj.weight"))
+    pending: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors:
+        pair = next((p for p in pairs if name.endswith(p[:2])), None)
+        if pair is None:
+            yield name, tensor
+            continue
+        first, second, joined = pair
+        layer = name.removesuffix(first if name.endswith(first) else second)
+        pending[name] = tensor
+        if layer + first not in pending or layer + second not in pending:
+            continue
+        a, b = pending.pop(layer + first), pending.pop(layer + second)
+        if first == _K_B:  # [H, rank, nope] -> [H, nope, rank], then V's rows [H, v, rank] after each head's
+            a = a.transpose(1, 2)
+            yield layer + joined, torch.cat((a, b), dim=1).reshape(-1, a.shape[-1]).contiguous()
+        else:
+            yield layer + joined, torch.cat((a, b), dim=1).contiguous()
+    if pending:
+        raise ModelLoadError(f"GGUF tensor for {sorted(pending)[0]!r} has no partner (llama.cpp stores gate/up "
+                             "experts and attn_k_b/attn_v_b in pairs): the file is incomplete; convert it again")
+
+
 def _iter_tensors(reader: Any, config: ModelConfig, arch: str, quantization: str = "none"
                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    return _join_parts(_iter_gguf_tensors(reader, config, arch, quantization))
+
+
+def _iter_gguf_tensors(reader: Any, config: ModelConfig, arch: str, quantization: str = "none"
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
     kept = _kept_quantized(reader, config, arch, quantization)
     for t in tqdm(reader.tensors, desc="pagedkv: converting GGUF", unit="tensor", leave=False):
         name = hf_name(t.name, arch)

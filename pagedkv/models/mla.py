@@ -30,6 +30,12 @@ from pagedkv.models.config import ModelConfig
 from pagedkv.models.rope import apply_rope
 
 
+# The latent norms' epsilon: DeepSeek's modeling code (and transformers') builds q_a_layernorm and
+# kv_a_layernorm with the RMSNorm default, not rms_norm_eps (equal in the released configs; a tiny
+# model with rms_norm_eps 1e-5 differs by ~1e-4 in its logits otherwise).
+LATENT_NORM_EPS = 1e-6
+
+
 class _Norm(nn.Module):
     """RMSNorm (the latent's and the query's; ``models/llama.RMSNorm`` lives above this module)."""
 
@@ -60,14 +66,14 @@ class MLAAttention(nn.Module):
         bias = config.attention_bias
         if config.q_lora_rank:
             self.q_a_proj: nn.Linear | None = nn.Linear(h, config.q_lora_rank, bias=bias)
-            self.q_a_layernorm: _Norm | None = _Norm(config.q_lora_rank, config.rms_norm_eps)
+            self.q_a_layernorm: _Norm | None = _Norm(config.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj: nn.Linear | None = nn.Linear(config.q_lora_rank, heads * qk, bias=False)
             self.q_proj: nn.Linear | None = None
         else:
             self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
             self.q_proj = nn.Linear(h, heads * qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(h, self.rank + self.rope, bias=bias)
-        self.kv_a_layernorm = _Norm(self.rank, config.rms_norm_eps)
+        self.kv_a_layernorm = _Norm(self.rank, LATENT_NORM_EPS)
         # kv_b_proj's weight [H * (nope + v), rank], a Parameter (its two halves are used apart)
         self.kv_b = nn.Parameter(torch.empty(heads * (self.nope + self.v_dim), self.rank))
         self.o_proj = nn.Linear(heads * self.v_dim, h, bias=bias)
