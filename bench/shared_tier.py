@@ -114,9 +114,24 @@ def run(args: argparse.Namespace, reqs: list[tuple[int, int, list[int]]], url: s
     procs = [ctx.Process(target=replica, args=(args, r, url, inboxes[r], events)) for r in (0, 1)]
     for p in procs:
         p.start()
+    deadline = time.time() + args.timeout
+
+    def next_event() -> tuple:
+        """The replicas' next event; raises if one died or nothing came for ``--timeout`` seconds."""
+        while True:
+            try:
+                return events.get(timeout=2.0)
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if not p.is_alive() and p.exitcode]
+                if dead or time.time() > deadline:
+                    for p in procs:
+                        p.kill()
+                    raise RuntimeError(f"a replica failed (exit codes {dead})" if dead else
+                                       f"no event from the replicas for {args.timeout} s") from None
+
     ready = 0
     while ready < 2:
-        ready += events.get(timeout=args.timeout)[0] == "ready"
+        ready += next_event()[0] == "ready"
     sent: dict[int, float] = {}
     first: dict[int, float] = {}
     tokens, last = 0, 0.0
@@ -135,7 +150,8 @@ def run(args: argparse.Namespace, reqs: list[tuple[int, int, list[int]]], url: s
         send()
     done = 0
     while done < len(reqs):
-        event = events.get(timeout=args.timeout)
+        event = next_event()
+        deadline = time.time() + args.timeout
         if event[0] == "first":
             first[event[2]] = event[3]
         elif event[0] == "done":
@@ -147,7 +163,7 @@ def run(args: argparse.Namespace, reqs: list[tuple[int, int, list[int]]], url: s
     for inbox in inboxes:
         inbox.put(None)
     while len(stats) < 2:
-        event = events.get(timeout=args.timeout)
+        event = next_event()
         if event[0] == "stats":
             stats.append(event[4])
     for p in procs:
