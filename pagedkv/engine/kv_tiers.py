@@ -94,8 +94,10 @@ def remote_tiers(config: EngineConfig, runner: Runner, model_name: str, identity
     if runner.num_host_blocks == 0:
         raise ValueError("the remote tier (kv_remote_url) loads blocks through the host tier, which has no "
                          "blocks: give a larger kv_offloading_size")
+    # (the payload's size too: a layout that changes it, e.g. a mixed pool's format byte and padding,
+    # gets keys of its own instead of values every other replica would discard)
     fingerprint = {**tier_fingerprint(runner, model_name, identity),
-                   "tensor_parallel_size": str(TENSOR_PARALLEL_SIZE)}
+                   "tensor_parallel_size": str(TENSOR_PARALLEL_SIZE), "payload_bytes": str(runner.payload_bytes)}
     store = RemoteStore(config.kv_remote_url, fingerprint, key_prefix=config.kv_remote_key_prefix,
                         payload_bytes=runner.payload_bytes or None)
     logger.info("KV remote tier %s, keys %s*", store.url, store.namespace.decode())
