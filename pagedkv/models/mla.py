@@ -29,7 +29,6 @@ from torch import nn
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.rope import apply_rope
 
-
 # The latent norms' epsilon: DeepSeek's modeling code (and transformers') builds q_a_layernorm and
 # kv_a_layernorm with the RMSNorm default, not rms_norm_eps (equal in the released configs; a tiny
 # model with rms_norm_eps 1e-5 differs by ~1e-4 in its logits otherwise).
