@@ -45,7 +45,7 @@ def request_kv_salt(kind: str | None, salt: str | None, runner: Runner, blocks_n
     if name in SCALED_KV_DTYPES:
         raise RequestRejectedError(f"kv_cache_dtype {name!r}: this engine stores {pool} blocks; a request may "
                                    f"ask for its own format or full precision (float32, bfloat16, float16)")
-    full = getattr(runner, "kv_full_blocks", 0)
+    full = runner.kv_full_blocks
     if not full:
         raise RequestRejectedError(f"kv_cache_dtype {name!r}: this engine stores every block as {pool}; start it "
                                    f"with kv_sink_blocks >= 1 (a mixed pool) to serve full-precision requests")

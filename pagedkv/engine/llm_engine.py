@@ -94,7 +94,7 @@ class LLMEngine:
                                  default_tenant_quota=config.default_tenant_kv_quota,
                                  kv_events=config.kv_events,
                                  max_tenant_pin_fraction=config.max_tenant_pin_fraction,
-                                 num_full_blocks=getattr(runner, "kv_full_blocks", 0),
+                                 num_full_blocks=runner.kv_full_blocks,
                                  kv_sink_blocks=config.kv_sink_blocks)
         self.tiers = TierMover(runner, self.kv)
         self._closed = False
