@@ -11,9 +11,11 @@
 // sum_k W x = scale * dot(v, x) + offset * sum(x), the run sums of x taken once per call.
 //
 // Few rows (decode): the weights are streamed once per group of up to 8 rows; a run's 32 codes are
-// widened in registers (a 16-byte load, a shift and a mask give 32 nibbles; a byte shuffle looks
-// up IQ4_NL's grid; the bit planes are spread over bytes with a shuffle and a compare; one byte
-// subtraction applies the zero), then converted to four vectors of 8 floats shared by the rows.
+// widened in registers and converted to four vectors of 8 floats shared by the rows: Q4_0/Q4_1/Q4_K
+// runs zero-extend their 16 bytes to 32-bit lanes and mask / shift the nibbles there (two shuffles
+// a run: fewer than an int8 run's four); IQ4_NL and the 5- and 6-bit runs unpack to bytes first (a
+// byte shuffle looks up IQ4_NL's grid; the bit planes are spread over bytes with a shuffle and a
+// compare; one byte subtraction applies the zero), then sign-extend.
 // Many rows (prefill, large batches): tiles of 256 weight rows are dequantized into a float32
 // buffer and multiplied by the BLAS matmul, as for the 8-bit layout.
 
@@ -114,6 +116,28 @@ inline void widen(__m256i v, __m256& w0, __m256& w1, __m256& w2, __m256& w3) {
   w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
 }
 
+// A 4-bit run without a lookup (i4, u4) straight to floats: the 16 bytes zero-extended to 32-bit
+// lanes (two shuffles for the 32 values, where splitting a byte register takes eight: the shuffle
+// port bounds this loop at one row), then the low nibbles masked and the high ones shifted down.
+template <bool ZERO>
+inline void widen_nibbles(const uint8_t* qb, __m256i zero, __m256& w0, __m256& w1, __m256& w2, __m256& w3) {
+  const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb)));
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8)));
+  const __m256i m = _mm256_set1_epi32(0x0F);
+  __m256i v0 = _mm256_and_si256(a, m), v1 = _mm256_and_si256(b, m);  // values 0..7, 8..15
+  __m256i v2 = _mm256_srli_epi32(a, 4), v3 = _mm256_srli_epi32(b, 4);  // values 16..23, 24..31
+  if constexpr (ZERO) {
+    v0 = _mm256_sub_epi32(v0, zero);
+    v1 = _mm256_sub_epi32(v1, zero);
+    v2 = _mm256_sub_epi32(v2, zero);
+    v3 = _mm256_sub_epi32(v3, zero);
+  }
+  w0 = _mm256_cvtepi32_ps(v0);
+  w1 = _mm256_cvtepi32_ps(v1);
+  w2 = _mm256_cvtepi32_ps(v2);
+  w3 = _mm256_cvtepi32_ps(v3);
+}
+
 inline __m256i lut_vector(const int8_t* lut) {
   if (lut == nullptr) return _mm256_setzero_si256();
   const __m128i l = _mm_loadu_si128(reinterpret_cast<const __m128i*>(lut));
@@ -121,10 +145,11 @@ inline __m256i lut_vector(const int8_t* lut) {
 }
 
 // out[m, n] for rows m0 .. m0 + MR - 1 and weight rows n0 .. n1 - 1
-template <int MR, int P, bool LUT, bool G16>
+template <int MR, int P, bool LUT, bool G16, bool NIB, bool ZERO>
 void gemv_rows(const Lb& g, int64_t m0, int64_t n0, int64_t n1) {
   const int64_t K = g.K, nb = K / QK, qrow = K / 2, prow = K / 8 * P, drow = K / (G16 ? 16 : 32);
   const __m256i lut = lut_vector(g.lut), zero = _mm256_set1_epi8(static_cast<char>(g.zero));
+  const __m256i zero32 = _mm256_set1_epi32(g.zero);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* qn = g.q + n * qrow;
     const uint8_t* pn = P > 0 ? g.pl + n * prow : nullptr;
@@ -133,7 +158,8 @@ void gemv_rows(const Lb& g, int64_t m0, int64_t n0, int64_t n1) {
     for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       __m256 w0, w1, w2, w3;
-      widen(decode32<P, LUT>(qn + b * 16, P > 0 ? pn + b * 4 * P : nullptr, lut, zero), w0, w1, w2, w3);
+      if constexpr (NIB) widen_nibbles<ZERO>(qn + b * 16, zero32, w0, w1, w2, w3);
+      else widen(decode32<P, LUT>(qn + b * 16, P > 0 ? pn + b * 4 * P : nullptr, lut, zero), w0, w1, w2, w3);
       if constexpr (G16) {
         const __m256 d0 = _mm256_broadcast_ss(dn + 2 * b), d1 = _mm256_broadcast_ss(dn + 2 * b + 1);
         for (int r = 0; r < MR; ++r) {
@@ -171,7 +197,7 @@ void gemv_rows(const Lb& g, int64_t m0, int64_t n0, int64_t n1) {
   }
 }
 
-template <int P, bool LUT, bool G16>
+template <int P, bool LUT, bool G16, bool NIB = false, bool ZERO = false>
 void gemv_kind(const Lb& g, int64_t n0, int64_t n1) {
   // one group (M <= 8) streams its whole range in one call; more groups share 16-row tiles from cache
   const int64_t tile = g.M <= 8 ? n1 - n0 : GEMV_TILE;
@@ -179,30 +205,35 @@ void gemv_kind(const Lb& g, int64_t n0, int64_t n1) {
     const int64_t t1 = std::min(n1, t0 + tile);
     for (int64_t m0 = 0; m0 < g.M; m0 += 8) {
       switch (std::min<int64_t>(8, g.M - m0)) {
-        case 1: gemv_rows<1, P, LUT, G16>(g, m0, t0, t1); break;
-        case 2: gemv_rows<2, P, LUT, G16>(g, m0, t0, t1); break;
-        case 3: gemv_rows<3, P, LUT, G16>(g, m0, t0, t1); break;
-        case 4: gemv_rows<4, P, LUT, G16>(g, m0, t0, t1); break;
-        case 5: gemv_rows<5, P, LUT, G16>(g, m0, t0, t1); break;
-        case 6: gemv_rows<6, P, LUT, G16>(g, m0, t0, t1); break;
-        case 7: gemv_rows<7, P, LUT, G16>(g, m0, t0, t1); break;
-        default: gemv_rows<8, P, LUT, G16>(g, m0, t0, t1); break;
+        case 1: gemv_rows<1, P, LUT, G16, NIB, ZERO>(g, m0, t0, t1); break;
+        case 2: gemv_rows<2, P, LUT, G16, NIB, ZERO>(g, m0, t0, t1); break;
+        case 3: gemv_rows<3, P, LUT, G16, NIB, ZERO>(g, m0, t0, t1); break;
+        case 4: gemv_rows<4, P, LUT, G16, NIB, ZERO>(g, m0, t0, t1); break;
+        case 5: gemv_rows<5, P, LUT, G16, NIB, ZERO>(g, m0, t0, t1); break;
+        case 6: gemv_rows<6, P, LUT, G16, NIB, ZERO>(g, m0, t0, t1); break;
+        case 7: gemv_rows<7, P, LUT, G16, NIB, ZERO>(g, m0, t0, t1); break;
+        default: gemv_rows<8, P, LUT, G16, NIB, ZERO>(g, m0, t0, t1); break;
       }
     }
   }
 }
 // buf row = scale * v + offset over rows n0 .. n1 - 1 (the tiles' dequantization, vectorized)
-template <int P, bool LUT, bool G16>
+template <int P, bool LUT, bool G16, bool NIB = false, bool ZERO = false>
 void dequantize_kind(const Lb& g, float* buf, int64_t row0, int64_t n0, int64_t n1) {
   const int64_t K = g.K, nb = K / QK, qrow = K / 2, prow = K / 8 * P, drow = K / (G16 ? 16 : 32);
   const __m256i lut = lut_vector(g.lut), zero = _mm256_set1_epi8(static_cast<char>(g.zero));
+  const __m256i zero32 = _mm256_set1_epi32(g.zero);
   for (int64_t n = n0; n < n1; ++n) {
     float* row = buf + (n - row0) * K;
     const float* dn = g.d + n * drow;
     for (int64_t b = 0; b < nb; ++b) {
       __m256 w0, w1, w2, w3;
-      widen(decode32<P, LUT>(g.q + n * qrow + b * 16, P > 0 ? g.pl + n * prow + b * 4 * P : nullptr, lut, zero),
-            w0, w1, w2, w3);
+      if constexpr (NIB) {
+        widen_nibbles<ZERO>(g.q + n * qrow + b * 16, zero32, w0, w1, w2, w3);
+      } else {
+        widen(decode32<P, LUT>(g.q + n * qrow + b * 16, P > 0 ? g.pl + n * prow + b * 4 * P : nullptr, lut, zero),
+              w0, w1, w2, w3);
+      }
       const __m256 d0 = _mm256_broadcast_ss(dn + (G16 ? 2 * b : b)), d1 = G16 ? _mm256_broadcast_ss(dn + 2 * b + 1) : d0;
       const __m256 o = _mm256_set1_ps(g.o != nullptr ? g.o[n * nb + b] : 0.f);
       float* r = row + b * QK;
@@ -239,7 +270,8 @@ void gemv(const Lb& g) {
   at::parallel_for(0, g.N, 16, [&](int64_t n0, int64_t n1) {
 #ifdef PAGEDKV_LB_AVX2
     if (g.lut != nullptr) gemv_kind<0, true, false>(g, n0, n1);
-    else if (g.P == 0) gemv_kind<0, false, false>(g, n0, n1);
+    else if (g.P == 0 && g.zero == 0) gemv_kind<0, false, false, true, false>(g, n0, n1);
+    else if (g.P == 0) gemv_kind<0, false, false, true, true>(g, n0, n1);
     else if (g.P == 1 && g.G == 32) gemv_kind<1, false, false>(g, n0, n1);
     else if (g.P == 2 && g.G == 16) gemv_kind<2, false, true>(g, n0, n1);
     else gemv_portable(g, n0, n1);
@@ -255,7 +287,8 @@ void dequantize_rows(const Lb& g, float* buf, int64_t n0, int64_t n1) {
   at::parallel_for(n0, n1, 8, [&](int64_t a, int64_t e) {
 #ifdef PAGEDKV_LB_AVX2
     if (g.lut != nullptr) return dequantize_kind<0, true, false>(g, buf, n0, a, e);
-    if (g.P == 0) return dequantize_kind<0, false, false>(g, buf, n0, a, e);
+    if (g.P == 0 && g.zero == 0) return dequantize_kind<0, false, false, true, false>(g, buf, n0, a, e);
+    if (g.P == 0) return dequantize_kind<0, false, false, true, true>(g, buf, n0, a, e);
     if (g.P == 1 && g.G == 32) return dequantize_kind<1, false, false>(g, buf, n0, a, e);
     if (g.P == 2 && g.G == 16) return dequantize_kind<2, false, true>(g, buf, n0, a, e);
 #endif
