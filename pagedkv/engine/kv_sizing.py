@@ -12,8 +12,9 @@ given:
   now (after the weights are loaded: ``MemAvailable``, bounded by a cgroup limit; on CUDA the
   device's free memory), nor less than :data:`MIN_KV_BLOCKS` blocks;
 - the host tier is :data:`HOST_TIER_SHARE` of a GPU's pool (:data:`HOST_TIER_SHARE_CPU` of a CPU
-  pool, which is host memory itself), within :data:`HOST_MEMORY_FRACTION` of the host memory
-  still available after it.
+  pool, which is host memory itself; 0.5 GiB, as before, beside a pool the config gives), within
+  :data:`HOST_MEMORY_FRACTION` of the host memory still available after it (``engine/build.py``
+  keeps it within 4x the pool).
 
 :func:`size_kv` says how it chose (``KVSizing.reason``, logged once at start).
 """
@@ -31,6 +32,7 @@ HOST_TIER_SHARE = 0.5  # the host tier: this share of a GPU's pool
 HOST_TIER_SHARE_CPU = 0.125  # ... of a CPU pool, host memory itself: room for swapped-out rows
 HOST_MEMORY_FRACTION = 0.25  # ... within this fraction of the host memory left after the pool
 MIN_KV_BLOCKS = 16
+GIVEN_POOL_HOST_BYTES = 1 << 29  # beside a configured pool: the fixed 0.5 GiB of before (at most 4x the pool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +110,8 @@ def size_kv(*, block_bytes: int, block_size: int, max_model_len: int, weight_byt
     host: int | None = None
     if not host_given:
         share = HOST_TIER_SHARE_CPU if same_memory else HOST_TIER_SHARE
-        host = int(share * kv)
-        why = f"{share * 100:g}% of the pool"
+        host = int(share * kv) if pool_bytes is None else GIVEN_POOL_HOST_BYTES
+        why = f"{share * 100:g}% of the pool" if pool_bytes is None else "0.5 GiB beside a configured pool"
         if host_available is not None:
             left = max(0, host_available - (kv if same_memory and pool_bytes is None else 0))
             if host > HOST_MEMORY_FRACTION * left:

@@ -193,6 +193,8 @@ class QuantLinear(nn.Module):
         _register(self, out_features, in_features, offsets, fmt)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=bias_dtype), requires_grad=False) if bias else None
         self.native: bool | None = None
+        f = LOWBIT_FORMATS.get(fmt)
+        self._lowbit = None if f is None else (_lut(f), f.zero)  # the low-bit op's (lut, zero); None: q8_0
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> QuantLinear:
@@ -220,25 +222,26 @@ class QuantLinear(nn.Module):
         return _dequantize(self, slice(None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()  # [M, K]
+        # the model's own case (float32 rows [M, K], contiguous) skips the reshapes and casts: at one
+        # row a call's Python costs as much as a small layer's kernel
+        plain = x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous()
+        x2 = x if plain else x.reshape(-1, self.in_features).to(torch.float32).contiguous()  # [M, K]
         if self.native is None:
             self.native = _native_ok(self.fmt)
         if self.native:
             out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)  # [M, N]
-            if self.fmt == "q8_0":
+            if self._lowbit is None:
                 torch.ops.pagedkv.q8_0_linear(out, x2, self.qweight, self.scales, self.offsets)
             else:
-                f = LOWBIT_FORMATS[self.fmt]
                 torch.ops.pagedkv.lowbit_linear(out, x2, self.qweight, self.planes, self.scales, self.offsets,
-                                                _lut(f), f.zero)
+                                                *self._lowbit)
         elif self.fmt == "q8_0":
             out = q8_0_linear_reference(x2, self.qweight, self.scales, self.offsets)
         else:
             out = lowbit_linear_reference(x2, self)
         if self.bias is not None:
             out += self.bias
-        return out.view(*lead, self.out_features).to(x.dtype)
+        return out if plain else out.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -11,6 +11,7 @@ import pytest
 
 from pagedkv.engine import LLMEngine
 from pagedkv.engine.kv_sizing import (
+    GIVEN_POOL_HOST_BYTES,
     HOST_MEMORY_FRACTION,
     HOST_TIER_SHARE,
     HOST_TIER_SHARE_CPU,
@@ -47,8 +48,8 @@ def test_the_pool_holds_one_longest_sequence_or_twice_the_weights_within_the_fre
 
 
 def test_given_sizes_are_kept_and_said_so() -> None:
-    s = _size(pool_bytes=64 * MiB)
-    assert s.kv_bytes == 64 * MiB and "KV pool" not in s.reason and s.host_bytes == int(HOST_TIER_SHARE_CPU * 64 * MiB)
+    s = _size(pool_bytes=64 * MiB)  # beside a configured pool the host tier keeps its former 0.5 GiB
+    assert s.kv_bytes == 64 * MiB and "KV pool" not in s.reason and s.host_bytes == GIVEN_POOL_HOST_BYTES
     s = _size(pool_bytes=64 * MiB, host_given=True)
     assert s.host_bytes is None and s.reason == "KV pool and host tier as configured"
 
