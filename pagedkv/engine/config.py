@@ -83,8 +83,8 @@ class EngineConfig:
     kv_offloading_size: float = field(default=DEFAULT_HOST_TIER_GIB, metadata={"help": (
         "the host tier in GiB (vLLM's name): the one host pool, holding swapped-out sequences and the "
         "cached prefix blocks evicted from the device; swap_space is its deprecated alias (give one of "
-        "the two) (default: an eighth of a CPU KV pool, half of a GPU's, within a quarter of the host memory "
-        "left; logged at start)")})
+        "the two) (default: an eighth of a CPU KV pool, half of a GPU's, 0.5 beside a configured pool; within "
+        "a quarter of the host memory left; logged at start)")})
     swap_space: float | None = field(default=None, metadata={"help": "deprecated alias of kv_offloading_size"})
     kv_offload_dir: str | None = field(default=None, metadata={"help": (
         "directory of the disk tier below the host tier: checksummed block files of evicted prefix blocks "
