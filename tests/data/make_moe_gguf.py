@@ -109,8 +109,9 @@ def _save_tokenizer(folder: Path) -> None:
 
 def _convert(llama_cpp: Path, folder: Path, out: Path) -> None:
     sys.path[:0] = [str(llama_cpp), str(llama_cpp / "gguf-py")]
-    import convert_hf_to_gguf  # type: ignore[import-not-found]
-    from conversion import base, llama  # type: ignore[import-not-found]
+    # llama.cpp's converter is not installed: it is imported from the folder given on the command line.
+    import convert_hf_to_gguf  # type: ignore[import-not-found]  # from llama_cpp's folder, not installed
+    from conversion import base, llama  # type: ignore[import-not-found]  # the same folder
 
     base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"  # the module docstring
     llama.LlamaModel.set_vocab = lambda self: self._set_vocab_gpt2()

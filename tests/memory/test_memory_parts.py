@@ -128,7 +128,7 @@ class RemoteStandIn:
     name = "remote"
 
     def __init__(self, host) -> None:
-        self.host, self.kept, self.steps = host, [], 0
+        self.host, self.kept, self.cached, self.steps = host, [], [], 0
 
     def lookup(self, keys):
         return 0
@@ -144,6 +144,9 @@ class RemoteStandIn:
 
     def offer(self, block):
         self.kept.append(block.block_hash)
+
+    def on_cached(self, blocks):
+        self.cached.extend(b.block_hash for b in blocks)
 
     def take_copies(self, copies):
         pass
@@ -184,6 +187,7 @@ def test_a_new_lower_tier_plugs_in_without_an_edit_to_the_manager():
     prompt = list(range(3 * B + 1))
     kv.allocate_prompt("a", prompt)
     kv.mark_computed("a", len(prompt))
+    assert len(tier.cached) == 3  # told of each block as it became cached (full, computed)
     kv.free("a")
     assert kv.evict_cached() == 3
     assert len(tier.kept) == 3  # every evicted block was offered to it too

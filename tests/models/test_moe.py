@@ -164,6 +164,7 @@ def _our_moe_from(block: torch.nn.Module, shape: Any, moe: Any) -> MoEMLP:
     """Our MoEMLP with ``block``'s weights (the routing config read from config.json)."""
     from types import SimpleNamespace
 
+    # MoEMLP reads only these two fields of a ModelConfig: a namespace stands in for it.
     ours = MoEMLP(SimpleNamespace(moe=moe, hidden_size=shape.hidden_size))  # type: ignore[arg-type]
     state = block.state_dict()
     inter = moe.intermediate_size
@@ -187,6 +188,7 @@ def test_experts_run_one_matmul_each_over_their_rows(monkeypatch: pytest.MonkeyP
     from pagedkv.models.config import MoEConfig
 
     moe = MoEConfig(num_experts=12, top_k=3, intermediate_size=8, sparse_layers=frozenset({0}))
+    # A stand-in for ModelConfig with the two fields MoEMLP reads.
     layer = MoEMLP(type("C", (), {"moe": moe, "hidden_size": 16})())  # type: ignore[arg-type]
     with torch.no_grad():
         for p in layer.parameters():

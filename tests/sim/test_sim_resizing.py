@@ -41,6 +41,7 @@ def test_variable_tail_holds_the_smallest_power_of_two_and_copies_it_up() -> Non
 def test_merge_splits_underused_tails_past_10_percent_and_merges_them_back() -> None:
     policy = ResizingPolicy("merge@16-64", "merge", 4096, 16, 64, watermark=0.0)
     seq = _seq(1, 9)
+    # The policy reads only the sequences here, not the manager: None stands in for it.
     assert policy.admit(None, [seq])  # type: ignore[arg-type]
     assert policy.held[1] == 64  # 55 of 64 slots empty
     _grow_to(policy, seq, 10)  # the defragmenter runs: 10 tokens copied into one 16-block
