@@ -150,8 +150,11 @@ def test_json_request_lines_at_debug(model_dir: Path) -> None:
         assert probe["level"] == "DEBUG" and probe["status"] == 200 and probe["client"].startswith("127.0.0.1:")
         httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                       "max_tokens": 2}, timeout=30)
-        line = json.loads(log.wait_for(lambda s: '"pagedkv.server.requests"' in s))
-        assert line["status"] == 200 and line["route"] == "/v1/chat/completions" and line["output_tokens"] == 2
+        # The request line is written once the response is sent, maybe after the client has it: wait for
+        # that route's line (the probe's line above is a request line too).
+        line = json.loads(log.wait_for(lambda s: '"pagedkv.server.requests"' in s
+                                       and '"route": "/v1/chat/completions"' in s))
+        assert line["status"] == 200 and line["output_tokens"] == 2
         assert line["prompt_tokens"] > 0 and line["ttft_s"] > 0 and line["finish_reason"] == "length"
         assert line["client_disconnected"] is False
         time.sleep(1.0)
