@@ -8,7 +8,8 @@ given:
 
 - the pool wants room for one sequence of ``max_model_len`` tokens, and at least twice the
   weights' bytes (a served model's KV pool is of the order of its weights: vLLM on a GPU
-  typically gets 2-4x), and never more than :data:`KV_MEMORY_FRACTION` of the memory available
+  typically gets 2-4x), and at least :data:`MIN_KV_BYTES`, and never more than
+  :data:`KV_MEMORY_FRACTION` of the memory available
   now (after the weights are loaded: ``MemAvailable``, bounded by a cgroup limit; on CUDA the
   device's free memory), nor less than :data:`MIN_KV_BLOCKS` blocks;
 - the host tier is :data:`HOST_TIER_SHARE` of a GPU's pool (:data:`HOST_TIER_SHARE_CPU` of a CPU
@@ -32,6 +33,9 @@ HOST_TIER_SHARE = 0.5  # the host tier: this share of a GPU's pool
 HOST_TIER_SHARE_CPU = 0.125  # ... of a CPU pool, host memory itself: room for swapped-out rows
 HOST_MEMORY_FRACTION = 0.25  # ... within this fraction of the host memory left after the pool
 MIN_KV_BLOCKS = 16
+# A small model's pool is not sized down to one sequence: batches and fan-outs (n > 1) need many
+# sequences' blocks, and 64 MiB is little beside any machine this runs on (the fixed default was 1 GiB).
+MIN_KV_BYTES = 64 * 1024 * 1024
 GIVEN_POOL_HOST_BYTES = 1 << 29  # beside a configured pool: the fixed 0.5 GiB of before (at most 4x the pool)
 
 
@@ -92,9 +96,11 @@ def size_kv(*, block_bytes: int, block_size: int, max_model_len: int, weight_byt
     parts: list[str] = []
     if pool_bytes is None:
         sequence = -(-max_model_len // block_size) * block_bytes
-        want = max(sequence, WEIGHTS_MULTIPLE * weight_bytes)
+        want = max(sequence, WEIGHTS_MULTIPLE * weight_bytes, MIN_KV_BYTES)
         why = (f"one {max_model_len}-token sequence ({format_bytes(sequence)})" if sequence >= want else
-               f"{WEIGHTS_MULTIPLE}x the weights' {format_bytes(weight_bytes)}")
+               f"{WEIGHTS_MULTIPLE}x the weights' {format_bytes(weight_bytes)}"
+               if WEIGHTS_MULTIPLE * weight_bytes >= want
+               else f"the {format_bytes(MIN_KV_BYTES)} floor for a small model")
         kv = want
         if device_available is not None and KV_MEMORY_FRACTION * device_available < want:
             kv = int(KV_MEMORY_FRACTION * device_available)

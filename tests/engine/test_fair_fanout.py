@@ -216,6 +216,8 @@ def test_fan_out_with_a_full_vocabulary_bias_beside_a_newcomer_on_the_default_mo
         assert newcomer.ttft <= 15.0, newcomer.error
         assert newcomer.worst_gap() <= 5.0
         assert health.worst <= 1.0
-        assert rss_after <= 1.05 * rss_before
+        # Growth in absolute terms: the allowance this test had (5% of the ~2 GiB the server held
+        # before its KV pool and host tier were sized from the machine), not 5% of today's ~0.9 GiB.
+        assert rss_after <= rss_before + 100 * 2**20
     finally:
         stop_server(proc)
