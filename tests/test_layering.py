@@ -70,7 +70,7 @@ ALLOWED: dict[str, tuple[frozenset[str], str]] = {
                   "turns workloads into token ids and times an engine it is given (pure Python)"),
     # -- the engine and what it wires --------------------------------------------------------
     "engine": (FACTS | {"memory", "runner", "models", "ops", "lora", "speculative", "sampling", "outputs",
-                        "sampling_params"},
+                        "sampling_params", "distributed"},
                "the one wiring point: builds the model and runner (build.py: models, ops.kv_format), the "
                "memory core, the speculative decoder, LoRA; never the other way round"),
     "speculative": (FACTS | {"memory", "runner", "sampling"},
@@ -84,13 +84,16 @@ ALLOWED: dict[str, tuple[frozenset[str], str]] = {
     "memory": (frozenset({"errors", "kv_events", "model_shape", "units"}),
                "the paging core: pure Python, no torch, no environment (its settings are passed in); knows "
                "shapes, errors and KV events"),
-    "runner": (FACTS | {"models", "ops", "lora"},
+    "runner": (FACTS | {"models", "ops", "lora", "distributed"},
                "owns the tensors: runs the model (models) with the kernels (ops) and LoRA slots"),
-    "models": (FACTS | {"ops", "paths", "progress", "sampling_params"},
+    "models": (FACTS | {"ops", "paths", "progress", "sampling_params", "distributed"},
                "pure model code over the ops' kernels; caches converted files under paths.cache_root(); "
                "reads generation_config.json's sampling defaults by SamplingParams' names"),
     "ops": (FACTS | {"paths", "progress"},
             "kernels and their native build (cached under paths.cache_root()); imports no model"),
+    "distributed": (FACTS,
+                    "tensor parallelism's bottom: a rank's group (collectives) and the rules that split a "
+                    "model (group.py); the launcher of the ranks; imports no model or runner"),
     # -- shared facts and helpers (pure Python) ----------------------------------------------
     "outputs": (FACTS, "RequestOutput / CompletionOutput: what a request returns"),
     "sampling_params": (FACTS, "SamplingParams: what a request asks for"),
