@@ -25,23 +25,23 @@ blocks as its last ones landed, and was read again, for ever.)
 KV events (medium "DISK"): blocks written, evicted or discarded, as the store's index changes on
 the worker thread; ``take_events`` moves them into the log on the engine thread, once per step.
 
-Threads: the engine thread calls everything here; the worker only runs ``_work``. One condition
-variable guards the queues and the worker's counters.
+Threads: the engine thread calls everything here; the worker only runs ``_work``. What this tier
+shares with the remote tier (the read admission, the queues, flush, close) is ``BackgroundTier``
+(``tiers/background.py``).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.kv_events import MEDIUMS, KVEventLog
 from pagedkv.memory.block import Block
 from pagedkv.memory.block_pool import BlockPool
+from pagedkv.memory.tiers.background import BackgroundTier, TierIOStats
 from pagedkv.memory.tiers.base import DISK, StepCopies
 from pagedkv.memory.tiers.costs import TierCosts
 from pagedkv.memory.tiers.disk_store import DiskStore
@@ -52,19 +52,10 @@ logger = logging.getLogger(__name__)
 READ_TIMEOUT_S = 10.0  # a request stops waiting for reads older than this (they stay in flight)
 
 
-@dataclass(frozen=True, slots=True)
-class DiskIOStats:
-    queued_writes: int  # offload queue depth now
-    max_queued_writes: int
-    writes_dropped: int  # offloads not queued: the queue was full
-    write_failures: int  # puts that stored nothing (tier disabled, block too big, I/O error)
-    reads_pending: int
-    read_errors: int  # reads that raised (counted as misses)
-    read_blocks: int  # reads finished with a payload
-    read_seconds: float  # worker time spent in reads that returned a payload
+DiskIOStats = TierIOStats  # (the name this module had for it)
 
 
-class DiskTier:
+class DiskTier(BackgroundTier):
     """The disk tier: ``store`` (the block files) below ``host`` (the tier its reads load into).
 
     Args:
@@ -77,43 +68,18 @@ class DiskTier:
     """
 
     name = DISK
+    read_timeout_s = READ_TIMEOUT_S
 
     def __init__(self, store: DiskStore, *, host: HostTier, costs: TierCosts, block_size: int,
                  max_queued_writes: int = 64, events: KVEventLog | None = None) -> None:
-        if max_queued_writes < 1:
-            raise ValueError(f"max_queued_writes must be >= 1, got {max_queued_writes}")
+        super().__init__(store, host=host, costs=costs, block_size=block_size,
+                         max_queued_writes=max_queued_writes)
         self.store = store
-        self.host = host
-        self.costs = costs
-        self.block_size = block_size
-        self.max_queued_writes = max_queued_writes
-        # the engine thread's side: what to write, what waiting prompts asked to read
-        self.query_tokens = 0  # prompt tokens looked up on disk (past the device and host tiers)
-        self.hit_tokens = 0  # tokens read from disk into the host tier
         self.to_disk: list[tuple[int, bytes]] = []  # (device block, key) evicted this step
-        self._looked_up: set[Hashable] = set()  # waiting sequences whose lookup was counted
-        self._asked: dict[Hashable, set[bytes]] = {}  # per waiting sequence: blocks read for it, this attempt
-        self._load_failed: set[bytes] = set()  # reads of this step the host tier had no room for
-        self._tokens_of: dict[bytes, int] = {}  # prompt tokens a requested key stands for, when not B
         # KV events: the store's index changes (a restart first announces what it kept)
         self.events = events
         self._changes: deque[tuple[str, bytes]] | None = store.watch_changes() if events is not None else None
-        # the worker's side, under self._cv
-        self._cv = threading.Condition()
-        self._writes: deque[tuple[bytes, bytes]] = deque()
-        self._queued: set[bytes] = set()  # keys in self._writes
-        self._reads: deque[bytes] = deque()
-        self._pending: dict[bytes, float] = {}  # key -> when its read was asked for
-        self._done: dict[bytes, bytes | None] = {}  # finished reads, until poll()
-        self._busy = False  # the worker is inside a put or a get
-        self._closing = False
-        self.writes_dropped = 0
-        self.write_failures = 0
-        self.read_errors = 0
-        self.read_blocks = 0
-        self.read_seconds = 0.0
-        self._worker = threading.Thread(target=self._work, name="pagedkv-disk-tier", daemon=True)
-        self._worker.start()
+        self._start_worker("pagedkv-disk-tier")
 
     # ------------------------------------------------------------------ LowerTier
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -161,50 +127,17 @@ class DiskTier:
             else:
                 events.removed(key, medium)
 
-    def complete_loads(self, device: BlockPool) -> None:
-        """Take the blocks read since the last call into the host tier (not those ``device`` holds)."""
-        for key, payload in self.poll():
-            tokens = self._tokens_of.pop(key, self.block_size)
-            if key in device.cached:
-                continue
-            if self.host.load(key, payload):
-                self.hit_tokens += tokens
-            else:  # no host block free this step: whoever waits for it recomputes instead
-                self._load_failed.add(key)
-
     def prepare_load(self, seq_id: Hashable, keys: list[bytes], query_tokens: int, count: bool,
                      tokens_of: dict[bytes, int] | None = None) -> bool:
         """Read ``keys`` (a waiting prompt's blocks only the disk holds) if reloading beats
         recomputing; True while some are being read. ``query_tokens``: the prompt tokens no
         faster tier holds; ``tokens_of``: the prompt tokens a key stands for where not the block
         size (a hybrid model's other KV groups: 0)."""
-        cheaper = bool(keys) and self.costs.reload_cheaper(DISK, len(keys), record=False)
-        if count and seq_id not in self._looked_up:
-            self._looked_up.add(seq_id)
-            self.query_tokens += query_tokens
-            if keys:
-                self.costs.record(DISK, reload=cheaper)
-        if not cheaper or not self._load_failed.isdisjoint(keys):
-            return False  # nothing to read, recomputing is cheaper, or no room in the host tier
-        asked = self._asked.setdefault(seq_id, set())
-        fresh = [k for k in keys if k not in asked]
-        asked.update(fresh)
-        if tokens_of:
-            self._tokens_of.update((k, tokens_of[k]) for k in fresh if k in tokens_of)
-        # read once per attempt: keys read before and not in the host tier now are misses for good
+        fresh = self._keys_to_read(seq_id, keys, query_tokens, count, tokens_of)
+        if fresh is None:
+            return False
         self.request_reads(fresh)
         return self.reading(keys) > 0
-
-    def forget(self, seq_id: Hashable) -> None:
-        """The sequence left the queue (admitted or retired): its admission attempt is over."""
-        self._looked_up.discard(seq_id)
-        self._asked.pop(seq_id, None)
-
-    def held_blocks(self) -> list[int]:
-        return []
-
-    def wait_for_loads(self, timeout: float) -> bool:
-        return self.wait_for_reads(timeout)
 
     def persistable_blocks(self, device: BlockPool) -> list[tuple[str, int, bytes]]:
         """``(tier, block id, key)`` of every cached block, host then ``device``, not yet on disk."""
@@ -239,30 +172,11 @@ class DiskTier:
     def offer_write(self, key: bytes, payload: bytes) -> bool:
         """Queue a block for writing; False (dropped, counted) when the queue is full or closing."""
         with self._cv:
-            if key in self._queued:
-                return True
-            if self._closing or len(self._writes) >= self.max_queued_writes:
-                self.writes_dropped += 1
-                return False
-            self._writes.append((key, payload))
-            self._queued.add(key)
-            self._cv.notify()
-            return True
+            return self._queue_write(key, payload)
 
     def write_now(self, key: bytes, payload: bytes) -> bool:
         """Write a block on the calling thread, waiting for nothing but the disk (shutdown)."""
         return self._put(key, payload)
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until the write queue is empty and the worker idle; False on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cv:
-            while self._writes or self._busy:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cv.wait(left)
-        return True
 
     # ------------------------------------------------------------------ reads
     def request_reads(self, keys: list[bytes]) -> int:
@@ -282,52 +196,6 @@ class DiskTier:
                 if now - asked < READ_TIMEOUT_S:
                     waiting += 1
         return waiting
-
-    def reading(self, keys: list[bytes]) -> int:
-        """How many of ``keys`` are being read (asked for less than ``READ_TIMEOUT_S`` ago) or read
-        and not yet polled; asks for nothing."""
-        now = time.monotonic()
-        with self._cv:
-            return sum(1 for k in keys if k in self._done or (
-                (asked := self._pending.get(k)) is not None and now - asked < READ_TIMEOUT_S))
-
-    def wait_for_reads(self, timeout: float) -> bool:
-        """Block until a read finishes (or none is pending), at most ``timeout`` seconds: an engine
-        with nothing to run but requests waiting for the disk sleeps here instead of spinning
-        (which would also starve the worker of the GIL). True if a read is ready to poll."""
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            while not self._done and self._pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cv.wait(left)
-            return bool(self._done)
-
-    def poll(self) -> list[tuple[bytes, bytes]]:
-        """The reads finished since the last poll that found a block: ``(key, payload)`` pairs."""
-        with self._cv:
-            done, self._done = self._done, {}
-        return [(k, p) for k, p in done.items() if p is not None]
-
-    # ------------------------------------------------------------------ lifetime
-    def close(self, flush: bool = True, timeout: float | None = 60.0) -> None:
-        """Stop the worker (after writing the queue, with ``flush``) and close the directory."""
-        if flush:
-            self.flush(timeout)
-        with self._cv:
-            self._closing = True
-            self._writes.clear()
-            self._queued.clear()
-            self._cv.notify_all()
-        self._worker.join(timeout=5.0)
-        self.store.close()
-
-    def io_stats(self) -> DiskIOStats:
-        with self._cv:
-            return DiskIOStats(len(self._writes), self.max_queued_writes, self.writes_dropped,
-                               self.write_failures, len(self._pending), self.read_errors, self.read_blocks,
-                               self.read_seconds)
 
     # ------------------------------------------------------------------ the worker
     def _work(self) -> None:
@@ -378,8 +246,7 @@ class DiskTier:
             self.store.discard(key)  # a miss for good: no later prompt waits on it again
         took = time.perf_counter() - start
         with self._cv:
-            self._pending.pop(key, None)
-            self._done[key] = payload
+            self._finish_read(key, payload)
             if payload is not None:
                 self.read_blocks += 1
                 self.read_seconds += took

@@ -35,23 +35,23 @@ nothing at once and no block is serialized for it.
 KV events (medium "REMOTE"): blocks this replica wrote, and blocks found gone or bad when read.
 
 Threads: the engine thread calls everything but ``_work``; one condition variable guards the
-queues, the hints and the worker's counters.
+queues, the hints and the worker's counters. What this tier shares with the disk tier (the read
+admission, the queues, flush, close) is ``BackgroundTier`` (``tiers/background.py``).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.kv_events import MEDIUMS, KVEventLog
 from pagedkv.memory.block import Block
 from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.errors import IntegrityError
+from pagedkv.memory.tiers.background import BackgroundTier, TierIOStats
 from pagedkv.memory.tiers.base import REMOTE, StepCopies
 from pagedkv.memory.tiers.costs import TierCosts
 from pagedkv.memory.tiers.host import HostTier
@@ -66,19 +66,10 @@ KNOWN_KEYS = 1 << 16  # keys remembered as present on the server, at most
 WRITE_BATCH = 16  # blocks per EXISTS + SET NX pair of round trips
 
 
-@dataclass(frozen=True, slots=True)
-class RemoteIOStats:
-    queued_writes: int
-    max_queued_writes: int
-    writes_dropped: int  # blocks not written: the queue was full or the server unreachable
-    write_failures: int  # blocks the worker could not write (server down or refusing)
-    reads_pending: int
-    read_errors: int  # blocks whose read failed (server down or slow)
-    read_blocks: int  # reads finished with a payload
-    read_seconds: float  # worker time in round trips that returned payloads, per block summed
+RemoteIOStats = TierIOStats  # (the name this module had for it)
 
 
-class RemoteTier:
+class RemoteTier(BackgroundTier):
     """The remote tier: ``store`` (a Redis server shared by replicas) below ``host``.
 
     Args:
@@ -92,52 +83,29 @@ class RemoteTier:
     """
 
     name = REMOTE
+    read_timeout_s = READ_TIMEOUT_S
 
     def __init__(self, store: RemoteStore, *, host: HostTier, costs: TierCosts, block_size: int,
                  max_queued_writes: int = 64, read_batch_bytes: int = 16 << 20,
                  events: KVEventLog | None = None) -> None:
-        if max_queued_writes < 1:
-            raise ValueError(f"max_queued_writes must be >= 1, got {max_queued_writes}")
         if read_batch_bytes < 1:
             raise ValueError(f"read_batch_bytes must be >= 1, got {read_batch_bytes}")
+        super().__init__(store, host=host, costs=costs, block_size=block_size,
+                         max_queued_writes=max_queued_writes)
         self.store = store
-        self.host = host
-        self.costs = costs
-        self.block_size = block_size
-        self.max_queued_writes = max_queued_writes
         self.read_batch = max(1, read_batch_bytes // max(store.payload_bytes or 1 << 20, 1))
         self.events = events
         # the engine thread's side
-        self.query_tokens = 0  # prompt tokens looked up here (past the device, host and disk tiers)
-        self.hit_tokens = 0  # tokens read from the server into the host tier
         self._to_write: dict[bytes, int] = {}  # key -> device block, offered since the last step
         self._serializing: set[bytes] = set()  # keys this step's copies serialize for this tier
-        self._looked_up: set[Hashable] = set()
-        self._asked: dict[Hashable, set[bytes]] = {}
-        self._load_failed: set[bytes] = set()
-        self._tokens_of: dict[bytes, int] = {}
         # shared with the worker, under self._cv
-        self._cv = threading.Condition()
         self._present: OrderedDict[bytes, None] = OrderedDict()  # hints: on the server
         self._absent: dict[bytes, float] = {}  # hints: found missing at (monotonic time)
         self._epoch = store.epoch
-        self._writes: deque[tuple[bytes, bytes]] = deque()
-        self._queued: set[bytes] = set()
         self._checks: deque[list[bytes]] = deque()  # runs of keys to look up (then read)
         self._checking: set[bytes] = set()
-        self._reads: deque[bytes] = deque()
-        self._pending: dict[bytes, float] = {}  # key -> when its lookup was asked for
-        self._done: dict[bytes, bytes | None] = {}
         self._changes: deque[tuple[str, bytes]] = deque()  # ("stored" | "removed", key) for KV events
-        self._busy = False
-        self._closing = False
-        self.writes_dropped = 0
-        self.write_failures = 0
-        self.read_errors = 0
-        self.read_blocks = 0
-        self.read_seconds = 0.0
-        self._worker = threading.Thread(target=self._work, name="pagedkv-remote-tier", daemon=True)
-        self._worker.start()
+        self._start_worker("pagedkv-remote-tier")
 
     # ------------------------------------------------------------------ LowerTier
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -200,35 +168,14 @@ class RemoteTier:
             else:
                 events.removed(key, medium)
 
-    def complete_loads(self, device: BlockPool) -> None:
-        """Take the blocks read since the last call into the host tier (not those ``device`` holds)."""
-        for key, payload in self.poll():
-            tokens = self._tokens_of.pop(key, self.block_size)
-            if key in device.cached:
-                continue
-            if self.host.load(key, payload, REMOTE):
-                self.hit_tokens += tokens
-            else:  # no host block free this step: whoever waits for it recomputes instead
-                self._load_failed.add(key)
-
     def prepare_load(self, seq_id: Hashable, keys: list[bytes], query_tokens: int, count: bool,
                      tokens_of: dict[bytes, int] | None = None) -> bool:
         """Look ``keys`` up on the server and read the run of them it holds, if reloading beats
         recomputing; True while some are on their way. Waits up to ``LOOKUP_WAIT_S`` for the
         lookup, so a prompt the server knows nothing of is admitted in this step."""
-        cheaper = bool(keys) and self.costs.reload_cheaper(REMOTE, len(keys), record=False)
-        if count and seq_id not in self._looked_up:
-            self._looked_up.add(seq_id)
-            self.query_tokens += query_tokens
-            if keys:
-                self.costs.record(REMOTE, reload=cheaper)
-        if not cheaper or not self._load_failed.isdisjoint(keys):
+        fresh = self._keys_to_read(seq_id, keys, query_tokens, count, tokens_of)
+        if fresh is None:
             return False
-        asked = self._asked.setdefault(seq_id, set())
-        fresh = [k for k in keys if k not in asked]
-        asked.update(fresh)
-        if tokens_of:
-            self._tokens_of.update((k, tokens_of[k]) for k in fresh if k in tokens_of)
         now = time.monotonic()
         with self._cv:
             fresh = [k for k in fresh if k not in self._pending and k not in self._done]
@@ -242,23 +189,6 @@ class RemoteTier:
                 while not self._checking.isdisjoint(fresh) and (left := deadline - time.monotonic()) > 0:
                     self._cv.wait(left)
         return self.reading(keys) > 0
-
-    def forget(self, seq_id: Hashable) -> None:
-        self._looked_up.discard(seq_id)
-        self._asked.pop(seq_id, None)
-
-    def held_blocks(self) -> list[int]:
-        return []
-
-    def wait_for_loads(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            while not self._done and self._pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cv.wait(left)
-            return bool(self._done)
 
     def stats(self) -> dict[str, Any]:
         s, io = self.store.stats(), self.io_stats()
@@ -285,20 +215,13 @@ class RemoteTier:
     # ------------------------------------------------------------------ writes
     def offer_payload(self, key: bytes, payload: bytes) -> bool:
         """A block this step serialized for this tier (``take_copies``): queue it for the worker.
-        False when ``key`` was not serialized for this tier (it is another tier's), or when it
-        is dropped (queue full: counted)."""
+        False when ``key`` was not serialized for this tier (it is another tier's); True when it
+        is queued or dropped (queue full: counted)."""
         if key not in self._serializing:
             return False
         self._serializing.discard(key)
         with self._cv:
-            if key in self._queued:
-                return True
-            if self._closing or len(self._writes) >= self.max_queued_writes:
-                self.writes_dropped += 1
-                return True
-            self._writes.append((key, payload))
-            self._queued.add(key)
-            self._cv.notify_all()
+            self._queue_write(key, payload)  # (dropped when the queue is full: counted)
         return True
 
     def persistable_blocks(self, device: BlockPool) -> list[tuple[str, int, bytes]]:
@@ -322,50 +245,10 @@ class RemoteTier:
                     self._remember(key)
         return sum(done)
 
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until the write queue is empty and the worker idle; False on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cv:
-            while self._writes or self._busy:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cv.wait(left)
-        return True
-
-    # ------------------------------------------------------------------ reads
-    def reading(self, keys: list[bytes]) -> int:
-        """How many of ``keys`` are on their way (asked for less than ``READ_TIMEOUT_S`` ago) or
-        read and not yet polled."""
-        now = time.monotonic()
-        with self._cv:
-            return sum(1 for k in keys if self._done.get(k) is not None or (
-                (asked := self._pending.get(k)) is not None and now - asked < READ_TIMEOUT_S))
-
-    def poll(self) -> list[tuple[bytes, bytes]]:
-        """The reads finished since the last poll that found a block: ``(key, payload)`` pairs."""
-        with self._cv:
-            done, self._done = self._done, {}
-        return [(k, p) for k, p in done.items() if p is not None]
-
     # ------------------------------------------------------------------ lifetime
     def close(self, flush: bool = True, timeout: float | None = 30.0) -> None:
         """Stop the worker (after writing the queue, with ``flush``) and close the connection."""
-        if flush:
-            self.flush(timeout)
-        with self._cv:
-            self._closing = True
-            self._writes.clear()
-            self._queued.clear()
-            self._cv.notify_all()
-        self._worker.join(timeout=5.0)
-        self.store.close()
-
-    def io_stats(self) -> RemoteIOStats:
-        with self._cv:
-            return RemoteIOStats(len(self._writes), self.max_queued_writes, self.writes_dropped,
-                                 self.write_failures, len(self._pending), self.read_errors, self.read_blocks,
-                                 self.read_seconds)
+        super().close(flush, timeout)
 
     # ------------------------------------------------------------------ hints (under self._cv)
     def _sync_epoch(self) -> None:
@@ -466,9 +349,8 @@ class RemoteTier:
                 self._finish_read(key, payload)
 
     def _finish_read(self, key: bytes, payload: bytes | None) -> None:
-        self._pending.pop(key, None)
+        super()._finish_read(key, payload)
         self._checking.discard(key)
-        self._done[key] = payload
 
     def _write(self, writes: list[tuple[bytes, bytes]]) -> None:
         done = self.store.put_missing(writes)
