@@ -2,6 +2,14 @@
 launcher of the ranks. ``group.py`` imports torch and the facts only, so the models and the
 runner may use it."""
 
-from pagedkv.distributed.group import SINGLE, ShardingError, TPGroup, check_shardable, kv_head_range, shard_range
+from pagedkv.distributed.group import (
+    COLLECTIVES,
+    SINGLE,
+    ShardingError,
+    TPGroup,
+    check_shardable,
+    kv_head_range,
+    shard_range,
+)
 
-__all__ = ["SINGLE", "ShardingError", "TPGroup", "check_shardable", "kv_head_range", "shard_range"]
+__all__ = ["COLLECTIVES", "SINGLE", "ShardingError", "TPGroup", "check_shardable", "kv_head_range", "shard_range"]

@@ -16,6 +16,7 @@ every unit above it (models, runner, the launcher) may use it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,21 @@ if TYPE_CHECKING:
 class ShardingError(PagedKVError, ValueError):
     """A model shape that cannot be split over the asked number of ranks (the message names the
     dimension and the sizes that would work)."""
+
+
+@dataclass(slots=True)
+class CollectiveStats:
+    """Calls and seconds spent in the model's collectives in this process (``COLLECTIVES``): the
+    benchmark's split of a step's time into compute and communication. Cheap: two clock reads a call."""
+
+    calls: int = 0
+    seconds: float = 0.0
+
+    def reset(self) -> None:
+        self.calls, self.seconds = 0, 0.0
+
+
+COLLECTIVES = CollectiveStats()
 
 
 @dataclass(frozen=True)
@@ -49,17 +65,24 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns ``x``."""
         if self.size > 1:
+            start = time.perf_counter()
             torch.distributed.all_reduce(x, group=self.group)
+            COLLECTIVES.calls += 1
+            COLLECTIVES.seconds += time.perf_counter() - start
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's ``x`` (same shape on each) concatenated along ``dim`` in rank order."""
         if self.size == 1:
             return x
+        start = time.perf_counter()
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
         torch.distributed.all_gather(parts, x, group=self.group)
-        return torch.cat(parts, dim=dim)
+        out = torch.cat(parts, dim=dim)
+        COLLECTIVES.calls += 1
+        COLLECTIVES.seconds += time.perf_counter() - start
+        return out
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """``src``'s ``x`` on every rank, in place; returns ``x``."""
