@@ -24,22 +24,24 @@ _K_FIELDS = {Q.Q4_K: {0: 1.0, 2: 7.5}, Q.Q5_K: {0: 1.0, 2: 15.5}, Q.Q6_K: {208: 
 
 def _random_k_quant(shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType, std: float,
                     rng: np.random.Generator) -> np.ndarray:
-    """Random ``qtype`` blocks for a ``shape`` tensor, values of about ``std``: uint8 ``[rows, row bytes]``."""
+    """Random ``qtype`` blocks for a ``shape`` tensor, values of about ``std``: uint8 ``[..., rows, row bytes]``."""
     block, width = gguf.GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (shape[0] * shape[1] // block, width), dtype=np.uint8)
+    raw = rng.integers(0, 256, (int(np.prod(shape)) // block, width), dtype=np.uint8)
 
     def put(c: float) -> None:
         for at, v in _K_FIELDS[qtype].items():
             raw[:, at:at + 2] = np.full(len(raw), c * v, dtype=np.float16).view(np.uint8).reshape(-1, 2)
     put(1.0)
     put(std / float(dequantize(raw, qtype).std()))
-    return raw.reshape(shape[0], -1)
+    return raw.reshape(*shape[:-1], -1)
 
 
 def write_gguf(path: Path, types: dict[str, gguf.GGMLQuantizationType], tied: bool = True, seed: int = 0,
-                hidden: int = HIDDEN, ffn: int = FFN) -> None:
+                hidden: int = HIDDEN, ffn: int = FFN, experts: int = 0) -> None:
     """A tiny llama GGUF (no tokenizer); ``types`` maps a tensor-name suffix (``attn_q.weight``,
-    ``token_embd.weight``, ...) to its type, F32 for the rest (K-quants need inputs of 256)."""
+    ``token_embd.weight``, ...) to its type, F32 for the rest (K-quants need inputs of 256).
+    ``experts`` > 0: Mixtral's layout (llama with a router ``ffn_gate_inp`` and ``experts`` experts
+    of ``ffn`` in ``ffn_{gate,up,down}_exps``, two used per token) instead of the dense MLP."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_context_length(128)
@@ -51,6 +53,9 @@ def write_gguf(path: Path, types: dict[str, gguf.GGMLQuantizationType], tied: bo
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(VOCAB)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(2)
     head_dim = hidden // HEADS
     shapes = {"token_embd.weight": (VOCAB, hidden), "output_norm.weight": (hidden,)}
     if not tied:
@@ -60,13 +65,18 @@ def write_gguf(path: Path, types: dict[str, gguf.GGMLQuantizationType], tied: bo
             "attn_norm.weight": (hidden,), "ffn_norm.weight": (hidden,),
             "attn_q.weight": (HEADS * head_dim, hidden), "attn_k.weight": (KV_HEADS * head_dim, hidden),
             "attn_v.weight": (KV_HEADS * head_dim, hidden), "attn_output.weight": (hidden, HEADS * head_dim),
-            "ffn_gate.weight": (ffn, hidden), "ffn_up.weight": (ffn, hidden), "ffn_down.weight": (hidden, ffn),
         }.items()}
+        shapes |= {f"blk.{i}.{k}": v for k, v in ({
+            "ffn_gate_inp.weight": (experts, hidden), "ffn_gate_exps.weight": (experts, ffn, hidden),
+            "ffn_up_exps.weight": (experts, ffn, hidden), "ffn_down_exps.weight": (experts, hidden, ffn),
+        } if experts else {
+            "ffn_gate.weight": (ffn, hidden), "ffn_up.weight": (ffn, hidden), "ffn_down.weight": (hidden, ffn),
+        }).items()}
     for name, shape in shapes.items():
         if len(shape) == 1:
             w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
             continue
-        std = 1.0 if "token_embd" in name else 1 / np.sqrt(shape[1])
+        std = 1.0 if "token_embd" in name else 1 / np.sqrt(shape[-1])
         arr = (rng.standard_normal(shape) * std).astype(np.float32)
         qtype = next((t for suffix, t in types.items() if name.endswith(suffix)), Q.F32)
         if qtype == Q.F32:

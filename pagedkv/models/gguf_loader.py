@@ -50,7 +50,7 @@ from pagedkv.paths import cache_root, file_key
 from pagedkv.progress import phase
 from pagedkv.weight_quant import Q8_0_GROUP, check_quantization
 
-CONVERTER_VERSION = "5"
+CONVERTER_VERSION = "6"
 # mistral and Mixtral GGUFs use the llama architecture (Mixtral with ffn_*_exps)
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "qwen2moe", "qwen3moe", "deepseek2")
 _DONE = ".complete"
@@ -58,7 +58,7 @@ _DONE = ".complete"
 # Parts llama.cpp stores apart that one checkpoint tensor holds (joined by _join_parts): the experts'
 # gate and up ([E, I, hidden] each -> transformers 5's [E, 2I, hidden] gate_up_proj) and MLA's
 # K and V up-projections (attn_k_b [H, rank, nope], attn_v_b [H, v, rank] -> kv_b_proj [H * (nope + v), rank]).
-_EXPERTS_GATE, _EXPERTS_UP = "mlp.experts.gate_proj", "mlp.experts.up_proj"
+_EXPERTS_GATE, _EXPERTS_UP, _EXPERTS_DOWN = "mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj"
 _K_B, _V_B = "self_attn.k_b_proj", "self_attn.v_b_proj"
 _GGUF_TO_HF_LAYER = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -87,7 +87,7 @@ _GGUF_TO_HF_LAYER = {
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
     "ffn_gate_exps.weight": _EXPERTS_GATE,
     "ffn_up_exps.weight": _EXPERTS_UP,
-    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ffn_down_exps.weight": _EXPERTS_DOWN,
     # MLA (deepseek2, models/mla.py): attn_k_b / attn_v_b (llama.cpp's split kv_b) are joined by _join_parts
     "attn_q_a.weight": "self_attn.q_a_proj.weight",
     "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
@@ -286,6 +286,11 @@ def _is_matrix(name: str) -> bool:
     return name.endswith("_proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight")
 
 
+def _is_experts(name: str) -> bool:
+    """Whether HF tensor ``name`` is a MoE layer's 3-D experts (``ffn_{gate,up,down}_exps``)."""
+    return name.endswith((_EXPERTS_GATE, _EXPERTS_UP, _EXPERTS_DOWN))
+
+
 def _float32(t: Any) -> np.ndarray:
     from gguf.quants import dequantize
 
@@ -346,8 +351,13 @@ def _kept_quantized(reader: Any, config: ModelConfig, arch: str, quantization: s
     modules: dict[str, list[Any]] = {}
     for t in reader.tensors:
         name = hf_name(t.name, arch)
-        if name is None or not _is_matrix(name) or len(t.shape) != 2 or int(t.shape[0]) % Q8_0_GROUP:
+        experts = name is not None and _is_experts(name)
+        if name is None or not (experts or _is_matrix(name)) or len(t.shape) != (3 if experts else 2) \
+                or int(t.shape[0]) % Q8_0_GROUP:
             continue  # GGML lists dims innermost first: shape[0] is the input
+        if experts:  # gate and up experts are one module (joined by _join_parts), as q/k/v are
+            modules.setdefault(name.replace(_EXPERTS_UP, _EXPERTS_GATE), []).append(t)
+            continue
         target = map_name(config, name)
         if target is not None and not target.param.endswith(".weight"):
             continue  # a bare Parameter (MLA's kv_b): no quantized layout
@@ -362,26 +372,35 @@ def _kept_quantized(reader: Any, config: ModelConfig, arch: str, quantization: s
 
 def _join_parts(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """``tensors`` with the parts llama.cpp stores apart joined into their checkpoint tensor: the
-    experts' gate and up into ``mlp.experts.gate_up_proj``, MLA's attn_k_b (K transposed) and
+    experts' gate and up into ``mlp.experts.gate_up_proj`` (each quantized buffer of them too:
+    ``gate_proj.weight_q8_0`` and ``up_proj.weight_q8_0`` into ``gate_up_proj.weight_q8_0``; an
+    8-bit part without offsets beside one with gets zero offsets), MLA's attn_k_b (K transposed) and
     attn_v_b into ``kv_b_proj.weight``. Raises ModelLoadError for a part whose partner is missing."""
     pairs = ((_EXPERTS_GATE, _EXPERTS_UP, "mlp.experts.gate_up_proj"), (_K_B, _V_B, "self_attn.kv_b_proj.weight"))
     pending: dict[str, torch.Tensor] = {}
     for name, tensor in tensors:
-        pair = next((p for p in pairs if name.endswith(p[:2])), None)
+        base, sep, quant = name.partition(".weight_")  # a quantized part: its weight's name, then the buffer
+        pair = next((p for p in pairs if base.endswith(p[:2])), None)
         if pair is None:
             yield name, tensor
             continue
         first, second, joined = pair
-        layer = name.removesuffix(first if name.endswith(first) else second)
+        layer, tail = base.removesuffix(first if base.endswith(first) else second), sep + quant
         pending[name] = tensor
-        if layer + first not in pending or layer + second not in pending:
+        if layer + first + tail not in pending or layer + second + tail not in pending:
             continue
-        a, b = pending.pop(layer + first), pending.pop(layer + second)
+        a, b = pending.pop(layer + first + tail), pending.pop(layer + second + tail)
         if first == _K_B:  # [H, rank, nope] -> [H, nope, rank], then V's rows [H, v, rank] after each head's
             a = a.transpose(1, 2)
             yield layer + joined, torch.cat((a, b), dim=1).reshape(-1, a.shape[-1]).contiguous()
         else:
-            yield layer + joined, torch.cat((a, b), dim=1).contiguous()
+            yield layer + joined + tail, torch.cat((a, b), dim=1).contiguous()
+    for name in [n for n in pending if n.endswith("_q8_0_offsets")]:  # the partner's rows: offsets 0
+        base = name.partition(".weight_")[0]
+        own = pending.pop(name)
+        parts = (own, torch.zeros_like(own)) if base.endswith(_EXPERTS_GATE) else (torch.zeros_like(own), own)
+        layer = base.removesuffix(_EXPERTS_GATE).removesuffix(_EXPERTS_UP)
+        yield layer + "mlp.experts.gate_up_proj.weight_q8_0_offsets", torch.cat(parts, dim=1)
     if pending:
         raise ModelLoadError(f"GGUF tensor for {sorted(pending)[0]!r} has no partner (llama.cpp stores gate/up "
                              "experts and attn_k_b/attn_v_b in pairs): the file is incomplete; convert it again")
@@ -406,18 +425,20 @@ def _iter_gguf_tensors(reader: Any, config: ModelConfig, arch: str, quantization
             heads = config.num_key_value_heads
         else:
             heads = None
+        # experts [E, out, in] are quantized as E * out rows and named as a weight ("...down_proj.weight_q8_0")
+        rows, lead, qname = int(np.prod(shape[:-1])), shape[:-1], name + ".weight" if _is_experts(name) else name
         if kept.get(t.name, "q8_0") != "q8_0":
             fmt = kept[t.name]
-            for suffix, arr in zip(("", "_planes", "_scales", "_offsets"), _lowbit(t, shape[0], fmt)):
+            for suffix, arr in zip(("", "_planes", "_scales", "_offsets"), _lowbit(t, rows, fmt)):
                 if arr is not None:
-                    arr = arr if heads is None else unpermute_rows(arr, heads)
-                    yield f"{name}_lb_{fmt}{suffix}", torch.from_numpy(np.ascontiguousarray(arr))
+                    arr = arr.reshape(*lead, -1) if heads is None else unpermute_rows(arr, heads)
+                    yield f"{qname}_lb_{fmt}{suffix}", torch.from_numpy(np.ascontiguousarray(arr))
             continue
         if t.name in kept:
-            for suffix, arr in zip(("_q8_0", "_q8_0_scales", "_q8_0_offsets"), _q8_0(t, *shape)):
+            for suffix, arr in zip(("_q8_0", "_q8_0_scales", "_q8_0_offsets"), _q8_0(t, rows, shape[-1])):
                 if arr is not None:
-                    arr = arr if heads is None else unpermute_rows(arr, heads)
-                    yield name + suffix, torch.from_numpy(np.ascontiguousarray(arr))
+                    arr = arr.reshape(*lead, -1) if heads is None else unpermute_rows(arr, heads)
+                    yield qname + suffix, torch.from_numpy(np.ascontiguousarray(arr))
             continue
         arr = _float32(t).reshape(shape)
         if heads is not None:
@@ -431,7 +452,7 @@ def has_exact_quantized_matrices(path: Path) -> bool:
 
     Reading a GGUF's header takes seconds (its vocabulary), so the answer is remembered in the
     cache, keyed by the file's (path, size, mtime)."""
-    stamp = cache_root() / "gguf" / f"{path.stem}-{file_key(path, 'matrix-types-2')}.json"
+    stamp = cache_root() / "gguf" / f"{path.stem}-{file_key(path, 'matrix-types-3')}.json"
     try:
         return bool(json.loads(stamp.read_text())["exact_quantized"])
     except (OSError, ValueError, KeyError):
@@ -439,7 +460,7 @@ def has_exact_quantized_matrices(path: Path) -> bool:
     reader = open_gguf(path)
     arch = _field(reader, "general.architecture")
     types = {t.tensor_type.name for t in reader.tensors if (name := hf_name(t.name, arch)) is not None
-             and _is_matrix(name)}
+             and (_is_matrix(name) or _is_experts(name))}
     answer = bool(types & (EXACT_TYPES | set(LOWBIT_TYPES)))
     try:
         stamp.parent.mkdir(parents=True, exist_ok=True)

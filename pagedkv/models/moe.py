@@ -15,9 +15,12 @@ expert that got rows runs one gate/up matmul and one down matmul over all of the
 over tokens). The weighted rows are summed back into their tokens with one ``index_add_``.
 
 Expert weights are 3-D parameters (``gate_up [E, 2I, hidden]``, ``down [E, hidden, I]``), the
-layout transformers 5 and llama.cpp (``ffn_*_exps``) keep them in; the router weight is a plain
-parameter, kept in float by ``quantize_model`` (a flipped top-k choice changes which expert runs,
-a larger change than any rounding of the experts themselves).
+layout transformers 5 and llama.cpp (``ffn_*_exps``) keep them in, or quantized
+(:class:`~pagedkv.models.quant_linear.QuantExperts`, put there by ``quantize_model`` or by a GGUF's
+quantized experts): each active expert's rows then go through the 8-bit (or low-bit) kernel over
+that expert's slice of the weights, one call per active expert per step. The router weight is a
+plain parameter, kept in float by ``quantize_model`` (a flipped top-k choice changes which expert
+runs, a larger change than any rounding of the experts themselves).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.models.config import ModelConfig, MoEConfig
+from pagedkv.models.quant_linear import QuantExperts
 
 
 class SharedExpert(nn.Module):
@@ -70,9 +74,23 @@ def route(moe: MoEConfig, logits: torch.Tensor, correction_bias: torch.Tensor | 
     return weights, ids
 
 
+def _expert_linear(weight: nn.Parameter | QuantExperts, expert: int, x: torch.Tensor,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [n, in] @ weight[expert]^T`` in ``x``'s dtype (into ``out`` when given): a float 3-D
+    parameter's slice, or the quantized kernel over a :class:`QuantExperts` expert (float32 rows)."""
+    if not isinstance(weight, QuantExperts):
+        return F.linear(x, weight[expert]) if out is None else torch.matmul(x, weight[expert].t(), out=out)
+    if x.dtype == torch.float32 and (out is None or out.dtype == torch.float32):
+        return weight.linear(expert, x.contiguous(), out)
+    y = weight.linear(expert, x.float().contiguous())
+    return y.to(x.dtype) if out is None else out.copy_(y)
+
+
 class MoEMLP(nn.Module):
     """A sparse MLP layer: router, ``num_experts`` SwiGLU experts run grouped by expert, optional
     shared expert(s). Input and output ``[T, hidden]`` like ``LlamaMLP``."""
+
+    EXPERT_WEIGHTS = ("gate_up", "down")  # the 3-D expert weights ``quantize_model`` swaps for QuantExperts
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -83,8 +101,8 @@ class MoEMLP(nn.Module):
         hidden, e, inter = config.hidden_size, moe.num_experts, moe.intermediate_size
         self.router = nn.Parameter(torch.empty(e, hidden))  # [E, hidden]: a Parameter, so it stays float
         self.e_score_correction_bias = nn.Parameter(torch.empty(e)) if moe.correction_bias else None
-        self.gate_up = nn.Parameter(torch.empty(e, 2 * inter, hidden))  # [E, 2I, hidden]
-        self.down = nn.Parameter(torch.empty(e, hidden, inter))  # [E, hidden, I]
+        self.gate_up: nn.Parameter | QuantExperts = nn.Parameter(torch.empty(e, 2 * inter, hidden))  # [E, 2I, hidden]
+        self.down: nn.Parameter | QuantExperts = nn.Parameter(torch.empty(e, hidden, inter))  # [E, hidden, I]
         self.shared = SharedExpert(hidden, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
         self.shared_gate = nn.Linear(hidden, 1, bias=False) if moe.shared_gate else None
 
@@ -102,8 +120,8 @@ class MoEMLP(nn.Module):
         for expert, n in enumerate(counts):
             if not n:
                 continue
-            gate, up = F.linear(xs[start:start + n], self.gate_up[expert]).split(inter, dim=-1)
-            torch.matmul(F.silu(gate).mul_(up), self.down[expert].t(), out=ys[start:start + n])
+            gate, up = _expert_linear(self.gate_up, expert, xs[start:start + n]).split(inter, dim=-1)
+            _expert_linear(self.down, expert, F.silu(gate).mul_(up), out=ys[start:start + n])
             start += n
         ys.mul_(weights.flatten().index_select(0, order).unsqueeze(1).to(ys.dtype))
         out = torch.zeros_like(x).index_add_(0, rows, ys)

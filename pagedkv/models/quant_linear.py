@@ -104,12 +104,15 @@ def dequantize_lowbit(qweight: torch.Tensor, planes: torch.Tensor | None, scales
     return w.reshape(n, k).to(dtype)
 
 
-def _dequantize(module: QuantLinear | QuantEmbedding, rows: slice | torch.Tensor,
-                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``module``'s float weight rows ``rows`` (a slice or a gather of row ids), in its format."""
+def _dequantize(module: QuantLinear | QuantEmbedding | QuantExperts, rows: slice | torch.Tensor,
+                dtype: torch.dtype = torch.float32, expert: int | None = None) -> torch.Tensor:
+    """``module``'s float weight rows ``rows`` (a slice or a gather of row ids), in its format; of
+    expert ``expert`` for a :class:`QuantExperts`."""
     def take(t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None:
             return None
+        if expert is not None:
+            t = t[expert]
         return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
     q, scales = take(module.qweight), take(module.scales)
     assert q is not None and scales is not None  # buffers every module has
@@ -131,7 +134,7 @@ def q8_0_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
     return out
 
 
-def _register(module: QuantLinear | QuantEmbedding, rows: int, cols: int, offsets: bool,
+def _register(module: QuantLinear | QuantEmbedding | QuantExperts, rows: int, cols: int, offsets: bool,
               fmt: str = "q8_0") -> None:
     """The ``qweight``, ``planes`` (None but for 5 and 6 bits), ``scales`` and (None unless
     ``offsets``) ``offsets`` buffers of a module in format ``fmt`` (the module docstring)."""
@@ -286,16 +289,92 @@ class QuantEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, format={self.fmt}{offsets}"
 
 
+class QuantExperts(nn.Module):
+    """The weights of ``num_experts`` experts, ``[E, out, in]`` (a MoE layer's ``gate_up`` or
+    ``down``, ``models/moe.py``), kept quantized: the buffers of a :class:`QuantLinear` with the
+    expert first (``qweight [E, out, in]``, ``scales [E, out, in / 32]``, ...), so expert ``e``'s
+    slice ``qweight[e]`` is a contiguous ``[out, in]`` weight the linear kernels take in place.
+
+    ``linear(e, x)`` runs one expert over all the rows routed to it: one kernel call per active
+    expert per step. (Per-expert slices measured against a batched kernel: bench/mla.py's
+    ``moe`` figures; docs/mla.md.)
+    """
+
+    qweight: torch.Tensor  # [E, out, in] int8 (q8_0) or [E, out, in // 2] uint8 (low-bit)
+    planes: torch.Tensor | None
+    scales: torch.Tensor  # [E, out, in // 32] (in // 16: i6)
+    offsets: torch.Tensor | None
+    fmt: str
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, offsets: bool = False,
+                 fmt: str = "q8_0") -> None:
+        super().__init__()
+        self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
+        _register(self, num_experts * out_features, in_features, offsets, fmt)
+        for name in ("qweight", "planes", "scales", "offsets"):  # expert first
+            if (t := getattr(self, name)) is not None:
+                setattr(self, name, t.view(num_experts, out_features, -1))
+        self.native: bool | None = None
+        f = LOWBIT_FORMATS.get(fmt)
+        self._lowbit = None if f is None else (_lut(f), f.zero)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> QuantExperts:
+        """Quantize ``weight [E, out, in]`` to Q8_0 (absmax / 127 per 32 values)."""
+        e, n, k = weight.shape
+        experts = cls(e, k, n)
+        q, scales = quantize_q8_0(weight.reshape(e * n, k))
+        experts.qweight, experts.scales = q.view(e, n, k), scales.view(e, n, -1)
+        return experts
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized float32 weight ``[E, out, in]``: a fresh copy, for inspection only."""
+        return torch.stack([_dequantize(self, slice(None), expert=e) for e in range(self.num_experts)])
+
+    def linear(self, expert: int, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [M, in] @ W[expert]^T`` into ``out [M, out]`` (made when None); ``x`` and ``out``
+        float32 and contiguous."""
+        if out is None:
+            out = x.new_empty(x.shape[0], self.out_features)
+        if self.native is None:
+            self.native = _native_ok(self.fmt)
+        offsets = None if self.offsets is None else self.offsets[expert]
+        if not self.native:  # plain PyTorch: _FALLBACK_TILE rows of the expert dequantized at a time
+            for n0 in range(0, self.out_features, _FALLBACK_TILE):
+                n1 = min(self.out_features, n0 + _FALLBACK_TILE)
+                out[:, n0:n1] = x @ _dequantize(self, slice(n0, n1), expert=expert).t()
+        elif self._lowbit is None:
+            torch.ops.pagedkv.q8_0_linear(out, x, self.qweight[expert], self.scales[expert], offsets)
+        else:
+            planes = None if self.planes is None else self.planes[expert]
+            torch.ops.pagedkv.lowbit_linear(out, x, self.qweight[expert], planes, self.scales[expert], offsets,
+                                            *self._lowbit)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"format={self.fmt}{'+offsets' if self.offsets is not None else ''}")
+
+
 def quantize_model(model: nn.Module) -> int:
     """Swap ``model``'s float linear layers (every ``nn.Linear`` whose input is a multiple of 32),
-    its token embedding and its LM head for Q8_0 ones; a tied head shares the embedding's tensors.
-    Returns how many modules were swapped; idempotent. Apply it to a loaded model used for inference.
+    its MoE layers' expert weights (the 3-D parameters a module names in ``EXPERT_WEIGHTS``, as
+    :class:`QuantExperts`), its token embedding and its LM head for Q8_0 ones; a tied head shares
+    the embedding's tensors. Returns how many modules were swapped; idempotent. Apply it to a
+    loaded model used for inference.
     """
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.in_features % Q8_0_GROUP == 0:
                 setattr(parent, name, QuantLinear.from_float(child.weight, child.bias))
+                swapped += 1
+        for name in getattr(parent, "EXPERT_WEIGHTS", ()):
+            weight = getattr(parent, name)
+            if isinstance(weight, nn.Parameter) and weight.dim() == 3 and weight.shape[-1] % Q8_0_GROUP == 0:
+                delattr(parent, name)  # a Parameter's name takes no module until it is gone
+                setattr(parent, name, QuantExperts.from_float(weight))
                 swapped += 1
     embed = getattr(model, "embed_tokens", None)
     if type(embed) is nn.Embedding and embed.embedding_dim % Q8_0_GROUP == 0:
@@ -324,6 +403,6 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
-__all__ = ["FORMATS", "QuantEmbedding", "QuantLinear", "dequantize_lowbit", "dequantize_q8_0",
+__all__ = ["FORMATS", "QuantEmbedding", "QuantExperts", "QuantLinear", "dequantize_lowbit", "dequantize_q8_0",
            "lowbit_linear_reference", "q8_0_linear_reference", "quantize_model",
            "quantize_q8_0", "tie_quantized_head", "weight_bytes"]

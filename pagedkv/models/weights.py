@@ -26,7 +26,7 @@ from torch import nn
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.errors import MissingTensorError, ModelLoadError
 from pagedkv.models.llama import LlamaForCausalLM
-from pagedkv.models.quant_linear import QuantEmbedding, QuantLinear, tie_quantized_head
+from pagedkv.models.quant_linear import QuantEmbedding, QuantExperts, QuantLinear, tie_quantized_head
 from pagedkv.weight_quant import LOWBIT_FORMATS
 
 logger = logging.getLogger(__name__)
@@ -87,6 +87,9 @@ _MOE_MAP: dict[str, str] = {
     "mlp.gate.e_score_correction_bias": "mlp.e_score_correction_bias",
     "mlp.experts.gate_up_proj": "mlp.gate_up", "mlp.experts.down_proj": "mlp.down",
     "mlp.shared_expert_gate.weight": "mlp.shared_gate.weight",
+    # quantized experts (a GGUF's ffn_*_exps kept 8-bit or low-bit): ``experts.gate_up_proj.weight_q8_0``
+    # and the rest fill QuantExperts' buffers (``mlp.gate_up.qweight``, ...) through map_name's quantized branch
+    "mlp.experts.gate_up_proj.weight": "mlp.gate_up.weight", "mlp.experts.down_proj.weight": "mlp.down.weight",
 }
 _SHARED = re.compile(r"^mlp\.shared_experts?\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -229,8 +232,12 @@ def _put_quantized(model: LlamaForCausalLM, module: str, dtype: torch.dtype, off
     elif isinstance(old, nn.Linear):
         new = QuantLinear(old.in_features, old.out_features, bias=old.bias is not None, bias_dtype=dtype,
                           offsets=offsets, fmt=fmt)
+    elif isinstance(old, nn.Parameter) and old.dim() == 3:  # a MoE layer's experts [E, out, in]
+        new = QuantExperts(old.shape[0], old.shape[2], old.shape[1], offsets=offsets, fmt=fmt)
+        delattr(parent, child_name)
     else:
-        raise ModelLoadError(f"checkpoint holds a Q8_0 weight for {module}, which is no linear layer or embedding")
+        raise ModelLoadError(f"checkpoint holds a quantized weight for {module}, which is no linear layer, "
+                             "embedding or expert weight")
     setattr(parent, child_name, new)
 
 
@@ -253,8 +260,8 @@ def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]
         _put_quantized(model, module, dtype, spec.offsets, spec.fmt)
     params = dict(model.named_parameters())
     params.update((f"{name}.{b}", getattr(m, b)) for name, m in model.named_modules()
-                  if isinstance(m, (QuantLinear, QuantEmbedding)) for b in ("qweight", "planes", "scales", "offsets")
-                  if getattr(m, b) is not None)
+                  if isinstance(m, (QuantLinear, QuantEmbedding, QuantExperts))
+                  for b in ("qweight", "planes", "scales", "offsets") if getattr(m, b) is not None)
     filled: dict[str, int] = {name: 0 for name in params}  # elements written per parameter
     unknown: list[str] = []
     extra_layers: set[int] = set()  # layers past num_hidden_layers: DeepSeek-V3's multi-token prediction
