@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from pagedkv.ops.kv_format import kv_format, quantize
+from pagedkv.ops.paged_attention import QuantBlocks
+
 
 def paged_case(seed: int, block_size: int, heads: int, kvh: int, d: int, lens: list[int], new: list[int],
                dtype: torch.dtype = torch.float32):
@@ -26,3 +29,22 @@ def paged_case(seed: int, block_size: int, heads: int, kvh: int, d: int, lens: l
         row_len += list(range(n - m + 1, n + 1))
     q = torch.randn(len(row_seq), heads, d, generator=gen)
     return q, k_cache, v_cache, tables, row_seq, row_len
+
+
+def mixed_case(kind: str, full_dtype: torch.dtype, seed: int, block_size: int, heads: int, kvh: int, d: int,
+               lens: list[int], new: list[int]):
+    """``paged_case``'s sequences in a mixed pool (``runner/kv_cache.py``): the shuffled blocks split
+    at ``base`` (about a third full precision, ``full_dtype``), so every table mixes both formats;
+    8-bit (``kind``) blocks quantized per block and KV head with absmax scales. Returns ``(q, k
+    full, v full, QuantBlocks, tables, row_seq, row_len)``."""
+    fmt = kv_format(kind)
+    q, k_all, v_all, tables, row_seq, row_len = paged_case(seed, block_size, heads, kvh, d, lens, new)
+    num_blocks = k_all.shape[0]
+    base = max(1, num_blocks // 3)
+    k_scales = k_all[base:].abs().amax(dim=(1, 3)) / fmt.qmax
+    v_scales = v_all[base:].abs().amax(dim=(1, 3)) / fmt.qmax
+    k_quant = quantize(k_all[base:], fmt, k_scales[:, None, :, None])
+    v_quant = quantize(v_all[base:], fmt, v_scales[:, None, :, None])
+    quant = QuantBlocks(k_quant, v_quant, k_scales, v_scales, base)
+    return q, k_all[:base].to(full_dtype).contiguous(), v_all[:base].to(full_dtype).contiguous(), quant, tables, \
+        row_seq, row_len

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.ops.kv_format import KVFormat, dequantize, quantize
+from pagedkv.ops.kv_format import KVFormat, dequantize, kv_format, quantize
 
 
 def write_kv(
@@ -42,8 +42,60 @@ def write_kv_scaled(
     error: torch.Tensor,  # [2] float64: += sum((dequantized - x)^2), sum(x^2)
 ) -> None:
     """Quantize new tokens into an 8-bit cache, growing their blocks' scales as needed (native
-    kernel; the rule is in :mod:`pagedkv.ops.kv_format`)."""
+    kernel; the rule is in :mod:`pagedkv.ops.kv_format`). Without the native kernels the same rule
+    in plain PyTorch (:func:`write_kv_scaled_plain`)."""
+    if not hasattr(torch.ops.pagedkv, "write_kv_scaled"):
+        write_kv_scaled_plain(cache, scales, x, slot_mapping, error)
+        return
     torch.ops.pagedkv.write_kv_scaled(cache, scales, x.float().contiguous(), slot_mapping, error)
+
+
+def write_kv_scaled_plain(cache: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor,
+                          error: torch.Tensor) -> None:
+    """:func:`write_kv_scaled` in plain PyTorch, run by run (the plain backend's write; the native
+    kernel is the fast one): the tokens split into runs of consecutive slots of one block; a run at
+    offset 0 opens its block (scale = the run's absmax / qmax per KV head), a later run whose
+    absmax needs a larger scale requantizes the block's filled rows to it; new values are stored as
+    ``quantize(x, scale)``."""
+    fmt = _SCALED_FORMATS[cache.dtype]
+    assert fmt.qmax is not None  # an 8-bit format
+    block_size = cache.shape[1]
+    raw = _raw(cache)
+    slots = slot_mapping.tolist()
+    xf = x.float()
+    e2 = r2 = 0.0
+    i = 0
+    while i < len(slots):
+        b, first = divmod(slots[i], block_size)
+        j = i + 1
+        while j < len(slots) and slots[j] == slots[j - 1] + 1 and slots[j] // block_size == b:
+            j += 1
+        run = xf[i:j]  # [n, kv_heads, d]
+        need = torch.nan_to_num(run.abs(), nan=0.0).amax(dim=(0, 2)).clamp(max=torch.finfo(torch.float32).max)
+        need = need / fmt.qmax
+        old = scales[b]
+        if first == 0:
+            scale = need
+        else:
+            scale = torch.maximum(old, need)
+            grow = need > old
+            if bool(grow.any()):  # requantize the filled rows of the heads whose scale grows
+                ratio = torch.where(grow, old / torch.where(grow, need, 1.0), 1.0)  # as the C++ loop: q(v * ratio)
+                ones = torch.ones_like(ratio)[None, :, None]
+                again = quantize(cache[b, :first].float() * ratio[None, :, None], fmt, ones)
+                raw[b, :first] = torch.where(grow[None, :, None], _raw(again), raw[b, :first])
+        scales[b] = scale
+        stored = quantize(run, fmt, scale[None, :, None])
+        raw[b, first:first + (j - i)] = _raw(stored)
+        diff = dequantize(stored, fmt, scale[None, :, None]).double() - run.double()
+        finite = torch.isfinite(diff)
+        e2 += float(torch.where(finite, diff * diff, 0.0).sum())
+        r2 += float(torch.where(finite, run.double() ** 2, 0.0).sum())
+        i = j
+    error += torch.tensor([e2, r2], dtype=torch.float64, device=error.device)
+
+
+_SCALED_FORMATS = {kv_format(k).storage: kv_format(k) for k in ("int8", "fp8_e4m3", "fp8_e5m2")}
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:

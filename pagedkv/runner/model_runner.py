@@ -40,6 +40,7 @@ from pagedkv.ops.cache_ops import (
 from pagedkv.ops.kv_format import KVFormat, hadamard, kv_format
 from pagedkv.ops.paged_attention import (
     QuantBlocks,
+    blocks_as_float,
     paged_decode_attention,
     paged_prefill_attention,
 )
@@ -66,6 +67,8 @@ class _StepAttention:
         self.softcap = config.attn_logit_softcapping  # Gemma 2: a tanh cap on the scores
         # a mixed pool's new rows per storage, per KV group's inputs (built by its first layer)
         self._splits: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._slot_splits: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the same for Triton (-1: skip)
+        self._stage_ids: dict[int, torch.Tensor] = {}  # the plain path: the blocks a group's step reads
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.cache
@@ -102,6 +105,13 @@ class _StepAttention:
             return paged_decode_attention(q, k_cache, v_cache, inp.decode_groups[0].meta, scale, softcap)
         else:
             out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype)  # [T, H, d]
+        return self._plain_rows(out, q, k, v, k_cache, v_cache, inp, window)
+
+    def _plain_rows(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, inp: StepInputs, window: int | None) -> torch.Tensor:
+        """The plain path's decode groups and prefill chunks into ``out`` (``k``/``v``: the step's
+        own rows, which a fresh prefill attends directly)."""
+        scale, softcap = self.scale, self.softcap
         for group in inp.decode_groups:
             q_dec = q.index_select(0, group.rows)
             out.index_copy_(0, group.rows, paged_decode_attention(q_dec, k_cache, v_cache, group.meta, scale, softcap))
@@ -120,6 +130,9 @@ class _StepAttention:
         blocks = self.cache.layer_blocks(layer_idx)
         assert blocks.k_quant is not None and blocks.v_quant is not None and self.write_error is not None
         assert blocks.k_scales is not None and blocks.v_scales is not None
+        quant = QuantBlocks(blocks.k_quant, blocks.v_quant, blocks.k_scales, blocks.v_scales, blocks.base)
+        if inp.triton is not None:
+            return self._triton(layer_idx, q, k, v, blocks.k, blocks.v, None, None, inp, window, quant)
         split = self._splits.get(id(inp))
         if split is None:  # once per step and KV group: which new rows go to which storage
             slots = inp.slot_mapping
@@ -135,26 +148,48 @@ class _StepAttention:
             err = self.write_error[layer_idx]
             write_kv_scaled(blocks.k_quant, blocks.k_scales, k.index_select(0, quant_rows), quant_slots, err[0])
             write_kv_scaled(blocks.v_quant, blocks.v_scales, v.index_select(0, quant_rows), quant_slots, err[1])
-        if inp.native is None:
-            raise ValueError("a mixed KV pool (kv_sink_blocks > 0) is read by the native CPU kernels only; "
-                             "use attention_backend native, or kv_sink_blocks 0")
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype)
+        if inp.native is None:  # the plain path: the step's blocks read in their formats into float caches
+            ids = self._stage_ids.get(id(inp))
+            if ids is None:
+                ids = _step_block_ids(inp, self.cache.block_size, self.config.num_key_value_heads)
+                self._stage_ids[id(inp)] = ids
+            k_cache = blocks_as_float(ids, blocks.k, quant.k_quant, quant.k_scales, quant.base, q.dtype)
+            v_cache = blocks_as_float(ids, blocks.v, quant.v_quant, quant.v_scales, quant.base, q.dtype)
+            kvh, d = k_cache.shape[-2:]
+            slots = inp.slot_mapping  # a fresh prefill attends to its rows as stored
+            return self._plain_rows(out, q, k_cache.view(-1, kvh, d).index_select(0, slots),
+                                    v_cache.view(-1, kvh, d).index_select(0, slots), k_cache, v_cache, inp, window)
         if inp.native.num_rows:
-            quant = QuantBlocks(blocks.k_quant, blocks.v_quant, blocks.k_scales, blocks.v_scales, blocks.base)
             cascade.cascade_attention(out, q, blocks.k, blocks.v, inp.native, inp.cascade, self.scale,
                                       sliding_window=window, softcap=self.softcap, quant=quant)
         return out
 
     def _triton(self, layer_idx: int, q, k, v, k_cache, v_cache, k_scales, v_scales, inp: StepInputs,
-                window: int | None) -> torch.Tensor:
+                window: int | None, quant: QuantBlocks | None = None) -> torch.Tensor:
         """Cache write and attention with the Triton kernels (``ops/triton``): decode rows in one
-        call, prefill chunks in another, each reading K/V blocks in place."""
+        call, prefill chunks in another, each reading K/V blocks in place. ``quant``: a mixed pool
+        (``k_cache``/``v_cache`` its full-precision blocks), each row written into its block's
+        storage and each block read in its format (shared-block attention is off there)."""
         from pagedkv.ops.triton import cache_ops as tc
         from pagedkv.ops.triton.cascade import cascade_decode_attention
+        from pagedkv.ops.triton.decode import paged_decode_attention as triton_decode
         from pagedkv.ops.triton.prefill import paged_prefill_attention as triton_prefill
 
         meta: TritonMetadata = inp.triton  # type: ignore[assignment]  # set: the Triton path was chosen for it
-        if k_scales is not None:
+        if quant is not None:  # no host sync: a row's slot in the other storage is -1 (skipped)
+            assert self.write_error is not None
+            err = self.write_error[layer_idx]
+            split = self._slot_splits.get(id(inp))
+            if split is None:
+                edge = quant.base * self.cache.block_size
+                full = inp.slot_mapping < edge
+                split = self._slot_splits[id(inp)] = (torch.where(full, inp.slot_mapping, -1),
+                                                      torch.where(full, -1, inp.slot_mapping - edge))
+            tc.write_kv(k_cache, v_cache, k, v, split[0])
+            tc.write_kv_scaled(quant.k_quant, quant.k_scales, k, split[1], err[0])
+            tc.write_kv_scaled(quant.v_quant, quant.v_scales, v, split[1], err[1])
+        elif k_scales is not None:
             assert self.write_error is not None
             err = self.write_error[layer_idx]
             tc.write_kv_scaled(k_cache, k_scales, k, inp.slot_mapping, err[0])
@@ -163,7 +198,10 @@ class _StepAttention:
             tc.write_kv(k_cache, v_cache, k, v, inp.slot_mapping)
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         scale = self.scale if self.scale is not None else self.head_dim ** -0.5
-        if meta.num_decode:
+        if meta.num_decode and quant is not None:
+            triton_decode(out, q, k_cache, v_cache, meta.block_tables, meta.row_seq, meta.row_len, scale,
+                          sliding_window=window, softcap=self.softcap, quant=quant)
+        elif meta.num_decode:
             # shared runs (inp.cascade) attended once for all their rows; None: the decode kernel alone
             cascade_decode_attention(out, q, k_cache, v_cache, meta.block_tables, meta.row_seq, meta.row_len,
                                      inp.cascade, scale, sliding_window=window, k_scales=k_scales,
@@ -171,8 +209,17 @@ class _StepAttention:
         if meta.num_prefill:
             triton_prefill(out, q, k_cache, v_cache, meta.block_tables, meta.chunk_seq, meta.chunk_row_start,
                            meta.chunk_num_rows, meta.chunk_start_pos, scale, sliding_window=window,
-                           k_scales=k_scales, v_scales=v_scales, softcap=self.softcap)
+                           k_scales=k_scales, v_scales=v_scales, softcap=self.softcap, quant=quant)
         return out
+
+
+def _step_block_ids(inp: StepInputs, block_size: int, kv_heads: int) -> torch.Tensor:
+    """The blocks the plain path reads in one step of one KV group (block 0 too: padding points at
+    it), sorted, int64."""
+    parts = [torch.zeros(1, dtype=torch.long)]
+    parts += [g.meta.k_rows // (kv_heads * block_size) for g in inp.decode_groups]
+    parts += [p.block_table[:-(-(p.start_pos + p.end - p.start) // block_size)] for p in inp.prefills]
+    return torch.unique(torch.cat([t.long().cpu() for t in parts]))
 
 
 def _unsort_rows(chunks: list[SeqChunk], order: list[int], all_tokens: bool) -> torch.Tensor:
@@ -288,7 +335,7 @@ class ModelRunner:
         # Shared-block attention: runs of blocks several rows hold are attended once for all of
         # them (ops/cascade.py; native and Triton decode kernels). Off: each row alone, as the plain path.
         self.cascade_attention = cascade_attention
-        if fmt.storage != model_dtype and self.backend == "plain":
+        if fmt.storage != model_dtype and self.backend == "plain" and not kv_full_blocks:
             why = native.why_unavailable() or "turned off (native_attention=False)"
             raise ValueError(f"kv_cache_dtype {fmt.name} (model dtype {str(model_dtype).removeprefix('torch.')}) "
                              f"needs the native CPU kernels, which are unavailable here: {why}. Use "
@@ -299,10 +346,6 @@ class ModelRunner:
         if num_blocks is None:
             assert kv_cache_memory is not None
             num_blocks = num_blocks_for_memory(self.config, block_size, kv_cache_memory, fmt.name)
-        if kv_full_blocks and self.backend != "native":
-            raise ValueError(f"a mixed KV pool (kv_full_blocks={kv_full_blocks}: sink blocks or full-precision "
-                             f"requests beside 8-bit blocks) is read by the native CPU kernels only, not the "
-                             f"{self.backend} backend; give kv_sink_blocks 0 there")
         self.cache = KVCache(self.config, block_size=block_size, num_blocks=num_blocks,
                              num_host_blocks=num_host_blocks, dtype=fmt.name, device=self.device,
                              full_blocks=kv_full_blocks, full_dtype=model_dtype)
@@ -395,10 +438,12 @@ class ModelRunner:
         if len(groups) > 1 and any(len(c.group_tables) != len(groups) - 1 for c in chunks):
             raise BatchError(f"this model's KV cache has {len(groups)} groups: every chunk needs "
                              f"{len(groups) - 1} group_tables")
+        # the plain path's buffers: a mixed pool's blocks are read into the model dtype
+        plain_dtype = self.cache.full_format.storage if self.cache.is_mixed else self.cache.dtype
         per_group = [build_step_inputs([c.in_group(g) for c in chunks], block_size=self.block_size,
                                        num_blocks=self.num_blocks, num_heads=cfg.num_attention_heads,
                                        kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                                       sliding_window=cfg.layer_window(group.layers[0]), dtype=self.cache.dtype,
+                                       sliding_window=cfg.layer_window(group.layers[0]), dtype=plain_dtype,
                                        native=self.native_attention, fresh_from_cache=self.cache.format.scaled,
                                        triton=self.backend == "triton", device=self.device,
                                        cascade=self.cascade_attention)

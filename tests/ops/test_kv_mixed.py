@@ -22,7 +22,7 @@ from pagedkv.ops.cache_ops import copy_blocks_mixed
 from pagedkv.ops.kv_format import dequantize, kv_format, quantize
 from pagedkv.ops.paged_attention import NativeMetadata, QuantBlocks, native_paged_attention
 from pagedkv.ops.reference import reference_paged_attention
-from pagedkv_testing.paged_cases import paged_case
+from pagedkv_testing.paged_cases import mixed_case
 
 needs_native = pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
@@ -36,24 +36,6 @@ FORMAT_CASES = ([(f, k, d) for f in FLOATS for k in KINDS for d in (24, 64, 128)
 SHAPES = [(4, 4), (9, 3), (8, 1)]
 LAYOUT_CASES = ([(b, h, k) for b in (1, 3, 16, 64) for h, k in SHAPES] if FULL_MATRIX
                 else [(b, *SHAPES[i % 3]) for i, b in enumerate((1, 3, 16, 64))])
-
-
-def mixed_case(kind: str, full_dtype: torch.dtype, seed: int, block_size: int, heads: int, kvh: int, d: int,
-               lens: list[int], new: list[int]):
-    """``paged_case``'s sequences in a mixed pool: the shuffled blocks split at ``base`` (about a
-    third full precision), so every table mixes both formats; 8-bit blocks quantized per block and
-    KV head with absmax scales."""
-    fmt = kv_format(kind)
-    q, k_all, v_all, tables, row_seq, row_len = paged_case(seed, block_size, heads, kvh, d, lens, new)
-    num_blocks = k_all.shape[0]
-    base = max(1, num_blocks // 3)
-    k_scales = k_all[base:].abs().amax(dim=(1, 3)) / fmt.qmax
-    v_scales = v_all[base:].abs().amax(dim=(1, 3)) / fmt.qmax
-    k_quant = quantize(k_all[base:], fmt, k_scales[:, None, :, None])
-    v_quant = quantize(v_all[base:], fmt, v_scales[:, None, :, None])
-    quant = QuantBlocks(k_quant, v_quant, k_scales, v_scales, base)
-    return q, k_all[:base].to(full_dtype).contiguous(), v_all[:base].to(full_dtype).contiguous(), quant, tables, \
-        row_seq, row_len
 
 
 def _check(q, kc, vc, quant: QuantBlocks, tables, row_seq, row_len, **kw):
@@ -136,6 +118,28 @@ def test_copy_on_write_within_and_across_formats(kind):
         copy_blocks_mixed(full, qkv, scales, fmt, [(0, 1), (3, 1)])
 
 
+@needs_native
+@pytest.mark.parametrize("kind", KINDS)
+def test_plain_write_stores_the_native_bytes(kind):
+    """The write rule in plain PyTorch (the plain backend's write without the native kernels):
+    runs opening blocks, runs growing a filled block's scale and runs that do not, bit for bit
+    the native kernel's bytes, scales and error sums."""
+    from pagedkv.ops.cache_ops import write_kv_scaled_plain
+
+    gen = torch.Generator().manual_seed(len(kind))
+    storage = kv_format(kind).storage
+    native_cache, plain_cache = torch.zeros(5, 4, 2, 8, dtype=storage), torch.zeros(5, 4, 2, 8, dtype=storage)
+    native_scales, plain_scales = torch.zeros(5, 2), torch.zeros(5, 2)
+    native_err, plain_err = torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+    for slots, gain in (([0, 1, 4, 5, 6], 1.0), ([2, 7], 4.0), ([3, 8, 9, 10, 11, 12], 0.5), ([13], 9.0)):
+        x = torch.randn(len(slots), 2, 8, generator=gen) * gain
+        torch.ops.pagedkv.write_kv_scaled(native_cache, native_scales, x, torch.tensor(slots), native_err)
+        write_kv_scaled_plain(plain_cache, plain_scales, x, torch.tensor(slots), plain_err)
+    assert torch.equal(native_cache.view(torch.uint8), plain_cache.view(torch.uint8))
+    assert torch.equal(native_scales, plain_scales)
+    torch.testing.assert_close(native_err, plain_err)
+
+
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
     from pagedkv_testing.hf_checkpoints import make_hf_checkpoint
@@ -176,6 +180,36 @@ def test_runner_reads_each_block_in_its_format(tiny_folder):
     via_original = mixed.execute([SeqChunk([99], 23, quant_table)])
     torch.testing.assert_close(via_copy, via_original, atol=1e-5, rtol=1e-5)
     assert mixed.payload_bytes == 1 + mixed.cache.bytes_per_full_block  # the larger format, and its byte
+
+
+@pytest.mark.parametrize("backend", ["plain", pytest.param("triton", marks=pytest.mark.slow)])  # interpreter: ~10 s
+def test_every_backend_reads_a_mixed_pool(tiny_folder, backend):
+    """The plain and Triton backends over a mixed pool (writes into each block's storage, each
+    block read in its format): a prefill, an extend and decodes of two sequences whose tables mix
+    both formats give the native kernels' logits and store the same bytes."""
+    from pagedkv.models.loader import load_model
+    from pagedkv.ops.triton import usable_on
+    from pagedkv.runner import ModelRunner, SeqChunk
+
+    if backend == "triton" and not usable_on("cpu"):
+        pytest.skip("Triton's interpreter is unavailable")
+    if not native.available():
+        pytest.skip("the native kernels are the reference here")
+    loaded = load_model(str(tiny_folder))
+    runners = [ModelRunner(loaded, block_size=4, num_blocks=24, kv_cache_dtype="int8", kv_full_blocks=6,
+                           attention_backend=b) for b in ("native", backend)]
+    tables = [[0, 9, 10, 11, 12], [1, 2, 13, 14, 15]]
+    steps = [[SeqChunk(list(range(5, 14)), 0, tables[0], all_logits=True)],
+             [SeqChunk(list(range(20, 26)), 0, tables[1]), SeqChunk([7, 8, 9], 9, tables[0])],
+             [SeqChunk([3], 12, tables[0]), SeqChunk([4], 6, tables[1])],
+             [SeqChunk([5], 13, tables[0]), SeqChunk([6], 7, tables[1])]]
+    for step in steps:
+        expected, got = (r.execute(step) for r in runners)
+        torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
+    ref, other = (r.cache for r in runners)
+    torch.testing.assert_close(other.kv, ref.kv, atol=1e-5, rtol=1e-5)
+    assert float((other.quant_kv.float() - ref.quant_kv.float()).abs().max()) <= 1  # a rounding step at most
+    torch.testing.assert_close(other.scales, ref.scales, atol=1e-6, rtol=1e-4)
 
 
 @needs_native

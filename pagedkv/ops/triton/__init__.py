@@ -8,7 +8,8 @@
   as tokens arrive, as ``csrc/paged_attention.cpp``'s ``write_kv_scaled``) and the block copy.
 
 Every kernel reads float32 / float16 / bfloat16 caches and the 8-bit formats (int8, fp8 e4m3 /
-e5m2) with their scales ``[num_blocks, kv_heads]`` float32, and sits beside a plain PyTorch
+e5m2) with their scales ``[num_blocks, kv_heads]`` float32 (decode and prefill also a mixed pool,
+each block in its own format), and sits beside a plain PyTorch
 reference in its test. Without a GPU they run in Triton's interpreter (``TRITON_INTERPRET=1``,
 set before triton is imported) on CPU tensors: how the tests here prove them.
 """

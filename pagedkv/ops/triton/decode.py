@@ -32,6 +32,12 @@ Tiles: ``BLOCK_N = 4096 // padded head_dim`` tokens (16 .. 64; .. 32 for 8-bit c
 whose IEEE dots take more registers): no register spills on sm_90 by ptxas for head_dim 64 .. 256,
 every cache dtype and group; not yet timed on a GPU.
 
+A mixed pool (``quant``: full-precision blocks below ``quant.base`` in ``k_cache`` / ``v_cache``,
+8-bit blocks from it in ``quant.k_quant`` / ``v_quant`` with their scales; ``runner/kv_cache.py``):
+each token of a tile loads from the storage its block id names (``_load_mixed``: two masked
+loads), the 8-bit values scaled, and the tile goes through the same online softmax
+(``_fold_tile``) as float32; its dots run on float32.
+
 Precision of the dot products (``tl.dot`` path, on a GPU): float32 caches use IEEE float32,
 8-bit caches TF32 (the stored values are exact in it; only q and p are rounded, to 10 mantissa
 bits), float16 / bfloat16 caches the cache dtype with float32 accumulation. In Triton's
@@ -52,6 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedkv.ops.paged_attention import QuantBlocks
 from pagedkv.ops.triton import interpreting
 
 _FLOAT_CACHES = (torch.float32, torch.float16, torch.bfloat16)
@@ -93,12 +100,73 @@ def _attend_tile(
                 mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D], stored dtype
     v = tl.load(v_ptr + blk[:, None] * v_s0 + off[:, None] * v_s1 + kvh * v_s2 + offs_d[None, :] * v_s3,
                 mask=kv_mask, other=0.0)
+    k_sc = t_mask  # unused unless SCALED
+    v_sc = t_mask
+    if SCALED:
+        k_sc = tl.load(ks_ptr + blk * sc_s0 + kvh * sc_s1, mask=t_mask, other=0.0)
+        v_sc = tl.load(vs_ptr + blk * sc_s0 + kvh * sc_s1, mask=t_mask, other=0.0)
+    return _fold_tile(t_mask, k, v, k_sc, v_sc, q, q_dot, m_i, l_i, acc, softcap, SCALED, SOFTCAP, USE_DOT,
+                      DOT_DTYPE, DOT_PREC)
+
+
+@triton.jit
+def _load_mixed(f_ptr, qt_ptr, sc_ptr, blk, off, kvh, offs_d, mask, base, f_s0, f_s1, f_s2, f_s3,
+                q_s0, q_s1, q_s2, q_s3, sc_s0, sc_s1, D_FIRST: tl.constexpr):
+    """Float32 values of tokens (block ``blk``, offset ``off``) of KV head ``kvh`` in a mixed pool,
+    each read in its block's format: ids below ``base`` from the float cache ``f_ptr`` as stored,
+    the others from the 8-bit cache ``qt_ptr`` at ``blk - base`` times their scale. ``[tokens, d]``
+    (``D_FIRST``: ``[d, tokens]``); ``mask`` has that shape."""
+    is_q = blk >= base
+    qb = tl.where(is_q, blk - base, 0)
+    if D_FIRST:
+        f = tl.load(f_ptr + (blk * f_s0 + off * f_s1 + kvh * f_s2)[None, :] + offs_d[:, None] * f_s3,
+                    mask=mask & (blk < base)[None, :], other=0.0).to(tl.float32)
+        x = tl.load(qt_ptr + (qb * q_s0 + off * q_s1 + kvh * q_s2)[None, :] + offs_d[:, None] * q_s3,
+                    mask=mask & is_q[None, :], other=0.0).to(tl.float32)
+        sc = tl.load(sc_ptr + qb * sc_s0 + kvh * sc_s1, mask=is_q, other=0.0)
+        return f + x * sc[None, :]
+    f = tl.load(f_ptr + (blk * f_s0 + off * f_s1 + kvh * f_s2)[:, None] + offs_d[None, :] * f_s3,
+                mask=mask & (blk < base)[:, None], other=0.0).to(tl.float32)
+    x = tl.load(qt_ptr + (qb * q_s0 + off * q_s1 + kvh * q_s2)[:, None] + offs_d[None, :] * q_s3,
+                mask=mask & is_q[:, None], other=0.0).to(tl.float32)
+    sc = tl.load(sc_ptr + qb * sc_s0 + kvh * sc_s1, mask=is_q, other=0.0)
+    return f + x * sc[:, None]
+
+
+@triton.jit
+def _attend_tile_mixed(
+    tile, start, n, q, q_dot, m_i, l_i, acc, k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, bt_row, kvh, max_blocks,
+    softcap, base, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3, kq_s0, kq_s1, kq_s2, kq_s3,
+    vq_s0, vq_s1, vq_s2, vq_s3, bt_s1, sc_s0, sc_s1, offs_n, offs_d, d_mask,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """``_attend_tile`` over a mixed pool: each token's K and V read in its block's format
+    (``_load_mixed``), scales applied before the dots."""
+    t = tile * BLOCK_N + offs_n
+    t_mask = (t >= start) & (t < n)
+    idx = t // BLOCK_SIZE
+    blk = tl.load(bt_row + idx * bt_s1, mask=t_mask & (idx < max_blocks), other=0).to(tl.int64)
+    off = (t % BLOCK_SIZE).to(tl.int64)
+    kv_mask = t_mask[:, None] & d_mask[None, :]
+    k = _load_mixed(k_ptr, kq_ptr, ks_ptr, blk, off, kvh, offs_d, kv_mask, base, k_s0, k_s1, k_s2, k_s3,
+                    kq_s0, kq_s1, kq_s2, kq_s3, sc_s0, sc_s1, False)
+    v = _load_mixed(v_ptr, vq_ptr, vs_ptr, blk, off, kvh, offs_d, kv_mask, base, v_s0, v_s1, v_s2, v_s3,
+                    vq_s0, vq_s1, vq_s2, vq_s3, sc_s0, sc_s1, False)
+    return _fold_tile(t_mask, k, v, t_mask, t_mask, q, q_dot, m_i, l_i, acc, softcap, False, SOFTCAP, USE_DOT,
+                      DOT_DTYPE, DOT_PREC)
+
+
+@triton.jit
+def _fold_tile(t_mask, k, v, k_sc, v_sc, q, q_dot, m_i, l_i, acc, softcap, SCALED: tl.constexpr,
+               SOFTCAP: tl.constexpr, USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """A loaded K/V tile (``[BLOCK_N, BLOCK_D]``; 8-bit with per-token scales ``k_sc`` / ``v_sc``
+    when ``SCALED``) folded into the online softmax state ``(m_i, l_i, acc)``."""
     if USE_DOT:
         s = tl.dot(q_dot, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PREC)  # [GROUP_P, BLOCK_N]
     else:
         s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
     if SCALED:
-        k_sc = tl.load(ks_ptr + blk * sc_s0 + kvh * sc_s1, mask=t_mask, other=0.0)
         s = s * k_sc[None, :]
     if SOFTCAP:
         s = softcap * _tanh(s / softcap)
@@ -109,7 +177,6 @@ def _attend_tile(
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if SCALED:
-        v_sc = tl.load(vs_ptr + blk * sc_s0 + kvh * sc_s1, mask=t_mask, other=0.0)
         p = p * v_sc[None, :]
     if USE_DOT:
         pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PREC)
@@ -121,20 +188,22 @@ def _attend_tile(
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, row_seq_ptr, row_len_ptr, ks_ptr, vs_ptr,
+    q_ptr, k_ptr, v_ptr, kq_ptr, vq_ptr, bt_ptr, row_seq_ptr, row_len_ptr, ks_ptr, vs_ptr,
     out_ptr, mid_m_ptr, mid_l_ptr, mid_acc_ptr,
     q_s0, q_s1, q_s2,
     k_s0, k_s1, k_s2, k_s3,
     v_s0, v_s1, v_s2, v_s3,
+    kq_s0, kq_s1, kq_s2, kq_s3,
+    vq_s0, vq_s1, vq_s2, vq_s3,
     bt_s0, bt_s1,
     sc_s0, sc_s1,
     o_s0, o_s1, o_s2,
-    max_blocks, scale, softcap, window,
+    max_blocks, scale, softcap, window, base,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DIRECT: tl.constexpr,
-    SCALED: tl.constexpr, SOFTCAP: tl.constexpr,
+    SCALED: tl.constexpr, SOFTCAP: tl.constexpr, MIXED: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -174,17 +243,31 @@ def _decode_split_kernel(
     if INTERPRET:  # numpy 2 breaks the interpreter's range() over tensor bounds (1-element arrays)
         tile = s_lo
         while tile < s_hi:
-            m_i, l_i, acc = _attend_tile(
-                tile, start, n, q, q_dot, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, kvh64, max_blocks,
-                softcap, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3, bt_s1, sc_s0, sc_s1, offs_n, offs_d,
-                d_mask, BLOCK_SIZE, BLOCK_N, SCALED, SOFTCAP, USE_DOT, DOT_DTYPE, DOT_PREC)
+            if MIXED:
+                m_i, l_i, acc = _attend_tile_mixed(
+                    tile, start, n, q, q_dot, m_i, l_i, acc, k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, bt_row,
+                    kvh64, max_blocks, softcap, base, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3,
+                    kq_s0, kq_s1, kq_s2, kq_s3, vq_s0, vq_s1, vq_s2, vq_s3, bt_s1, sc_s0, sc_s1, offs_n, offs_d,
+                    d_mask, BLOCK_SIZE, BLOCK_N, SOFTCAP, USE_DOT, DOT_DTYPE, DOT_PREC)
+            else:
+                m_i, l_i, acc = _attend_tile(
+                    tile, start, n, q, q_dot, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, kvh64, max_blocks,
+                    softcap, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3, bt_s1, sc_s0, sc_s1, offs_n, offs_d,
+                    d_mask, BLOCK_SIZE, BLOCK_N, SCALED, SOFTCAP, USE_DOT, DOT_DTYPE, DOT_PREC)
             tile += 1
     else:
         for tile in range(s_lo, s_hi):
-            m_i, l_i, acc = _attend_tile(
-                tile, start, n, q, q_dot, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, kvh64, max_blocks,
-                softcap, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3, bt_s1, sc_s0, sc_s1, offs_n, offs_d,
-                d_mask, BLOCK_SIZE, BLOCK_N, SCALED, SOFTCAP, USE_DOT, DOT_DTYPE, DOT_PREC)
+            if MIXED:
+                m_i, l_i, acc = _attend_tile_mixed(
+                    tile, start, n, q, q_dot, m_i, l_i, acc, k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, bt_row,
+                    kvh64, max_blocks, softcap, base, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3,
+                    kq_s0, kq_s1, kq_s2, kq_s3, vq_s0, vq_s1, vq_s2, vq_s3, bt_s1, sc_s0, sc_s1, offs_n, offs_d,
+                    d_mask, BLOCK_SIZE, BLOCK_N, SOFTCAP, USE_DOT, DOT_DTYPE, DOT_PREC)
+            else:
+                m_i, l_i, acc = _attend_tile(
+                    tile, start, n, q, q_dot, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, kvh64, max_blocks,
+                    softcap, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3, bt_s1, sc_s0, sc_s1, offs_n, offs_d,
+                    d_mask, BLOCK_SIZE, BLOCK_N, SCALED, SOFTCAP, USE_DOT, DOT_DTYPE, DOT_PREC)
 
     if DIRECT:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -229,6 +312,28 @@ def _decode_merge_kernel(
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _check_mixed(k_cache, quant) -> None:
+    """A mixed pool's parts (``quant``: :class:`~pagedkv.ops.paged_attention.QuantBlocks`) against
+    its float ``k_cache`` (ids below ``quant.base``)."""
+    if k_cache.dtype not in _FLOAT_CACHES:
+        raise ValueError(f"a mixed pool's full-precision caches must be float32, float16 or bfloat16, got "
+                         f"{k_cache.dtype}")
+    kq, vq = quant.k_quant, quant.v_quant
+    if kq.dtype not in _SCALED_CACHES or vq.dtype != kq.dtype or kq.shape != vq.shape or kq.dim() != 4 \
+            or kq.shape[1:] != k_cache.shape[1:]:
+        raise ValueError(f"a mixed pool's 8-bit caches must be [num_quant, block_size, kv_heads, head_dim] = "
+                         f"[n, {', '.join(map(str, k_cache.shape[1:]))}] of one 8-bit dtype, got "
+                         f"{tuple(kq.shape)} {kq.dtype} and {tuple(vq.shape)} {vq.dtype}")
+    want = (kq.shape[0], kq.shape[2])
+    for name, s in (("k_scales", quant.k_scales), ("v_scales", quant.v_scales)):
+        if s.dtype != torch.float32 or tuple(s.shape) != want:
+            raise ValueError(f"a mixed pool's {name} must be [num_quant, kv_heads] = [{want[0]}, {want[1]}] float32, "
+                             f"got {tuple(s.shape)} {s.dtype}")
+    if quant.base != k_cache.shape[0]:
+        raise ValueError(f"a mixed pool's 8-bit ids start at its full-precision block count ({k_cache.shape[0]}), "
+                         f"got base {quant.base}")
 
 
 def _check(out, q, k_cache, v_cache, block_tables, row_seq, row_len, k_scales, v_scales) -> None:
@@ -285,6 +390,7 @@ def paged_decode_attention(
     v_scales: torch.Tensor | None = None,
     softcap: float | None = None,
     num_splits: int | None = None,
+    quant: QuantBlocks | None = None,
 ) -> torch.Tensor:
     """Attention of each row over its sequence's first ``row_len`` cached tokens (the last
     ``sliding_window`` of them; ``None`` / 0: all), reading K and V blocks in place; rows with
@@ -292,19 +398,28 @@ def paged_decode_attention(
     ``softcap`` c bounds the scaled score s to ``c * tanh(s / c)`` (``None`` / 0: off).
     ``num_splits`` (>= 1) splits each row's context for parallelism (see the module doc); the
     result does not depend on it beyond float32 rounding. Supports any ``block_size >= 1`` and
-    ``head_dim >= 1``; raises ValueError on shapes / dtypes it does not take. Returns ``out``."""
+    ``head_dim >= 1``; raises ValueError on shapes / dtypes it does not take. ``quant``: a mixed
+    pool (``runner/kv_cache.py``): block ids below ``quant.base`` in the float ``k_cache`` /
+    ``v_cache``, the others 8-bit in ``quant`` (``k_scales`` / ``v_scales`` unused), each block
+    read in its own format. Returns ``out``."""
     return _paged_decode(out, q, k_cache, v_cache, block_tables, row_seq, row_len, scale, sliding_window,
-                         k_scales, v_scales, softcap, num_splits)
+                         k_scales, v_scales, softcap, num_splits, quant=quant)
 
 
 def _paged_decode(out, q, k_cache, v_cache, block_tables, row_seq, row_len, scale, sliding_window=None,
                   k_scales=None, v_scales=None, softcap=None, num_splits=None, *, use_dot: bool | None = None,
-                  block_n: int | None = None) -> torch.Tensor:
+                  block_n: int | None = None, quant: QuantBlocks | None = None) -> torch.Tensor:
     """:func:`paged_decode_attention` with the kernel's choices exposed (tests pin them):
     ``use_dot`` (``tl.dot`` vs broadcast-multiply + sum; default: dot on a GPU, and in the
     interpreter when group > 1) and ``block_n`` (tokens per tile, a power of two >= 16; default
     ``4096 // padded head_dim`` within 16 .. 64)."""
-    _check(out, q, k_cache, v_cache, block_tables, row_seq, row_len, k_scales, v_scales)
+    mixed = quant is not None
+    if quant is not None:
+        _check_mixed(k_cache, quant)
+        _check(out, q, k_cache, v_cache, block_tables, row_seq, row_len, None, None)
+        k_scales, v_scales = quant.k_scales, quant.v_scales
+    else:
+        _check(out, q, k_cache, v_cache, block_tables, row_seq, row_len, k_scales, v_scales)
     rows, heads, d = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -327,13 +442,13 @@ def _paged_decode(out, q, k_cache, v_cache, block_tables, row_seq, row_len, scal
     if use_dot is None:  # on a GPU tl.dot needs fewer registers than the broadcast products, even
         use_dot = group > 1 or not interp  # padded from one head to 16; the interpreter keeps both in use
     block_d = max(16, _next_pow2(d))
-    scaled = k_cache.dtype in _SCALED_CACHES
+    scaled = k_cache.dtype in _SCALED_CACHES or mixed  # (mixed: the 8-bit blocks' tile sizes)
     if block_n is None:  # K and V tiles of <= 4096 elements: no spills at 4 warps (ptxas, sm_90)
         block_n = max(16, min(32 if scaled else 64, 4096 // block_d))
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     group_p = max(16, _next_pow2(group)) if use_dot else _next_pow2(group)
-    if interp or k_cache.dtype == torch.float32:
+    if interp or k_cache.dtype == torch.float32 or mixed:  # mixed: dequantized float32 tiles
         dot_dtype, dot_prec = tl.float32, "ieee"
     elif scaled:  # the stored values are exact in TF32 (AMD has no TF32: IEEE there)
         dot_dtype, dot_prec = tl.float32, ("tf32" if torch.version.hip is None else "ieee")
@@ -358,14 +473,17 @@ def _paged_decode(out, q, k_cache, v_cache, block_tables, row_seq, row_len, scal
         mid_l = torch.empty_like(mid_m)
         mid_acc = torch.empty(rows, heads, num_splits, block_d, dtype=torch.float32, device=q.device)
 
+    kq, vq = (quant.k_quant, quant.v_quant) if quant is not None else (k_cache, v_cache)
     _decode_split_kernel[(rows, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, row_seq, row_len, k_scales, v_scales,
+        q, k_cache, v_cache, kq, vq, block_tables, row_seq, row_len, k_scales, v_scales,
         out, mid_m, mid_l, mid_acc,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *sc_strides, *out.stride(),
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *kq.stride(), *vq.stride(), *block_tables.stride(),
+        *sc_strides, *out.stride(),
         block_tables.shape[1], float(scale), float(softcap or 0.0), int(sliding_window or 0),
+        quant.base if quant is not None else 0,
         HEAD_DIM=d, BLOCK_D=block_d, GROUP=group, GROUP_P=group_p,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, DIRECT=direct,
-        SCALED=scaled, SOFTCAP=bool(softcap),
+        SCALED=scaled and not mixed, SOFTCAP=bool(softcap), MIXED=mixed,
         USE_DOT=bool(use_dot), DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec, INTERPRET=interp,
         num_warps=8 if dot_prec == "ieee" and dot_dtype == tl.float32 else 4,  # FMA dots: more registers
     )

@@ -17,6 +17,9 @@ Scores: ``scale * q.k``, soft-capped (``c * tanh(s / c)``, Gemma 2) when ``softc
 then masked. 8-bit caches (int8, fp8 e4m3 / e5m2) hold ``value / scale`` per (block, KV head):
 the K scale multiplies the scores after the dot (exact in float32), V is dequantized before its dot.
 
+A mixed pool (``quant``): each key / value token is read from the storage its block id names
+(``decode._load_mixed``), 8-bit ones scaled, into float32 tiles.
+
 Dots run on float16 / bfloat16 operands when q and the cache allow it (8-bit values convert to
 them exactly) and on float32 otherwise ("ieee", no TF32); in Triton's interpreter always on float32
 (its bfloat16 dot is unreliable). The interpreter also walks the key tiles with a ``while`` loop:
@@ -31,7 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedkv.ops.paged_attention import QuantBlocks
 from pagedkv.ops.triton import interpreting
+from pagedkv.ops.triton.decode import _check_mixed, _load_mixed
 
 __all__ = ["paged_prefill_attention"]
 
@@ -48,12 +53,14 @@ def _tanh(x):
 
 
 @triton.jit
-def _attend_tile(start, hi, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, kvh64, window,
-                 sc_in, sc_out, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, s_ksb, s_ksh, s_vsb, s_vsh,
+def _attend_tile(start, hi, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, bt_row, kvh64,
+                 window, base, sc_in, sc_out, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd,
+                 s_kqb, s_kqs, s_kqh, s_kqd, s_vqb, s_vqs, s_vqh, s_vqd, s_ksb, s_ksh, s_vsb, s_vsh,
                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  HAS_SCALES: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                 DOT_DTYPE: tl.constexpr, DOT_F32: tl.constexpr):
-    """One key tile ``start .. start + BLOCK_N - 1`` (keys >= ``hi`` masked) into the online softmax."""
+                 DOT_DTYPE: tl.constexpr, DOT_F32: tl.constexpr, MIXED: tl.constexpr):
+    """One key tile ``start .. start + BLOCK_N - 1`` (keys >= ``hi`` masked) into the online softmax.
+    ``MIXED``: a mixed pool, each token read in its block's format (``decode._load_mixed``)."""
     d = tl.arange(0, HEAD_DIM)
     t = start + tl.arange(0, BLOCK_N)
     t_ok = t < hi
@@ -63,8 +70,12 @@ def _attend_tile(start, hi, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr
         blk = tl.load(bt_row + t // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
     slot = (t % BLOCK_SIZE).to(tl.int64)
 
-    k = tl.load(k_ptr + (blk * s_kb + slot * s_ks + kvh64 * s_kh)[None, :] + d[:, None] * s_kd,
-                mask=t_ok[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N]
+    if MIXED:  # float32 [HEAD_DIM, BLOCK_N], scales applied
+        k = _load_mixed(k_ptr, kq_ptr, ks_ptr, blk, slot, kvh64, d, t_ok[None, :], base, s_kb, s_ks, s_kh, s_kd,
+                        s_kqb, s_kqs, s_kqh, s_kqd, s_ksb, s_ksh, True)
+    else:
+        k = tl.load(k_ptr + (blk * s_kb + slot * s_ks + kvh64 * s_kh)[None, :] + d[:, None] * s_kd,
+                    mask=t_ok[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N]
     if HAS_SCALES:
         k = k.to(tl.float32)
     k = k.to(DOT_DTYPE)
@@ -89,8 +100,12 @@ def _attend_tile(start, hi, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
 
-    v = tl.load(v_ptr + (blk * s_vb + slot * s_vs + kvh64 * s_vh)[:, None] + d[None, :] * s_vd,
-                mask=t_ok[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+    if MIXED:
+        v = _load_mixed(v_ptr, vq_ptr, vs_ptr, blk, slot, kvh64, d, t_ok[:, None], base, s_vb, s_vs, s_vh, s_vd,
+                        s_vqb, s_vqs, s_vqh, s_vqd, s_vsb, s_vsh, False)
+    else:
+        v = tl.load(v_ptr + (blk * s_vb + slot * s_vs + kvh64 * s_vh)[:, None] + d[None, :] * s_vd,
+                    mask=t_ok[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
     if HAS_SCALES:
         vsc = tl.load(vs_ptr + blk * s_vsb + kvh64 * s_vsh, mask=t_ok, other=0.0)
         v = v.to(tl.float32) * vsc[:, None]
@@ -105,15 +120,17 @@ def _attend_tile(start, hi, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr
 
 @triton.jit
 def _prefill_kernel(
-    out_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr,
+    out_ptr, q_ptr, k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, bt_ptr,
     chunk_seq_ptr, chunk_row_ptr, chunk_len_ptr, chunk_pos_ptr,
-    sc_in, sc_out, window,
+    sc_in, sc_out, window, base,
     s_qr, s_qh, s_qd, s_or, s_oh, s_od,
     s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd,
+    s_kqb, s_kqs, s_kqh, s_kqd, s_vqb, s_vqs, s_vqh, s_vqd,
     s_ksb, s_ksh, s_vsb, s_vsh, s_bt,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr,
+    MIXED: tl.constexpr,
 ):
     c = tl.program_id(0)
     tile = tl.program_id(1)
@@ -152,16 +169,18 @@ def _prefill_kernel(
         start = lo
         while start < hi:
             m_i, l_i, acc = _attend_tile(
-                start, hi, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, kvh64, window, sc_in, sc_out,
-                s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, s_ksb, s_ksh, s_vsb, s_vsh, BLOCK_N, HEAD_DIM,
-                BLOCK_SIZE, HAS_SCALES, HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_F32)
+                start, hi, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, bt_row, kvh64,
+                window, base, sc_in, sc_out, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd,
+                s_kqb, s_kqs, s_kqh, s_kqd, s_vqb, s_vqs, s_vqh, s_vqd, s_ksb, s_ksh, s_vsb, s_vsh, BLOCK_N, HEAD_DIM,
+                BLOCK_SIZE, HAS_SCALES, HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_F32, MIXED)
             start += BLOCK_N
     else:
         for start in range(lo, hi, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
-                start, hi, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, kvh64, window, sc_in, sc_out,
-                s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, s_ksb, s_ksh, s_vsb, s_vsh, BLOCK_N, HEAD_DIM,
-                BLOCK_SIZE, HAS_SCALES, HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_F32)
+                start, hi, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, bt_row, kvh64,
+                window, base, sc_in, sc_out, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd,
+                s_kqb, s_kqs, s_kqh, s_kqd, s_vqb, s_vqs, s_vqh, s_vqd, s_ksb, s_ksh, s_vsb, s_vsh, BLOCK_N, HEAD_DIM,
+                BLOCK_SIZE, HAS_SCALES, HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_F32, MIXED)
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + rows[:, None] * s_or + heads[:, None] * s_oh + d[None, :] * s_od,
@@ -196,13 +215,18 @@ def paged_prefill_attention(
     softcap: float | None = None,
     *,
     max_chunk_rows: int | None = None,
+    quant: QuantBlocks | None = None,
 ) -> torch.Tensor:
     """Causal attention of each chunk's query rows over its sequence's paged K/V (already holding
     the chunk's own); writes those rows of ``out`` (other rows untouched) and returns it.
 
     ``max_chunk_rows`` (optional, >= every ``chunk_num_rows``) sizes the launch grid without reading
-    ``chunk_num_rows`` back from the device. ``sliding_window`` None or 0: no window.
+    ``chunk_num_rows`` back from the device. ``sliding_window`` None or 0: no window. ``quant``: a
+    mixed pool (block ids below ``quant.base`` in the float ``k_cache`` / ``v_cache``, the others
+    8-bit in ``quant``; ``k_scales`` / ``v_scales`` unused), each block read in its own format.
     """
+    if quant is not None:
+        _check_mixed(k_cache, quant)
     if q.dim() != 3 or out.shape != q.shape:
         raise ValueError(f"q and out must both be [rows, heads, head_dim]; got {tuple(q.shape)}, {tuple(out.shape)}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -222,6 +246,8 @@ def paged_prefill_attention(
     if v_cache.dtype != k_cache.dtype:
         raise ValueError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) dtypes differ")
     eight_bit = k_cache.dtype in _EIGHT_BIT
+    if quant is not None:  # the 8-bit blocks' scales come with quant
+        k_scales, v_scales = quant.k_scales, quant.v_scales
     if not eight_bit and k_cache.dtype not in _FLOAT:
         raise ValueError(f"unsupported cache dtype {k_cache.dtype}")
     if eight_bit:
@@ -249,7 +275,7 @@ def paged_prefill_attention(
     group = heads // kv_heads
     group_p = triton.next_power_of_2(group)
     block_m, block_n, num_warps = _tiles(head_dim, group_p)
-    if interpreting() or q.dtype == torch.float32:
+    if interpreting() or q.dtype == torch.float32 or quant is not None:  # mixed: dequantized float32 tiles
         dot_dtype = torch.float32
     elif eight_bit or k_cache.dtype == q.dtype:
         dot_dtype = q.dtype
@@ -259,22 +285,24 @@ def paged_prefill_attention(
     sc_in = scale / softcap if softcap else 1.0
     sc_out = (softcap if softcap else scale) * _LOG2E
     # an 8-bit cache has both scales (checked above)
-    ks_strides = k_scales.stride() if eight_bit and k_scales is not None else (0, 0)
-    vs_strides = v_scales.stride() if eight_bit and v_scales is not None else (0, 0)
-    if not eight_bit:
-        k_scales = v_scales = out  # never read (HAS_SCALES is off): any pointer will do
+    read_scales = eight_bit or quant is not None
+    ks_strides = k_scales.stride() if read_scales and k_scales is not None else (0, 0)
+    vs_strides = v_scales.stride() if read_scales and v_scales is not None else (0, 0)
+    if not read_scales:
+        k_scales = v_scales = out  # never read (HAS_SCALES and MIXED are off): any pointer will do
+    kq, vq = (quant.k_quant, quant.v_quant) if quant is not None else (k_cache, v_cache)
 
     grid = (num_chunks, triton.cdiv(max_chunk_rows, block_m), kv_heads)
     _prefill_kernel[grid](
-        out, q, k_cache, v_cache, k_scales, v_scales, block_tables,
+        out, q, k_cache, v_cache, kq, vq, k_scales, v_scales, block_tables,
         chunk_seq, chunk_row_start, chunk_num_rows, chunk_start_pos,
-        float(sc_in), float(sc_out), int(sliding_window or 0),
-        *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
+        float(sc_in), float(sc_out), int(sliding_window or 0), quant.base if quant is not None else 0,
+        *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *kq.stride(), *vq.stride(),
         *ks_strides, *vs_strides, block_tables.stride(0),
         GROUP=group, GROUP_P=group_p, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, HAS_SCALES=eight_bit, HAS_WINDOW=bool(sliding_window),
         HAS_SOFTCAP=has_softcap, DOT_DTYPE=_TORCH_TO_TL[dot_dtype], DOT_F32=dot_dtype == torch.float32,
-        INTERPRET=interpreting(),
+        INTERPRET=interpreting(), MIXED=quant is not None,
         num_warps=num_warps,
     )
     return out
