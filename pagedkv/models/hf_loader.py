@@ -12,9 +12,11 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer as HFTokenizer
 
+from pagedkv.distributed.group import TPGroup
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.errors import ModelLoadError
 from pagedkv.models.llama import LlamaForCausalLM
+from pagedkv.models.sharding import LazyTensor
 from pagedkv.models.tokenizer import Tokenizer
 from pagedkv.models.weights import build_model, quantized_modules
 from pagedkv.progress import interactive, phase, quiet
@@ -53,6 +55,28 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+class SafetensorsEntry:
+    """One tensor of an open safetensors file, not read yet (a ``models/sharding.LazyTensor``):
+    a tensor-parallel rank reads only its rows or columns of it (``get_slice``)."""
+
+    def __init__(self, handle: Any, name: str) -> None:
+        self.handle, self.name = handle, name
+        self.shape = tuple(handle.get_slice(name).get_shape())
+
+    def read(self, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        if index is None:
+            return self.handle.get_tensor(self.name)
+        return self.handle.get_slice(self.name)[index]
+
+
+def iter_safetensors_entries(files: list[Path]) -> Iterator[tuple[str, SafetensorsEntry]]:
+    """Every tensor of ``files`` as a :class:`SafetensorsEntry` (valid while the iteration runs)."""
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, SafetensorsEntry(f, name)
 
 
 def safetensors_names(files: list[Path]) -> list[str]:
@@ -119,11 +143,13 @@ def read_generation_defaults(folder: Path) -> dict[str, Any]:
     return {name: gen[key] for key, name in GENERATION_DEFAULT_KEYS.items() if gen.get(key) is not None}
 
 
-def load_hf_folder(folder: Path, dtype: torch.dtype = torch.float32
+def load_hf_folder(folder: Path, dtype: torch.dtype = torch.float32, tp: TPGroup | None = None
                    ) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer | None]:
     """Model, config and tokenizer (None when the folder has no tokenizer.json) of an HF folder.
     Weights the folder holds in Q8_0 (a GGUF converted with quantization "q8_0") load as Q8_0
-    modules (``models/quant_linear.py``)."""
+    modules (``models/quant_linear.py``). With ``tp`` of several ranks the model is this rank's
+    shard, read tensor by tensor as slices (``models/sharding.py``); the config returned is the
+    whole model's (the shard's own is ``model.config``)."""
     config_path = folder / "config.json"
     if not config_path.exists():
         raise ModelLoadError(f"{folder} is not a model folder: no config.json")
@@ -131,7 +157,9 @@ def load_hf_folder(folder: Path, dtype: torch.dtype = torch.float32
     config = ModelConfig.from_hf_dict(config_json)
     files = safetensors_files(folder)
     names = safetensors_names(files)
-    tensors: Iterator[tuple[str, torch.Tensor]] = iter_safetensors(files)
+    sharded = tp is not None and tp.size > 1
+    tensors: Iterator[tuple[str, torch.Tensor | LazyTensor]] = (
+        iter_safetensors_entries(files) if sharded else iter_safetensors(files))
     if interactive() and not quiet():  # a bar for people; nothing in log files
         from tqdm import tqdm
         tensors = tqdm(tensors, total=len(names), desc="pagedkv: loading weights", unit="tensor", leave=False)
@@ -140,6 +168,6 @@ def load_hf_folder(folder: Path, dtype: torch.dtype = torch.float32
     loading = phase(f"loading {size / (1 << 30):.1f} GiB of weights from {folder}", done="loaded",
                     ticker=False) if size >= LOUD_WEIGHT_BYTES else nullcontext()
     with loading:
-        model = build_model(config, tensors, dtype=dtype, quantized=quantized_modules(config, names))
+        model = build_model(config, tensors, dtype=dtype, quantized=quantized_modules(config, names), tp=tp)
     tokenizer = load_hf_tokenizer(folder, config_json) if (folder / "tokenizer.json").exists() else None
     return model, config, tokenizer

@@ -9,6 +9,14 @@ Gemma 3 is the same decoder with a few switches (``ModelConfig.is_gemma``): embe
 sqrt(hidden), GeGLU, a norm after each sublayer as well as before (``GemmaDecoderLayer``), RMSNorm
 weights used as ``1 + w`` (the loader stores them so), its own attention scale, sliding-window
 layers with their own RoPE, and an optional tanh cap on the final logits.
+
+Under tensor parallelism (``tp``, a :class:`~pagedkv.distributed.group.TPGroup` of several ranks)
+the model is one rank's shard (``models/sharding.py``): built from the full config, it holds its
+query and KV heads, its share of every intermediate size and of the vocabulary; the attention's
+and the MLP's outputs are summed over the ranks (one ``all_reduce`` each), the embedding is a
+masked lookup of the rank's rows summed likewise, and the logits of every rank's vocabulary rows
+are gathered, so ``forward`` returns the whole vocabulary's logits on every rank. Every rank must
+run every forward pass (the collectives pair them up).
 """
 
 from __future__ import annotations
@@ -19,10 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedkv.distributed.group import TPGroup
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.mla import MLAAttention
 from pagedkv.models.moe import MoEMLP
 from pagedkv.models.rope import RotaryEmbedding, apply_rope
+from pagedkv.models.sharding import local_config, local_vocab, multi_rank
 from pagedkv.ops.fused import add_rms_norm, rope_qk, silu_mul
 
 
@@ -49,8 +59,9 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = multi_rank(tp)  # a rank's shard (config is then rank-local): o_proj's output summed
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -78,12 +89,14 @@ class LlamaAttention(nn.Module):
             q, k = qk[:, :h], qk[:, h:]
         v = qkv[:, h + kvh:]
         out = attention(self.layer_idx, q, k, v)  # [T, H, d]
-        return self.o_proj(out.reshape(t, h * self.head_dim))
+        out = self.o_proj(out.reshape(t, h * self.head_dim))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = multi_rank(tp)  # a rank's shard: down_proj's output summed over the ranks
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
@@ -93,22 +106,24 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * I]
         if self.native and not self.gelu:  # one pass, no [T, I] temporary (ops/fused.py)
-            return self.down_proj(silu_mul(gate_up, True))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(act.mul_(up))  # in place: no second [T, I] temporary
+            out = self.down_proj(silu_mul(gate_up, True))
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+            out = self.down_proj(act.mul_(up))  # in place: no second [T, I] temporary
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # DeepSeek's latent attention (models/mla.py) takes the same AttentionFn
         attention: type[nn.Module] = MLAAttention if config.is_mla else LlamaAttention
-        self.self_attn = attention(config, layer_idx)
+        self.self_attn = attention(config, layer_idx, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # a mixture-of-experts layer (models/moe.py) has the same [T, hidden] -> [T, hidden] contract
-        self.mlp: nn.Module = MoEMLP(config) if config.is_moe_layer(layer_idx) else LlamaMLP(config)
+        self.mlp: nn.Module = MoEMLP(config, tp) if config.is_moe_layer(layer_idx) else LlamaMLP(config, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
                 ) -> torch.Tensor:
@@ -126,14 +141,14 @@ class LlamaDecoderLayer(nn.Module):
 class GemmaDecoderLayer(nn.Module):
     """Gemma's layer: each sublayer's output is normed too before it joins the residual."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
-        self.self_attn = LlamaAttention(config, layer_idx)
+        self.self_attn = LlamaAttention(config, layer_idx, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
@@ -143,19 +158,27 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder + LM head. ``forward`` takes flattened tokens of many sequences at once."""
+    """Decoder + LM head. ``forward`` takes flattened tokens of many sequences at once.
 
-    def __init__(self, config: ModelConfig) -> None:
+    Built from the whole model's ``config``; with ``tp`` of several ranks it is this rank's shard:
+    ``config`` is then the rank-local one (``models/sharding.local_config``: what the KV cache is
+    sized by) and ``full_config`` the whole model's."""
+
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.full_config = config
+        self.tp = multi_rank(tp)
+        config = local_config(config, self.tp) if self.tp is not None else config
         self.config = config
+        vocab = local_vocab(config, self.tp)  # the rank's rows (padded): all of them on one rank
+        self.vocab_start = vocab * self.tp.rank if self.tp is not None else 0
         # _weight skips nn.Embedding's random init (slow on the meta device the loader builds on)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
-                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
+        self.embed_tokens = nn.Embedding(vocab, config.hidden_size, _weight=torch.empty(vocab, config.hidden_size))
         layer = GemmaDecoderLayer if config.is_gemma else LlamaDecoderLayer
-        self.layers = nn.ModuleList(layer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(layer(config, i, self.tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: nn.Module | None = (
-            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, vocab, bias=False)
         )
         # Not submodules: their tables are derived data, never part of the state dict. One per
         # distinct RoPE (gemma3's sliding layers have their own); layer i uses ropes[rope_of[i]].
@@ -179,7 +202,7 @@ class LlamaForCausalLM(nn.Module):
         max_position: int | None = None,
     ) -> torch.Tensor:
         """Logits ``[N, vocab]`` (``N = T`` when ``logits_indices`` is None), in the model's dtype."""
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+        x = self.embed_tokens(input_ids) if self.tp is None else self._embed_shard(input_ids)  # [T, hidden]
         if self.embed_scale is not None:  # rounded to the model dtype first, as transformers does
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         top = int(positions.max()) if max_position is None else max_position
@@ -194,7 +217,18 @@ class LlamaForCausalLM(nn.Module):
             logits = F.linear(x, self.embed_tokens.weight)  # [N, vocab]
         else:
             logits = self.lm_head(x)  # [N, vocab]
+        if self.tp is not None:  # every rank's rows, in rank order; the padding rows dropped
+            logits = self.tp.all_gather(logits, dim=-1)[:, :self.config.vocab_size].contiguous()
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def _embed_shard(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The vocabulary-parallel lookup: this rank's rows (zeros for ids of other ranks), summed
+        over the ranks; exact, as each id's row comes from one rank."""
+        assert self.tp is not None
+        local = input_ids - self.vocab_start
+        inside = (local >= 0) & (local < self.embed_tokens.num_embeddings)
+        x = self.embed_tokens(torch.where(inside, local, 0))
+        return self.tp.all_reduce(x.masked_fill_(~inside.unsqueeze(-1), 0))

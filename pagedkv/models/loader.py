@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.distributed.group import TPGroup
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.default_model import DEFAULT_MODEL_NAME, default_model_path
 from pagedkv.models.errors import ModelLoadError
@@ -25,7 +26,12 @@ class LoadedModel:
     """A ready model: ``model`` (eval mode), its frozen ``config``, ``tokenizer``, a display ``name``,
     the resolved ``quantization`` of its weights (:func:`resolve_quantization`) and the sampling
     defaults of its generation_config.json (``generation_defaults``, vLLM's names: temperature,
-    top_p, top_k, min_p, repetition_penalty, max_tokens; a GGUF file has none: {})."""
+    top_p, top_k, min_p, repetition_penalty, max_tokens; a GGUF file has none: {}).
+
+    Under tensor parallelism (``load_model(tp=)``) ``model`` is one rank's shard and ``config`` its
+    rank-local config (its query and KV heads, its share of the intermediate sizes: what the
+    rank's KV cache is sized by); ``full_config`` is the whole model's (``config`` itself on one
+    rank)."""
 
     model: LlamaForCausalLM
     config: ModelConfig
@@ -34,6 +40,11 @@ class LoadedModel:
     path: Path
     quantization: str = "none"
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    full_config: ModelConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.full_config is None:
+            self.full_config = self.config
 
 
 def release_freed_memory() -> None:
@@ -105,7 +116,8 @@ def load_tokenizer(source: str | Path) -> Tokenizer:
 
 def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float32,
                quantization: str = "auto", tokenizer: str | Path | None = None, *,
-               revision: str | None = None, download_dir: str | Path | None = None) -> LoadedModel:
+               revision: str | None = None, download_dir: str | Path | None = None,
+               tp: TPGroup | None = None) -> LoadedModel:
     """Load ``model`` (see :func:`resolve_model_path`) with weights in ``dtype``, the linear ones
     in Q8_0 where ``quantization`` (:func:`resolve_quantization`) says so.
 
@@ -114,14 +126,24 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
     it loads. ``tokenizer`` replaces the model's own (:func:`load_tokenizer`). ``revision`` and
     ``download_dir`` apply to a Hugging Face repo id (:func:`resolve_model_path`). Raises ModelLoadError
     (or a subclass) with a clear message, ValueError for an unknown ``quantization``.
+
+    ``tp`` (every rank of a tensor-parallel group calls this alike): this rank's shard, reading only
+    its part of each tensor; a GGUF file is converted by rank 0 while the others wait. Logits are
+    the whole vocabulary's on every rank. Raises ShardingError (``distributed/group.py``) for a
+    model whose heads or intermediate sizes do not split over ``tp.size`` ranks, naming the sizes
+    that would.
     """
     check_quantization(quantization)
     path, name = resolve_model_path(model, revision, download_dir)
     chosen = load_tokenizer(tokenizer) if tokenizer is not None else None  # a bad one fails before the weights
     quant = resolve_quantization(quantization, path)
+    if path.is_file() and tp is not None and tp.size > 1 and tp.rank > 0:
+        tp.barrier()  # rank 0 converts the GGUF file once (below); the others then read its cache
     folder = converted_folder(path, quant) if path.is_file() else path
+    if path.is_file() and tp is not None and tp.size > 1 and tp.rank == 0:
+        tp.barrier()
     with torch.inference_mode(False):
-        net, config, own_tokenizer = load_hf_folder(folder, dtype=dtype)
+        net, config, own_tokenizer = load_hf_folder(folder, dtype=dtype, tp=tp)
         if quant == "q8_0":
             quantize_model(net)  # float linear layers left (an HF folder); none after a GGUF conversion
     if chosen is None:
@@ -132,5 +154,5 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
                              "embedding; give the model's own tokenizer or one of the same family")
     defaults = read_generation_defaults(path) if path.is_dir() else {}  # GGUF: no generation config
     release_freed_memory()
-    return LoadedModel(model=net, config=config, tokenizer=chosen, name=name, path=path, quantization=quant,
-                       generation_defaults=defaults)
+    return LoadedModel(model=net, config=net.config, tokenizer=chosen, name=name, path=path, quantization=quant,
+                       generation_defaults=defaults, full_config=config)

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from pagedkv.distributed.group import TPGroup
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.rope import apply_rope
 
@@ -51,8 +52,11 @@ class MLAAttention(nn.Module):
     """DeepSeek's attention, absorbed: the ``AttentionFn`` sees q ``[T, H, latent]`` and one KV
     head ``[T, 1, latent]`` (K and V the same rows) and returns ``[T, H, latent]``."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup | None = None) -> None:
         super().__init__()
+        # a rank's shard (models/sharding.py): its query heads (config is rank-local), the latent
+        # projections replicated, o_proj's output summed over the ranks
+        self.tp = tp if tp is not None and tp.size > 1 else None
         self.layer_idx = layer_idx
         h, heads = config.hidden_size, config.num_attention_heads
         self.num_heads = heads
@@ -103,4 +107,5 @@ class MLAAttention(nn.Module):
         out = attention(self.layer_idx, query, key, key)  # [T, H, rank + rope]
         # W_UV after attention: [H, T, rank] x [H, rank, v] -> [T, H, v]
         values = torch.bmm(out[..., :self.rank].transpose(0, 1), w[:, self.nope:].transpose(1, 2)).transpose(0, 1)
-        return self.o_proj(values.reshape(t, heads * self.v_dim))
+        out = self.o_proj(values.reshape(t, heads * self.v_dim))
+        return out if self.tp is None else self.tp.all_reduce(out)

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedkv.distributed.group import TPGroup
 from pagedkv.models.config import ModelConfig, MoEConfig
 from pagedkv.models.quant_linear import QuantExperts
 
@@ -92,8 +93,10 @@ class MoEMLP(nn.Module):
 
     EXPERT_WEIGHTS = ("gate_up", "down")  # the 3-D expert weights ``quantize_model`` swaps for QuantExperts
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
+        # a rank's shard (models/sharding.py): every expert's intermediate split, the sum over ranks at the end
+        self.tp = tp if tp is not None and tp.size > 1 else None
         moe = config.moe
         if moe is None:
             raise ValueError("MoEMLP needs ModelConfig.moe")
@@ -130,4 +133,4 @@ class MoEMLP(nn.Module):
             if self.shared_gate is not None:
                 shared = shared * torch.sigmoid(self.shared_gate(x))
             out.add_(shared)
-        return out
+        return out if self.tp is None else self.tp.all_reduce(out)

@@ -23,10 +23,12 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from pagedkv.distributed.group import TPGroup
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.errors import MissingTensorError, ModelLoadError
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.quant_linear import QuantEmbedding, QuantExperts, QuantLinear, tie_quantized_head
+from pagedkv.models.sharding import LazyTensor, Split, column_bounds, param_split, read, shard_copies
 from pagedkv.weight_quant import LOWBIT_FORMATS
 
 logger = logging.getLogger(__name__)
@@ -241,9 +243,10 @@ def _put_quantized(model: LlamaForCausalLM, module: str, dtype: torch.dtype, off
     setattr(parent, child_name, new)
 
 
-def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]],
+def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor | LazyTensor]],
                 dtype: torch.dtype = torch.float32,
-                quantized: Mapping[str, QuantSpec | bool] | None = None) -> LlamaForCausalLM:
+                quantized: Mapping[str, QuantSpec | bool] | None = None,
+                tp: TPGroup | None = None) -> LlamaForCausalLM:
     """Build the model without random init and fill every parameter from ``tensors``.
 
     ``quantized`` maps the modules built quantized to their :class:`QuantSpec` (:func:`quantized_modules`
@@ -251,11 +254,23 @@ def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]
     tied model whose embedding is quantized gets a head over the same tensors. Raises
     MissingTensorError naming the first missing checkpoint tensors, ModelLoadError on a shape
     mismatch. Unknown checkpoint names are reported with a warning and skipped.
+
+    With ``tp`` of several ranks the model is this rank's shard (``models/sharding.py``) and only its
+    rows or columns of each tensor are read (give :class:`~pagedkv.models.sharding.LazyTensor` entries:
+    a whole tensor read first would cost the memory sharding saves). A quantized tensor split inside
+    a block of 32 (a row-parallel layer whose input does not divide into whole blocks per rank) is
+    dequantized for this rank, with one log line; its module is float.
     """
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, tp)
     model = model.to_empty(device="cpu").to(dtype)
-    for module, spec in sorted((quantized or {}).items()):
+    tp = model.tp
+    quantized = dict(quantized or {})
+    dequantized = _split_inside_blocks(config, quantized, tp)
+    if tp is not None:  # the vocabulary's padding rows and the row-parallel biases of ranks > 0 stay 0
+        for t in [*model.parameters(), *model.buffers()]:
+            t.data.zero_()
+    for module, spec in sorted(quantized.items()):
         spec = spec if isinstance(spec, QuantSpec) else QuantSpec("q8_0", bool(spec))
         _put_quantized(model, module, dtype, spec.offsets, spec.fmt)
     params = dict(model.named_parameters())
@@ -263,6 +278,13 @@ def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]
                   if isinstance(m, (QuantLinear, QuantEmbedding, QuantExperts))
                   for b in ("qweight", "planes", "scales", "offsets") if getattr(m, b) is not None)
     filled: dict[str, int] = {name: 0 for name in params}  # elements written per parameter
+    if tp is not None:
+        for name in params:  # the vocabulary's padding rows: 0, and no tensor's
+            split = param_split(config, name, tp)
+            if split is not None and split.dim == 0 and name.startswith(("embed_tokens.", "lm_head.")):
+                p = params[name]
+                filled[name] += (p.shape[0] - split.local_size) * (p.numel() // p.shape[0])
+    stash: dict[str, dict[str, torch.Tensor]] = {}  # dequantized for sharding: float weight name -> buffers
     unknown: list[str] = []
     extra_layers: set[int] = set()  # layers past num_hidden_layers: DeepSeek-V3's multi-token prediction
     for name, tensor in tensors:
@@ -275,8 +297,17 @@ def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]
             if not _IGNORED.search(name) and not _VISION.match(name) and not name.endswith("lm_head.weight"):
                 unknown.append(name)
             continue
+        if tp is not None and (quant := _quant_split(name)) is not None \
+                and target.param.rpartition(".")[0] in dequantized:
+            stash.setdefault(quant[0], {})[quant[1]] = _covering_columns(config, target, tensor, tp)
+            continue
         if target.param not in params:
             raise ModelLoadError(f"checkpoint tensor {name!r} has no place in this config ({target.param})")
+        split = param_split(config, target.param, tp)
+        if split is not None and tp is not None:
+            filled[target.param] += _fill_shard(name, target, tensor, params[target.param].data, split, tp)
+            continue
+        tensor = read(tensor)
         dest = params[target.param].data
         if target.expert is not None:
             if not 0 <= target.expert < dest.shape[0]:
@@ -293,6 +324,11 @@ def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]
             tensor = tensor.float() + 1.0  # gemma scales by (1 + w): stored as one weight
         dest.copy_(tensor)
         filled[target.param] += dest.numel()
+    for name, buffers in stash.items():
+        target = map_name(config, name)
+        assert target is not None and tp is not None  # stashed above by its quantized names
+        param = target.param if target.param in params else target.param.removesuffix(".weight")  # 3-D experts
+        filled[param] += _fill_dequantized(config, target, buffers, params[param].data, dequantized, tp)
     missing = [p for p, n in filled.items() if n < params[p].numel() and not p.endswith(".offsets")]
     if missing:
         raise MissingTensorError(
@@ -319,3 +355,101 @@ def _checkpoint_names(param: str) -> str:
         names = [k for k, (suffix, _) in _LAYER_MAP.items() if suffix == m.group(2)]
         return "/".join(f"model.layers.{m.group(1)}.{n}" for n in names)
     return param
+
+
+def _split_inside_blocks(config: ModelConfig, quantized: dict[str, QuantSpec | bool],
+                         tp: TPGroup | None) -> dict[str, QuantSpec]:
+    """Take out of ``quantized`` (and return) the modules whose rank's input columns start or end
+    inside a block of 32: loaded float, dequantized from the rank's covering blocks."""
+    out: dict[str, QuantSpec] = {}
+    for module, spec in list(quantized.items()):
+        split = param_split(config, f"{module}.weight", tp)
+        if split is not None and split.dim == 1 and column_bounds(split, 1 << 30) is None:
+            out[module] = spec if isinstance(spec, QuantSpec) else QuantSpec("q8_0", bool(spec))
+            del quantized[module]
+    if out and tp is not None:
+        seg = param_split(config, f"{next(iter(out))}.weight", tp).segments[0]  # type: ignore[union-attr]
+        logger.info("tensor parallel rank %d of %d: %d quantized row-parallel layers split inside a block of 32 "
+                    "(e.g. %s: input columns %d..%d of %d) are dequantized for this rank's shard",
+                    tp.rank, tp.size, len(out), next(iter(out)), seg.rank_start, seg.rank_end, seg.end)
+    return out
+
+
+def _fill_shard(name: str, target: Target, src: torch.Tensor | LazyTensor, param: torch.Tensor, split: Split,
+                tp: TPGroup) -> int:
+    """Read the rank's part of checkpoint tensor ``name`` into ``param`` (the rank's parameter);
+    returns the elements written."""
+    if split.rank0_only:  # a row-parallel bias: added once, by rank 0 (the others hold zeros)
+        if tp.rank == 0:
+            tensor = read(src)
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(param.shape)}")
+            param.copy_(tensor)
+        return param.numel()
+    lead = 0
+    if target.expert is not None:
+        param = param[target.expert]
+    elif param.dim() == 3:  # all experts at once (transformers 5's fused 3-D tensors)
+        lead = 1
+    written = 0
+    shape = tuple(src.shape)
+    for index, dest in shard_copies(split, param, shape, target.row_start, target.row_end, lead):
+        tensor = read(src, index)
+        if tuple(tensor.shape) != tuple(dest.shape):
+            raise ModelLoadError(f"checkpoint tensor {name!r} of shape {shape}: its tensor-parallel shard "
+                                 f"{tuple(tensor.shape)} does not fit {tuple(dest.shape)} (a checkpoint for "
+                                 "another config?)")
+        dest.copy_(tensor)
+        written += dest.numel()
+    return written
+
+
+def _cover(split: Split) -> tuple[int, int]:
+    """The rank's input columns widened to whole blocks of 32."""
+    seg = split.segments[0]
+    return seg.rank_start - seg.rank_start % 32, seg.rank_end + (-seg.rank_end) % 32
+
+
+def _covering_columns(config: ModelConfig, target: Target, src: torch.Tensor | LazyTensor,
+                      tp: TPGroup) -> torch.Tensor:
+    """The blocks of a quantized buffer that cover the rank's input columns (all rows)."""
+    split = param_split(config, target.param, tp)
+    assert split is not None
+    seg, (a, b) = split.segments[0], _cover(split)
+    shape = tuple(src.shape)
+    cols = shape[-1]
+    return read(src, (slice(None),) * (len(shape) - 1) + (slice(a * cols // seg.end, b * cols // seg.end),))
+
+
+def _fill_dequantized(config: ModelConfig, target: Target, buffers: dict[str, torch.Tensor], param: torch.Tensor,
+                      dequantized: dict[str, QuantSpec], tp: TPGroup) -> int:
+    """Dequantize the covering blocks of one quantized weight and copy the rank's columns of it."""
+    from pagedkv.models.quant_linear import dequantize_lowbit, dequantize_q8_0
+
+    module = target.param.rpartition(".")[0]
+    spec = dequantized[module]
+    split = param_split(config, f"{module}.weight", tp)
+    assert split is not None
+    q = buffers["qweight"]
+    lead = q.shape[:-1]
+
+    def flat(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.reshape(-1, t.shape[-1])
+
+    qf, scales = flat(q), flat(buffers["scales"])
+    assert qf is not None and scales is not None
+    if spec.fmt == "q8_0":
+        w = dequantize_q8_0(qf, scales, flat(buffers.get("offsets")))
+    else:
+        w = dequantize_lowbit(qf, flat(buffers.get("planes")), scales, flat(buffers.get("offsets")), spec.fmt)
+    seg, (a, _) = split.segments[0], _cover(split)
+    w = w.reshape(*lead, -1)[..., seg.rank_start - a:seg.rank_end - a]
+    if target.expert is not None:
+        param = param[target.expert]
+    if target.row_end is not None or target.row_start:
+        param = param[(slice(None),) * (param.dim() - 2) + (slice(target.row_start, target.row_end),)]
+    if tuple(w.shape) != tuple(param.shape):
+        raise ModelLoadError(f"{module}: its dequantized shard {tuple(w.shape)} does not fit {tuple(param.shape)}")
+    param.copy_(w)
+    return param.numel()
