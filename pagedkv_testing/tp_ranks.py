@@ -102,7 +102,9 @@ def run_ranks(size: int, fn: Callable[..., Any], args: Sequence[Any] = (), *, ti
 
 def sharded_greedy(tp: TPGroup | None, cases: Sequence[dict[str, Any]]) -> list[dict[str, Any]] | None:
     """For each case (``folder``, ``prompts``, ``steps``; optional ``kv_cache_dtype``,
-    ``quantization``, ``block_size``): load the model's shard on this rank, prefill every prompt
+    ``quantization``, ``block_size``, ``lora``: a PEFT folder every prompt runs with, read against the
+    whole model's config and given whole to the rank, as the engine does): load the model's shard on
+    this rank, prefill every prompt
     together, then decode ``steps`` greedy tokens as one batch; returns (on rank 0; None elsewhere)
     per case ``tokens`` (per prompt) and ``logits`` (the float32 logits of every step, stacked)."""
     from pagedkv.models import load_model
@@ -115,8 +117,14 @@ def sharded_greedy(tp: TPGroup | None, cases: Sequence[dict[str, Any]]) -> list[
         bs = int(case.get("block_size", 4))
         prompts, steps = case["prompts"], int(case["steps"])
         num_blocks = sum(-(-(len(p) + steps) // bs) for p in prompts) * 3 + 8  # up to 3 KV groups
+        lora = case.get("lora")
         runner = ModelRunner(loaded, block_size=bs, num_blocks=num_blocks,
-                             kv_cache_dtype=case.get("kv_cache_dtype"))
+                             kv_cache_dtype=case.get("kv_cache_dtype"), max_loras=1 if lora else 0)
+        if lora:
+            from pagedkv.lora.adapter import load_adapter
+
+            assert loaded.full_config is not None
+            runner.set_lora_slot(0, load_adapter("a", 1, lora, loaded.full_config, max_rank=16))
         groups = len(runner.cache.groups)
         alloc = TinyAllocator(num_blocks, seed=1)
         tables = [alloc.take(-(-(len(p) + steps) // bs)) for p in prompts]
@@ -125,7 +133,8 @@ def sharded_greedy(tp: TPGroup | None, cases: Sequence[dict[str, Any]]) -> list[
         done = [0] * len(prompts)
         logits_all = []
         for _ in range(steps):
-            chunks = [SeqChunk(s[d:], d, t, group_tables=g) for s, d, t, g in zip(seqs, done, tables, extra)]
+            chunks = [SeqChunk(s[d:], d, t, group_tables=g, lora_slot=0 if lora else -1)
+                      for s, d, t, g in zip(seqs, done, tables, extra)]
             logits = runner.execute(chunks)
             logits_all.append(logits)
             for i, s in enumerate(seqs):

@@ -20,6 +20,11 @@ runs are of equal length, back to back, in consecutive slots (a decode batch spr
 the adapters: the common case), the products of all runs are two batched matmuls instead of two
 per run (``LoRABatch.uniform``): on one CPU thread a small matmul costs about as much in call
 overhead as in arithmetic, and this cuts the adapters' extra time per layer by about a third.
+
+On a tensor-parallel rank's shard (``models/sharding.py``) every rank gets the whole adapter and
+keeps its part (``shard_parts``): on a column-parallel layer (q/k/v, gate/up) A whole and the rows
+of B on the rank's output rows; on a row-parallel one (o, down) the rank's columns of A and B
+whole (the partial products are summed with the layer's own output by its ``all_reduce``).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.lora.adapter import FUSED_PARTS, LoRAPart, LoRAWeights
+from pagedkv.models.sharding import Split, param_split
 
 
 @dataclass(slots=True)
@@ -61,9 +67,10 @@ class LoRALinear(nn.Module):
     lora_bt: torch.Tensor  # [slots, width, out]
 
     def __init__(self, base: nn.Module, parts: int, max_loras: int, max_rank: int, batch: LoRABatch,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, split: Split | None = None) -> None:
         super().__init__()
         self.base = base
+        self.split = split  # a tensor-parallel rank's part of the layer (None: all of it)
         # nn.Module's __getattr__ is typed Tensor | Module; every wrapped linear layer has int features
         self.in_features: int = base.in_features  # type: ignore[assignment]
         self.out_features: int = base.out_features  # type: ignore[assignment]
@@ -78,7 +85,10 @@ class LoRALinear(nn.Module):
         self.batch = batch
 
     def set_slot(self, slot: int, parts: list[LoRAPart]) -> None:
-        """Fill ``slot`` with ``parts`` (empty: this adapter leaves the layer alone)."""
+        """Fill ``slot`` with ``parts`` (empty: this adapter leaves the layer alone); parts name the
+        whole layer's rows (a tensor-parallel rank keeps its own: :func:`shard_parts`)."""
+        if self.split is not None:
+            parts = shard_parts(parts, self.split)
         self.lora_a[slot].zero_()
         self.lora_bt[slot].zero_()
         col = 0
@@ -140,6 +150,7 @@ class LoRAStack:
         self.layers: dict[str, LoRALinear] = {}  # "layers.3.self_attn.qkv_proj" -> wrapper
         ref = next(model.parameters())
         dtype = ref.dtype if ref.dtype.is_floating_point else torch.float32
+        tp, full = getattr(model, "tp", None), getattr(model, "full_config", None)  # a rank's shard
         for i, layer in enumerate(getattr(model, "layers", ())):  # checked before anything is wrapped
             for suffix in FUSED_PARTS:
                 parent_name, child = suffix.split(".")
@@ -154,7 +165,8 @@ class LoRAStack:
                 base = getattr(parent, child)
                 if isinstance(base, LoRALinear):
                     raise ValueError("apply_lora: the model already carries LoRA slots")
-                wrapper = LoRALinear(base, parts, max_loras, max_rank, self.batch, dtype, ref.device)
+                split = param_split(full, f"layers.{i}.{suffix}.weight", tp) if full is not None else None
+                wrapper = LoRALinear(base, parts, max_loras, max_rank, self.batch, dtype, ref.device, split)
                 setattr(parent, child, wrapper)
                 self.layers[f"layers.{i}.{suffix}"] = wrapper
 
@@ -177,6 +189,25 @@ class LoRAStack:
             yield
         finally:
             self.batch.set(())
+
+
+def shard_parts(parts: list[LoRAPart], split: Split) -> list[LoRAPart]:
+    """A tensor-parallel rank's share of a layer's adapter ``parts`` (rows of the whole layer):
+    column-parallel (``split.dim`` 0), each part's B rows on the rank's output rows, at their local
+    rows, A whole (a part over several runs, Phi-3's fused q/k/v, becomes one part per run);
+    row-parallel (dim 1), the rank's columns of A, B whole."""
+    out = []
+    for p in parts:
+        if split.dim == 1:
+            seg = split.segments[0]
+            out.append(LoRAPart(p.row_start, p.row_end, p.a[:, seg.rank_start:seg.rank_end].contiguous(), p.b))
+            continue
+        for seg in split.segments:
+            a, b = max(seg.rank_start, p.row_start), min(seg.rank_end, p.row_end)
+            if a < b:
+                local = seg.local + a - seg.rank_start
+                out.append(LoRAPart(local, local + b - a, p.a, p.b[a - p.row_start:b - p.row_start].contiguous()))
+    return out
 
 
 def apply_lora(model: nn.Module, max_loras: int, max_rank: int) -> LoRAStack:

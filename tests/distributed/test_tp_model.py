@@ -3,11 +3,12 @@ rank: the same greedy tokens over 16 prompts and logits within 1e-4, through eac
 (prefill, then decode steps), for Llama with fewer KV heads than ranks (replicated), Qwen3 (per-head
 q/k norms, KV heads divided), Gemma 3 (hybrid sliding window, softcaps), Phi-3 (fused q/k/v and
 gate/up checkpoints), DeepSeek-V3 (MLA + routed and shared experts), Qwen3-MoE, plus int8 KV blocks
-(per-block scales of the rank's heads), Q8_0 weights and a Q8_0 GGUF whose row-parallel blocks do not
-divide over the ranks (dequantized for sharding). Plus what is refused by name and the split rules.
+(per-block scales of the rank's heads), Q8_0 weights, LoRA adapters (separate and fused parts) and a
+Q8_0 GGUF whose row-parallel blocks do not divide over the ranks (dequantized for sharding). Plus
+what is refused by name, and the split rules.
 
 One spawn of N ranks runs every model (the cost is the processes' start-up); the checkpoints are
-written once per module. ``PAGEDKV_FULL_MATRIX=1`` adds more steps and a LoRA-free GGUF at TP=3.
+written once per module. ``PAGEDKV_FULL_MATRIX=1`` decodes more steps.
 """
 
 from __future__ import annotations
@@ -94,13 +95,24 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]
                                                                     "num_hidden_layers": 2})
     out["llama_q8_0"] = dict(folder=str(aligned), prompts=_prompts(250), steps=STEPS, quantization="q8_0")
     # a GGUF with Q8_0/Q4_0 matrices kept 8-bit: ffn_down's 96 inputs split 48/48 inside blocks of 32
+    # LoRA on shards: q/k/v and gate/up (B's rows split), o and down (A's columns split); and on Phi-3's
+    # fused q/k/v and gate/up, where one adapter part spans several runs of the rank's rows
+    from pagedkv_testing.lora_adapters import make_adapter
+
+    for base in ("llama_kv1", "phi3"):
+        targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] if base == "phi3" else \
+            ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        make_adapter(Path(out[base]["folder"]), root / f"{base}_lora", seed=5, std=0.1, r=4, lora_alpha=8,
+                     target_modules=targets)
+        out[f"{base}_lora"] = {**out[base], "lora": str(root / f"{base}_lora")}
     gguf_path = root / "exact.gguf"
     write_gguf(gguf_path, EXACT, tied=True, seed=4)
     out["gguf_q8_0"] = dict(folder=str(gguf_path), prompts=_prompts(128), steps=STEPS, quantization="auto")
     return out
 
 
-TP2 = ["llama_kv1", "qwen3", "gemma3", "phi3", "deepseek_v3", "qwen3_moe", "qwen3_int8_kv", "llama_q8_0", "gguf_q8_0"]
+TP2 = ["llama_kv1", "qwen3", "gemma3", "phi3", "deepseek_v3", "qwen3_moe", "qwen3_int8_kv", "llama_q8_0",
+       "llama_kv1_lora", "phi3_lora", "gguf_q8_0"]
 # the GGUF's 4 heads do not split over 3
 TP3 = [n for n in TP2 if n != "gguf_q8_0"]
 
@@ -138,6 +150,13 @@ def test_rank_holds_its_kv_heads(results: dict[int, dict[str, dict[str, Any]]]) 
     assert results[2]["qwen3"]["kv_heads"] == 3 and results[3]["qwen3"]["kv_heads"] == 2
     assert results[1]["llama_kv1"]["kv_heads"] == results[3]["llama_kv1"]["kv_heads"] == 1
     assert results[3]["deepseek_v3"]["kv_heads"] == 1
+
+
+@pytest.mark.slow
+def test_the_adapters_change_the_outputs(results: dict[int, dict[str, dict[str, Any]]]) -> None:
+    """The LoRA cases test something: the adapter moves the base model's logits."""
+    for base in ("llama_kv1", "phi3"):
+        assert float((results[1][f"{base}_lora"]["logits"] - results[1][base]["logits"]).abs().max()) > 1e-2
 
 
 def _config(**over: Any) -> ModelConfig:
