@@ -34,6 +34,9 @@ checkpoint): ``--quantization none`` compares at equal float32 weights. ``--prof
 case, where one decode step's time goes (``profile_decode``: layer matmuls, LM head, attention,
 other model ops, runner, scheduler, sampler, the rest of the engine).
 
+``--tensor-parallel-size N`` (N > 1) runs bench/tensor_parallel.py instead: N ranks against one,
+alternating; last line ``tpN_vs_tp1_case_b`` and the step's split (plan broadcast, all-reduce, compute).
+
 Last line: one JSON object (pagedkv_tok_s, hf_tok_s, ratio, kv_waste, case_a_tok_s, case_b_tok_s,
 ratio_vs_vllm_case_a .. _case_d for the cases run when vLLM ran, ratio_vs_llamacpp_* when llama.cpp
 ran, the loads, the formats, profile_ms per case, and more).
@@ -351,7 +354,17 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="after the runs, where one decode step's time goes, per case (pagedkv)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                    help="N > 1: pagedkv over N ranks (--threads each) against one rank, alternating; no peers "
+                         "(bench/tensor_parallel.py; default --cases case_a,case_b)")
     args = ap.parse_args()
+    if args.tensor_parallel_size > 1:  # its own comparison: TP=N against TP=1 (bench/tensor_parallel.py)
+        from tensor_parallel import main as tensor_parallel_main
+        cases = "case_a,case_b" if args.cases == ap.get_default("cases") else args.cases
+        tensor_parallel_main([*(["--model", args.model] if args.model else []), "--tensor-parallel-size",
+                              str(args.tensor_parallel_size), "--threads", str(args.threads), "--cases", cases,
+                              "--repeat", str(args.repeat), "--seed", str(args.seed)])
+        return
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
     if (args.llamacpp_python is None) != (args.llamacpp_gguf is None):

@@ -68,6 +68,16 @@ def _is_one(value: str) -> bool:
     return value == "1"
 
 
+def _index(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"must be an integer, got {value!r}") from None
+    if number < 0:
+        raise ValueError(f"must be >= 0, got {number}")
+    return number
+
+
 def _seconds(value: str) -> float:
     try:
         seconds = float(value)
@@ -128,6 +138,23 @@ QUIET: EnvVar[bool] = EnvVar(
     "PAGEDKV_QUIET", "flag", False,
     "anything but 0: no progress lines on stderr for long start-up phases (progress.py)", _not_zero)
 
+# -- tensor parallelism (docs/tensor_parallel.md) ---------------------------------------------------
+
+TP_TIMEOUT_S: EnvVar[float] = EnvVar(
+    "PAGEDKV_TP_TIMEOUT_S", "seconds", 60.0,
+    "the longest one tensor-parallel collective (a step plan, an all-reduce) waits for a rank: past it "
+    "the rank is taken as hung and the engine stops with an error naming it", _seconds)
+TORCH_RANK: EnvVar[int | None] = EnvVar(
+    "RANK", "integer", None,
+    "torchrun's rank of this process: with WORLD_SIZE > 1, rank 0 runs the engine and the others the "
+    "tensor-parallel worker loop (pagedkv/distributed/launch.py)", _index)
+TORCH_WORLD_SIZE: EnvVar[int | None] = EnvVar(
+    "WORLD_SIZE", "integer", None,
+    "torchrun's number of processes: the tensor-parallel size of a torchrun launch", _index)
+TORCH_LOCAL_RANK: EnvVar[int | None] = EnvVar(
+    "LOCAL_RANK", "integer", None,
+    "torchrun's rank on this host: the GPU (cuda:LOCAL_RANK) a rank of a torchrun launch uses", _index)
+
 # -- server ---------------------------------------------------------------------------------------
 
 API_KEY: EnvVar[str | None] = EnvVar(
@@ -152,7 +179,8 @@ ALLOW_RUNTIME_LORA_UPDATING: EnvVar[bool] = EnvVar(
 ALL: tuple[EnvVar, ...] = (
     CACHE_DIR, XDG_CACHE_HOME, HF_HUB_CACHE, HF_HOME, HF_HUB_OFFLINE, HF_ENDPOINT, NATIVE, ATTENTION,
     TRITON_INTERPRET, FAULT_INJECTION, QUIET, API_KEY, METRICS_API_KEY, LOG_STATS_INTERVAL,
-    ALLOW_LONG_MAX_MODEL_LEN, ALLOW_RUNTIME_LORA_UPDATING,
+    ALLOW_LONG_MAX_MODEL_LEN, ALLOW_RUNTIME_LORA_UPDATING, TP_TIMEOUT_S, TORCH_RANK, TORCH_WORLD_SIZE,
+    TORCH_LOCAL_RANK,
 )
 
 

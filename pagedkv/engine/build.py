@@ -14,9 +14,11 @@ from pagedkv.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from pagedkv.distributed.group import TPGroup
     from pagedkv.engine.kv_sizing import KVSizing
     from pagedkv.lora.manager import LoRAManager
     from pagedkv.model_shape import ModelShape
+    from pagedkv.models.config import ModelConfig
     from pagedkv.models.tokenizer import Tokenizer
     from pagedkv.runner.protocol import Runner
     from pagedkv.speculative.decoder import SpeculativeDecoder
@@ -37,7 +39,19 @@ class RunnerParts(NamedTuple):
 
 def build_runner(config: EngineConfig) -> RunnerParts:
     """Load the model and size its KV pools. The identity (``models/identity.py``) is computed
-    only for the disk tier's fingerprint, else None; the defaults are :func:`generation_defaults`'."""
+    only for the disk tier's fingerprint, else None; the defaults are :func:`generation_defaults`'.
+    ``tensor_parallel_size`` > 1: a ``TPRunner`` over that many ranks (``engine/tp_build.py``)."""
+    if config.tensor_parallel_size > 1:
+        from pagedkv.engine.tp_build import build_tp_runner
+        parts: RunnerParts = build_tp_runner(config, build_rank_runner)
+        return parts
+    return build_rank_runner(config)[0]
+
+
+def build_rank_runner(config: EngineConfig, tp: TPGroup | None = None) -> tuple[RunnerParts, ModelConfig]:
+    """:func:`build_runner`'s work on one device, and the whole model's config beside it; with
+    ``tp`` (a tensor-parallel rank) the rank's shard on its own ModelRunner, its pools' sizes
+    agreed with rank 0's."""
     import torch
 
     from pagedkv.models import load_model
@@ -49,7 +63,7 @@ def build_runner(config: EngineConfig) -> RunnerParts:
     from pagedkv.runner.kv_cache import host_bytes_per_block, num_blocks_for_memory
     from pagedkv.runner.model_runner import resolve_device
 
-    if config.threads:
+    if config.threads and tp is None:  # (a rank's threads are set, and pinned, by engine/tp_build.py)
         torch.set_num_threads(config.threads)
     device = resolve_device(config.device)
     path, _ = resolve_model_path(config.model, config.revision, config.download_dir)
@@ -61,12 +75,13 @@ def build_runner(config: EngineConfig) -> RunnerParts:
             raise ValueError("quantization q8_0 runs on the CPU only; use quantization none (or auto) on cuda")
         quantization = "none"
     loaded = load_model(config.model, dtype=dtype, quantization=quantization, tokenizer=config.tokenizer,
-                        revision=config.revision, download_dir=config.download_dir)
+                        revision=config.revision, download_dir=config.download_dir, tp=tp)
     block_size = resolve_block_size(config.block_size, loaded.config,
                                     config.max_model_len or loaded.config.max_position_embeddings, device,
                                     seq_len=config.block_size_seq_len)
-    per_block = bytes_per_block(loaded.config, block_size, kv_dtype)  # scales included
-    sizing = kv_sizing(config, loaded, block_size, per_block, device.type)  # the defaults, from free memory
+    per_block = bytes_per_block(loaded.config, block_size, kv_dtype)  # scales included (a rank's heads)
+    sizing = kv_sizing(config, loaded, block_size, per_block, device.type,  # the defaults, from free memory
+                       ranks=tp.size if tp else 1)
     logger.info("%s", sizing.reason)
     device_blocks = config.num_kv_blocks or num_blocks_for_memory(
         loaded.config, block_size, config.kv_cache_memory or sizing.kv_bytes, kv_dtype)
@@ -80,6 +95,10 @@ def build_runner(config: EngineConfig) -> RunnerParts:
     host_per_block = (host_bytes_per_block(loaded.config, block_size, kv_dtype, str(dtype).removeprefix("torch."))
                       if full_blocks else per_block)  # a mixed pool's host blocks hold either format
     host_blocks = min(host_bytes // host_per_block, 4 * device_blocks)
+    if tp is not None:  # every rank holds the same blocks: rank 0's sizes
+        from pagedkv.engine.tp_build import agree_pool_sizes
+        block_size, device_blocks, host_blocks, full_blocks = agree_pool_sizes(
+            tp, block_size, device_blocks, host_blocks, full_blocks)
     runner = ModelRunner(loaded, block_size=block_size, num_blocks=device_blocks,
                          num_host_blocks=host_blocks, kv_cache_dtype=kv_dtype, device=device,
                          max_loras=config.max_loras if config.enable_lora else 0,
@@ -94,8 +113,8 @@ def build_runner(config: EngineConfig) -> RunnerParts:
         from pagedkv.models.identity import model_identity
         identity = model_identity(loaded.path)
     defaults = generation_defaults(config.generation_config, loaded.generation_defaults)
-    return RunnerParts(runner, loaded.tokenizer, loaded.name, loaded.config.max_position_embeddings, identity,
-                       defaults)
+    return (RunnerParts(runner, loaded.tokenizer, loaded.name, loaded.config.max_position_embeddings, identity,
+                        defaults), loaded.full_config or loaded.config)
 
 
 def resolve_block_size(setting: int | str, shape: ModelShape, max_model_len: int, device: torch.device, *,
@@ -119,10 +138,12 @@ def resolve_block_size(setting: int | str, shape: ModelShape, max_model_len: int
     return setting
 
 
-def kv_sizing(config: EngineConfig, loaded: Any, block_size: int, block_bytes: int, device_type: str) -> KVSizing:
+def kv_sizing(config: EngineConfig, loaded: Any, block_size: int, block_bytes: int, device_type: str, *,
+              ranks: int = 1) -> KVSizing:
     """The KV pool and host tier defaults (``engine/kv_sizing.py``): what ``kv_cache_memory`` /
     ``num_kv_blocks`` and ``kv_offloading_size`` leave unset, sized from the loaded model and the
-    memory available now; returns a ``KVSizing`` (its ``reason`` is logged at start)."""
+    memory available now; returns a ``KVSizing`` (its ``reason`` is logged at start). ``ranks``:
+    tensor-parallel ranks sharing this host's memory (each sizes from its share)."""
     from pagedkv.engine.config import _DefaultGiB
     from pagedkv.engine.kv_sizing import available_device_memory, available_host_memory, size_kv
     from pagedkv.models.quant_linear import weight_bytes
@@ -135,6 +156,8 @@ def kv_sizing(config: EngineConfig, loaded: Any, block_size: int, block_bytes: i
         pool = (config.kv_cache_memory if isinstance(config.kv_cache_memory, int)
                 else parse_bytes(str(config.kv_cache_memory), "kv_cache_memory"))
     host = available_host_memory()
+    if host is not None:
+        host //= ranks
     return size_kv(block_bytes=block_bytes, block_size=block_size,
                    max_model_len=config.max_model_len or loaded.config.max_position_embeddings,
                    weight_bytes=weight_bytes(loaded.model),

@@ -136,7 +136,13 @@ class EngineConfig:
         "check KV-cache integrity (check_integrity()) after every step")})
     fault_injection: str | None = field(default=None, metadata={"help": (
         "inject faults, e.g. seed=7,rate=0.05 (also env PAGEDKV_FAULT_INJECTION)")})
-    threads: int | None = field(default=None, metadata={"help": "torch CPU threads (default: torch's choice)"})
+    threads: int | None = field(default=None, metadata={"help": (
+        "torch CPU threads, per tensor-parallel rank (default: torch's choice; with tensor_parallel_size > 1 "
+        "the cores divided among the ranks)")})
+    tensor_parallel_size: int = field(default=1, metadata={"help": (
+        "ranks one model is split over (vLLM's name, -tp): each holds 1/N of every layer and its KV heads' "
+        "part of every block; pagedkv spawns ranks 1..N-1 (gloo on CPU, each pinned to its own cores when "
+        "N x threads fit; NCCL on cuda:RANK), or torchrun launches them (docs/tensor_parallel.md)")})
     generation_config: str = field(default="auto", metadata={"help": (
         "sampling defaults for fields a request leaves out (vLLM's --generation-config): auto (the model "
         "folder's generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, "
@@ -229,6 +235,7 @@ class EngineConfig:
             raise ValueError(f"device must be one of {DEVICES} (or cuda:N), got {self.device!r}")
         if self.threads is not None:
             _int_in("threads", self.threads, 1, 1024)
+        _int_in("tensor_parallel_size", self.tensor_parallel_size, 1, 1024)
         for name in ("revision", "download_dir"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):

@@ -62,6 +62,7 @@ _ARGPARSE: dict[str, dict[str, Any]] = {
     "debug_integrity": _SWITCH,
     "fault_injection": {"type": str},
     "threads": {"type": int},
+    "tensor_parallel_size": {"type": int, "metavar": "N"},
     "tenant_kv_quota": {"action": "append", "metavar": "NAME=FRACTION"},
     "default_tenant_kv_quota": {"type": float, "metavar": "FRACTION"},
     "max_pin_ttl_s": {"type": float, "metavar": "SECONDS"},
@@ -85,7 +86,8 @@ _ARGPARSE: dict[str, dict[str, Any]] = {
 
 
 # vLLM's other spellings of a flag.
-_ALIASES: dict[str, tuple[str, ...]] = {"kv_cache_memory": ("--kv-cache-memory-bytes",)}
+_ALIASES: dict[str, tuple[str, ...]] = {"kv_cache_memory": ("--kv-cache-memory-bytes",),
+                                        "tensor_parallel_size": ("-tp",)}
 
 
 def engine_fields() -> list[dataclasses.Field]:

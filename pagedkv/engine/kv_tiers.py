@@ -38,12 +38,14 @@ PAYLOAD_LAYOUT = "kv[layers,2,block_size,kv_heads,head_dim] then scales[layers,2
 WRITE_QUEUE_BYTES = 256 << 20  # blocks waiting for the disk worker, at most (at least 8 blocks)
 REMOTE_QUEUE_BYTES = 256 << 20  # blocks waiting for the remote writer, at most (at least 8 blocks)
 REMOTE_READ_BATCH_BYTES = 16 << 20  # one MGET of the remote tier reads about this much at most
-TENSOR_PARALLEL_SIZE = 1  # pagedkv runs one engine on one device (serve refuses -tp > 1)
 
 
-def tier_fingerprint(runner: Runner, model_name: str, identity: dict[str, str] | None) -> dict[str, str]:
+def tier_fingerprint(runner: Runner, model_name: str, identity: dict[str, str] | None,
+                     tensor_parallel_size: int = 1) -> dict[str, str]:
     """What a block's payload is only good for: the model (and its tokenizer), dtype, weights,
-    block size, KV format and shape, and the payload's layout. The disk and remote tiers keep
+    block size, KV format and shape, the payload's layout, and over N > 1 tensor-parallel ranks
+    N (a payload is every rank's shard, concatenated in rank order; at 1 the key is left out, so
+    the blocks of an engine on one device keep their fingerprint). The disk and remote tiers keep
     blocks under it."""
     cfg = runner.config
     groups = runner.kv_groups
@@ -59,6 +61,7 @@ def tier_fingerprint(runner: Runner, model_name: str, identity: dict[str, str] |
         "kv_cache_dtype": runner.kv_format.name,
         "shape": f"layers={cfg.num_hidden_layers} kv_heads={cfg.num_key_value_heads} head_dim={cfg.head_dim}" + layout,
         "payload": PAYLOAD_LAYOUT,
+        **({"tensor_parallel_size": str(tensor_parallel_size)} if tensor_parallel_size > 1 else {}),
     }
 
 
@@ -68,7 +71,7 @@ def open_disk_store(config: EngineConfig, runner: Runner, model_name: str,
     (in use, unsafe permissions) with a message saying what to do."""
     if config.kv_offload_dir is None:
         return None
-    fingerprint = tier_fingerprint(runner, model_name, identity)
+    fingerprint = tier_fingerprint(runner, model_name, identity, config.tensor_parallel_size)
     # a block file of another size than this cache's payload is discarded when read, never handed
     # to the runner (it would fail the step)
     store = DiskStore(config.kv_offload_dir, config.disk_tier_bytes, fingerprint,
@@ -97,7 +100,7 @@ def remote_tiers(config: EngineConfig, runner: Runner, model_name: str, identity
     # (the payload's size too: a layout that changes it, e.g. a mixed pool's format byte and padding,
     # gets keys of its own instead of values every other replica would discard)
     fingerprint = {**tier_fingerprint(runner, model_name, identity),
-                   "tensor_parallel_size": str(TENSOR_PARALLEL_SIZE), "payload_bytes": str(runner.payload_bytes)}
+                   "tensor_parallel_size": str(config.tensor_parallel_size), "payload_bytes": str(runner.payload_bytes)}
     store = RemoteStore(config.kv_remote_url, fingerprint, key_prefix=config.kv_remote_key_prefix,
                         payload_bytes=runner.payload_bytes or None)
     logger.info("KV remote tier %s, keys %s*", store.url, store.namespace.decode())

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from pagedkv.distributed.launch import RankFailedError
 from pagedkv.engine.beam_search import BeamSearch
 from pagedkv.engine.build import build_lora_manager, build_runner, build_speculative_decoder, kv_group_windows
 from pagedkv.engine.config import EngineConfig
-from pagedkv.engine.errors import RequestRejectedError
+from pagedkv.engine.errors import EngineDeadError, RequestRejectedError
 from pagedkv.engine.faults import FaultInjectingScheduler, FaultInjector, install_disk_faults
 from pagedkv.engine.grammar_compiler import CompiledGrammar, GrammarLimits
 from pagedkv.engine.input_processor import InputProcessor, PromptInput, TokenizedPrompt
@@ -277,6 +279,8 @@ class LLMEngine:
                 s.group.metrics["first_scheduled_time"] = now
         try:
             logits = self._execute(out, chunks)
+        except RankFailedError as exc:  # a tensor-parallel rank is gone: no step can run again
+            raise EngineDeadError(str(exc)) from exc
         except Exception as exc:  # noqa: BLE001 - the shared work failed: fail this plan's requests, keep the engine
             self.updater.fail_plan(out, exc, step)
         else:
@@ -358,9 +362,17 @@ class LLMEngine:
         if self.speculative is not None:
             self.speculative.close()
         self.structured.close()
-        written = self.tiers.persist()
+        try:
+            written = self.tiers.persist()
+        finally:
+            self.runner.close()  # (a tensor-parallel runner's worker ranks stop)
         if written:
             logger.info("KV disk tier: %d blocks written at shutdown", written)
+
+    def on_dead(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(message)`` once if the engine dies between steps (a tensor-parallel rank
+        died: the next step raises EngineDeadError); the server stops on it."""
+        self.runner.on_failure(callback)
 
     def __enter__(self) -> LLMEngine:
         return self

@@ -13,11 +13,12 @@ tensor-parallel ranks, or a test double, implements the same members.
                  block_payloads / host_block_payloads / load_host_blocks (the disk tier's bytes)
     8-bit KV     write_error (the write kernel's error sums), kv_quant_error()
     LoRA         lora (the slots, None without), set_lora_slot
+    shutdown     close (a tensor-parallel runner stops its ranks), on_failure (a rank died meanwhile)
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -137,4 +138,14 @@ class Runner(Protocol):
 
     def set_lora_slot(self, slot: int, weights: LoRAWeights | None) -> None:
         """Fill LoRA slot ``slot`` with an adapter's weights (None: empty it)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the runner holds besides memory (a tensor-parallel runner's worker ranks);
+        idempotent, the engine's last call."""
+        ...
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(message)`` once if the runner fails between calls (a tensor-parallel
+        rank died); a runner on one device never does."""
         ...

@@ -136,6 +136,15 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return self._num_in_flight
 
+    def fail(self, message: str) -> None:
+        """Mark the engine dead from any thread (``LLMEngine.on_dead``: a tensor-parallel rank
+        died): /health turns 503 and new requests fail at once; requests in flight fail at the
+        engine's next step."""
+        with self._cond:
+            if self._dead is None:
+                self._dead = EngineDeadError(message)
+            self._cond.notify()
+
     @property
     def is_dead(self) -> bool:
         return self._dead is not None

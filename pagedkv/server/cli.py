@@ -259,11 +259,22 @@ def run_serve(args: argparse.Namespace) -> int:
     config = server_config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
                            timeout_graceful_shutdown=args.drain_timeout, access_log=False)
     server = DrainingServer(config, app.state.server)
+    died: list[str] = []
+
+    def engine_died(message: str) -> None:  # (a tensor-parallel rank died): 503s, then exit non-zero
+        died.append(message)
+        async_engine.fail(message)
+        server.should_exit = True
+
+    engine.on_dead(engine_died)
     try:
         server.run()
     finally:
         if publisher is not None:
             publisher.close()
+    if died:
+        print(f"pagedkv serve: the engine stopped: {died[0]}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -75,8 +75,8 @@ def _group(why: str, harmless: Harmless, values: str = "", switches: str = "") -
 
 
 _GPU = "pagedkv has no CUDA graphs, torch.compile passes or GPU kernels to tune"
-_PARALLEL = ("pagedkv runs one engine in one process on one device: no tensor, pipeline, data, context or expert "
-             "parallelism (1 is accepted)")
+_PARALLEL = ("pagedkv runs one engine over one device or, with --tensor-parallel-size, over tensor-parallel ranks: "
+             "no pipeline, data, context or expert parallelism (1 is accepted)")
 _MM = "pagedkv serves text-only decoder models: no images, audio or video"
 _POOLING = "pagedkv generates text: no pooling, embedding or scoring runners"
 _REMOTE = ("pagedkv implements its supported architectures itself (Llama, Qwen2/3, Mistral, Phi-3, Gemma 2/3 and "
@@ -87,7 +87,7 @@ FLAGS: dict[str, VLLMFlag] = {f.name: f for f in [
     *_group(_REMOTE, _always, switches="--trust-remote-code"),
     *_group("the KV pool is sized by --kv-cache-memory-bytes or --num-kv-blocks, not by a share of GPU memory",
             _on_cpu, values="--gpu-memory-utilization --device-memory-utilization"),
-    *_group(_PARALLEL, _one, values="--tensor-parallel-size -tp --pipeline-parallel-size -pp --data-parallel-size -dp "
+    *_group(_PARALLEL, _one, values="--pipeline-parallel-size -pp --data-parallel-size -dp "
             "--data-parallel-size-local -dpl --decode-context-parallel-size -dcp --api-server-count -asc "
             "--prefill-context-parallel-size -pcp"),
     *_group(_PARALLEL, _off, values="--data-parallel-rank -dpn --data-parallel-start-rank -dpr",

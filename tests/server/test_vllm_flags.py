@@ -75,17 +75,17 @@ def test_flags_that_work_parse_as_pagedkv_options() -> None:
 
 def test_noop_flags_warn_one_line_each() -> None:
     args = build_parser().parse_args(["serve", "m", "--trust-remote-code", "--gpu-memory-utilization", "0.9",
-                                      "--tensor-parallel-size", "1", "--enforce-eager", "--disable-log-stats"])
+                                      "--pipeline-parallel-size", "1", "--enforce-eager", "--disable-log-stats"])
     assert args.disable_log_stats
     warnings = args.vllm_warnings
     assert len(warnings) == 4 and all("\n" not in w and "is accepted and has no effect" in w for w in warnings)
     assert warnings[0].startswith("--trust-remote-code is accepted") and "never runs a model's own code" in warnings[0]
     assert warnings[1].startswith("--gpu-memory-utilization 0.9") and "--kv-cache-memory-bytes" in warnings[1]
-    assert warnings[2].startswith("--tensor-parallel-size 1")
+    assert warnings[2].startswith("--pipeline-parallel-size 1")
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2 is not supported: pagedkv runs one engine"),
+    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2 is not supported: pagedkv runs one engine"),
     (["--device", "cuda", "--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization 0.9 is not supported"),
     (["--uds", "/tmp/s"], "--uds /tmp/s is not supported: no Unix-socket listener"),
     (["--enable-request-id-headers"], "--enable-request-id-headers is not supported"),

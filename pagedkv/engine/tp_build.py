@@ -1,0 +1,159 @@
+"""Building a tensor-parallel engine's runner: the ranks started (``distributed/launch.py``), each
+rank's shard on its own ModelRunner (``build.build_runner`` with its ``TPGroup``), and rank 0's
+``TPRunner`` over them (``runner/tp_runner.py``).
+
+    pagedkv spawns:  rank 0 (this process)                 ranks 1..N-1 (python -m pagedkv.engine.tp_worker)
+                     RankWatch on the workers' processes    die with rank 0 (PDEATHSIG + pid watch)
+                     init gloo/NCCL on a free port   <--->  init on the same port
+                     build_runner(tp=rank 0)         <--->  build_runner(tp=rank r)
+                     TPRunner(local, ...)            ---->  serve_plans (until "stop")
+
+    torchrun:        every process runs the same command; ``build_runner`` in rank r > 0 enters
+                     serve_plans and, at the "stop" plan, exits the process (it never returns)
+
+The engine never sees any of it: ``build_runner`` hands it a ``Runner``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from pagedkv.distributed.group import TPGroup
+from pagedkv.distributed.launch import (
+    RankWatch,
+    die_with_parent,
+    free_port,
+    init_process_group,
+    pin_threads,
+    spawn_workers,
+    torchrun_rank,
+)
+from pagedkv.engine.config import EngineConfig
+
+# build.build_rank_runner, handed in by its callers (build.py imports this module, not the reverse):
+# (config, tp) -> (RunnerParts, the whole model's ModelConfig)
+RankBuilder = Callable[..., tuple[Any, Any]]
+
+logger = logging.getLogger(__name__)
+
+
+def agree_pool_sizes(tp: TPGroup, *sizes: int) -> tuple[int, ...]:
+    """Rank 0's ``sizes`` (block size, device, host and full-precision blocks) on every rank: block
+    ids mean the same everywhere, so every rank holds the same pools (each sized its own from its
+    free memory)."""
+    import torch
+
+    values = torch.tensor(sizes, dtype=torch.long)
+    tp.broadcast(values, src=0)
+    return tuple(int(v) for v in values.tolist())
+
+
+def _device_of(config: EngineConfig, rank: int) -> EngineConfig:
+    """The rank's config: on CUDA its own GPU (``cuda:rank``, torchrun's ``cuda:LOCAL_RANK``)."""
+    if not config.device.startswith("cuda") and config.device != "auto":
+        return config
+    import torch
+
+    if config.device == "auto" and not torch.cuda.is_available():
+        return dataclasses.replace(config, device="cpu")
+    launched = torchrun_rank()
+    local = launched.local_rank if launched is not None else rank
+    if local >= torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} on cuda needs a GPU per rank; rank "
+                         f"{rank} would use cuda:{local} but torch sees {torch.cuda.device_count()} GPU(s)")
+    return dataclasses.replace(config, device=f"cuda:{local}")
+
+
+def _rank_setup(config: EngineConfig, rank: int, size: int, port: int | None,
+                watch: RankWatch | None = None) -> tuple[EngineConfig, TPGroup, Any, Callable[[], None]]:
+    """Join the group as ``rank`` and give the rank its device and threads: (its config, its
+    TPGroup, the group step plans travel on, what puts the process's threads back)."""
+    config = _device_of(config, rank)
+    device_type = "cuda" if config.device.startswith("cuda") else "cpu"
+    restore: Callable[[], None] = lambda: None  # noqa: E731
+    if device_type == "cpu":
+        restore = pin_threads(rank, size, config.threads)
+    else:
+        import torch
+        torch.cuda.set_device(config.device)
+    plan_group = init_process_group(rank, size, port=port, device_type=device_type, watch=watch)
+    return config, TPGroup(rank, size), plan_group, restore
+
+
+WORKER_MODULE = "pagedkv.engine.tp_worker"  # what a spawned rank runs: worker_main, below
+
+
+def worker_main(rank: int, size: int, port: int, config: EngineConfig, parent_pid: int, build: RankBuilder) -> None:
+    """A spawned rank's process: join the group, load the rank's shard (``build``), apply step
+    plans until rank 0 says stop. Any error ends the process (rank 0 names the rank)."""
+    die_with_parent(parent_pid)
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    _serve(config, rank, size, port, build)
+
+
+def _serve(config: EngineConfig, rank: int, size: int, port: int | None, build: RankBuilder) -> None:
+    import torch.distributed as dist
+
+    from pagedkv.runner.model_runner import ModelRunner
+    from pagedkv.runner.tp_runner import serve_plans
+
+    config, group, plan_group, _ = _rank_setup(config, rank, size, port)
+    parts, _ = build(config, tp=group)
+    assert isinstance(parts.runner, ModelRunner)  # (a rank's own shard)
+    serve_plans(parts.runner, plan_group, rank, size)
+    dist.destroy_process_group()
+
+
+def build_tp_runner(config: EngineConfig, build: RankBuilder) -> Any:
+    """Rank 0's ``RunnerParts`` of an engine over ``config.tensor_parallel_size`` ranks, each rank's
+    shard built by ``build``: workers spawned here, or (under torchrun) already running; in a
+    torchrun rank > 0 this serves plans and exits the process instead of returning. Raises
+    ValueError for a torchrun world of another size."""
+    from pagedkv.runner.model_runner import ModelRunner
+    from pagedkv.runner.tp_runner import TPRunner
+
+    size = config.tensor_parallel_size
+    launched = torchrun_rank()
+    procs: list[Any] = []
+    if launched is not None:
+        if launched.world_size != size:
+            raise ValueError(f"tensor_parallel_size {size} but torchrun started WORLD_SIZE={launched.world_size} "
+                             f"processes: give --nproc-per-node {size} (or tensor_parallel_size "
+                             f"{launched.world_size})")
+        if launched.rank > 0:
+            _serve(config, launched.rank, size, None, build)
+            sys.exit(0)  # a worker rank's command ends with the engine it served
+        port = None
+    else:
+        port = free_port()
+        procs = spawn_workers(WORKER_MODULE, size, (port, config, os.getpid()))
+    watch = RankWatch(procs)
+    restore: Callable[[], None] = lambda: None  # noqa: E731
+
+    def shutdown(grace_s: float = 5.0) -> None:
+        watch.end_workers(grace_s)
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        restore()  # this process's threads and cores as they were
+
+    try:
+        rank_config, group, plan_group, restore = _rank_setup(config, 0, size, port, watch)
+        parts, full_config = build(rank_config, tp=group)
+    except BaseException:
+        shutdown(0.0)
+        raise
+
+    assert isinstance(parts.runner, ModelRunner)  # (rank 0's own shard)
+    runner = TPRunner(parts.runner, group, full_config, plan_group=plan_group, watch=watch,
+                      shutdown=shutdown)
+    atexit.register(runner.close)
+    logger.info("tensor parallelism: %d ranks (%s), %d KV blocks of %d bytes per rank", size,
+                "torchrun" if launched is not None else "spawned", runner.num_blocks, runner.bytes_per_block)
+    return parts._replace(runner=runner)
