@@ -205,109 +205,8 @@ inline float hsum(__m256 v) {
   return ((tmp[0] + tmp[1]) + (tmp[2] + tmp[3])) + ((tmp[4] + tmp[5]) + (tmp[6] + tmp[7]));
 }
 
-// One work item (a tile of rows x one KV head) on the vector path. qs: the tile's scaled queries
-// [nr * group][D]; acc/m/l: the online-softmax state per (row, query head). float32 rows are read
-// where they lie; any other format is converted chunk by chunk into an L1/L2-resident float buffer
-// (its block scale folded in; ``conv`` holds 2 * CHUNK * D floats), so each stored value is
-// converted once per tile, not once per query head of the group, and the inner loops are the
-// float32 ones.
-template <int D, typename S, bool SCALED>
-void attend_vec(const float* qs, const int64_t* row_start, const int64_t* row_end, int64_t nr, int64_t group,
-                const Cache<S>& cache, const int32_t* table, int64_t block_size, int64_t kv_heads, int64_t h,
-                int64_t lo, int64_t hi, float* acc, float* m, float* l, float* conv, float cap) {
-  constexpr int NV = D / 8;
-  constexpr bool convert = !std::is_same_v<S, float>;
-  float* kbuf = conv;  // [CHUNK * D] each, 32-byte aligned (converted formats only)
-  float* vbuf = conv + CHUNK * D;
-  const int64_t row_stride = kv_heads * D;
-  const float* kp[CHUNK];
-  const float* vp[CHUNK];
-  alignas(32) float p[CHUNK];
-  for (int64_t c0 = lo; c0 < hi; c0 += CHUNK) {
-    const int64_t c1 = std::min<int64_t>(c0 + CHUNK, hi);
-    for (int64_t t = c0; t < c1; ++t) {
-      const int64_t blk = table[t / block_size];
-      const int64_t off = (blk * block_size + t % block_size) * row_stride + h * D;
-      if constexpr (convert) {
-        float* kd = kbuf + (t - c0) * D;
-        float* vd = vbuf + (t - c0) * D;
-        const S* ksrc = cache.k + off;
-        const S* vsrc = cache.v + off;
-        const __m256 kscale = _mm256_set1_ps(SCALED ? cache.k_scale[blk * kv_heads + h] * Vec<S>::unit : 1.f);
-        const __m256 vscale = _mm256_set1_ps(SCALED ? cache.v_scale[blk * kv_heads + h] * Vec<S>::unit : 1.f);
-        for (int v = 0; v < NV; ++v) {
-          _mm256_store_ps(kd + 8 * v, _mm256_mul_ps(Vec<S>::load(ksrc + 8 * v), kscale));
-          _mm256_store_ps(vd + 8 * v, _mm256_mul_ps(Vec<S>::load(vsrc + 8 * v), vscale));
-        }
-        kp[t - c0] = kd;
-        vp[t - c0] = vd;
-      } else {
-        kp[t - c0] = cache.k + off;
-        vp[t - c0] = cache.v + off;
-      }
-    }
-    for (int64_t i = 0; i < nr; ++i) {
-      const int64_t a = std::max(c0, row_start[i]), e = std::min(c1, row_end[i]);
-      if (e <= a) continue;
-      const int64_t n = e - a;
-      const float* const* kr = kp + (a - c0);
-      const float* const* vr = vp + (a - c0);
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t j = i * group + g;
-        const float* qj = qs + j * D;
-        int64_t t = 0;
-        for (; t + 8 <= n; t += 8) {
-          __m256 s[8];
-          for (int u = 0; u < 8; ++u) s[u] = _mm256_setzero_ps();
-          for (int v = 0; v < NV; ++v) {
-            const __m256 qv = _mm256_loadu_ps(qj + 8 * v);
-            for (int u = 0; u < 8; ++u) s[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[t + u] + 8 * v), s[u]);
-          }
-          _mm256_store_ps(p + t, reduce8(s));
-        }
-        for (; t < n; ++t) {
-          __m256 s = _mm256_setzero_ps();
-          for (int v = 0; v < NV; ++v) s = _mm256_fmadd_ps(_mm256_loadu_ps(qj + 8 * v), _mm256_loadu_ps(kr[t] + 8 * v), s);
-          p[t] = hsum(s);
-        }
-        if (cap > 0.f) {  // Gemma 2's soft-cap on the scores: cap * tanh(score / cap)
-          for (t = 0; t < n; ++t) p[t] = cap * std::tanh(p[t] / cap);
-        }
-        float mb = m[j];
-        for (t = 0; t < n; ++t) mb = std::max(mb, p[t]);
-        const float corr = std::exp(m[j] - mb);
-        const __m256 mv = _mm256_set1_ps(mb);
-        __m256 sumv = _mm256_setzero_ps();
-        t = 0;
-        for (; t + 8 <= n; t += 8) {
-          const __m256 ev = exp256(_mm256_sub_ps(_mm256_load_ps(p + t), mv));
-          _mm256_store_ps(p + t, ev);
-          sumv = _mm256_add_ps(sumv, ev);
-        }
-        float sum = hsum(sumv);
-        for (; t < n; ++t) {
-          p[t] = std::exp(p[t] - mb);
-          sum += p[t];
-        }
-        float* aj = acc + j * D;
-        __m256 av[NV];
-        const __m256 cv = _mm256_set1_ps(corr);
-        for (int v = 0; v < NV; ++v) av[v] = _mm256_mul_ps(_mm256_loadu_ps(aj + 8 * v), cv);
-        for (t = 0; t < n; ++t) {
-          const __m256 pv = _mm256_set1_ps(p[t]);
-          const float* vrow = vr[t];
-          for (int v = 0; v < NV; ++v) av[v] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vrow + 8 * v), av[v]);
-        }
-        for (int v = 0; v < NV; ++v) _mm256_storeu_ps(aj + 8 * v, av[v]);
-        l[j] = l[j] * corr + sum;
-        m[j] = mb;
-      }
-    }
-  }
-}
-
-// A mixed pool's vector path (attend_vec_mixed): the inner loops over one chunk [c0, c1) of the context whose K and V rows (as
-// floats, block scales folded in) are kp[t - c0] and vp[t - c0]: scores, online softmax and the V
+// The vector paths' inner loops (attend_vec, attend_vec_mixed) over one chunk [c0, c1) of the context whose K and V rows
+// (as floats, block scales folded in) are kp[t - c0] and vp[t - c0]: scores, online softmax and the V
 // sum of every (row, query head) of the tile. qs: the tile's scaled queries [nr * group][D];
 // acc/m/l: the online-softmax state per (row, query head).
 template <int D>
@@ -374,6 +273,50 @@ __attribute__((always_inline)) inline void attend_rows(const float* qs, const in
       l[j] = l[j] * corr + sum;
       m[j] = mb;
     }
+  }
+}
+
+// One work item (a tile of rows x one KV head) on the vector path. qs: the tile's scaled queries
+// [nr * group][D]; acc/m/l: the online-softmax state per (row, query head). float32 rows are read
+// where they lie; any other format is converted chunk by chunk into an L1/L2-resident float buffer
+// (its block scale folded in; ``conv`` holds 2 * CHUNK * D floats), so each stored value is
+// converted once per tile, not once per query head of the group, and the inner loops are the
+// float32 ones.
+template <int D, typename S, bool SCALED>
+void attend_vec(const float* qs, const int64_t* row_start, const int64_t* row_end, int64_t nr, int64_t group,
+                const Cache<S>& cache, const int32_t* table, int64_t block_size, int64_t kv_heads, int64_t h,
+                int64_t lo, int64_t hi, float* acc, float* m, float* l, float* conv, float cap) {
+  constexpr int NV = D / 8;
+  constexpr bool convert = !std::is_same_v<S, float>;
+  float* kbuf = conv;  // [CHUNK * D] each, 32-byte aligned (converted formats only)
+  float* vbuf = conv + CHUNK * D;
+  const int64_t row_stride = kv_heads * D;
+  const float* kp[CHUNK];
+  const float* vp[CHUNK];
+  for (int64_t c0 = lo; c0 < hi; c0 += CHUNK) {
+    const int64_t c1 = std::min<int64_t>(c0 + CHUNK, hi);
+    for (int64_t t = c0; t < c1; ++t) {
+      const int64_t blk = table[t / block_size];
+      const int64_t off = (blk * block_size + t % block_size) * row_stride + h * D;
+      if constexpr (convert) {
+        float* kd = kbuf + (t - c0) * D;
+        float* vd = vbuf + (t - c0) * D;
+        const S* ksrc = cache.k + off;
+        const S* vsrc = cache.v + off;
+        const __m256 kscale = _mm256_set1_ps(SCALED ? cache.k_scale[blk * kv_heads + h] * Vec<S>::unit : 1.f);
+        const __m256 vscale = _mm256_set1_ps(SCALED ? cache.v_scale[blk * kv_heads + h] * Vec<S>::unit : 1.f);
+        for (int v = 0; v < NV; ++v) {
+          _mm256_store_ps(kd + 8 * v, _mm256_mul_ps(Vec<S>::load(ksrc + 8 * v), kscale));
+          _mm256_store_ps(vd + 8 * v, _mm256_mul_ps(Vec<S>::load(vsrc + 8 * v), vscale));
+        }
+        kp[t - c0] = kd;
+        vp[t - c0] = vd;
+      } else {
+        kp[t - c0] = cache.k + off;
+        vp[t - c0] = cache.v + off;
+      }
+    }
+    attend_rows<D>(qs, row_start, row_end, nr, group, c0, c1, kp, vp, acc, m, l, cap);
   }
 }
 
