@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
@@ -67,6 +67,7 @@ class _StepAttention:
         self.softcap = config.attn_logit_softcapping  # Gemma 2: a tanh cap on the scores
         # a mixed pool's new rows per storage, per KV group's inputs (built by its first layer)
         self._splits: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._latent_len: dict[int, torch.Tensor] = {}  # MLA on Triton: each row's visible length (position + 1)
         self._slot_splits: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the same for Triton (-1: skip)
         self._stage_ids: dict[int, torch.Tensor] = {}  # the plain path: the blocks a group's step reads
 
@@ -198,6 +199,14 @@ class _StepAttention:
             tc.write_kv(k_cache, v_cache, k, v, inp.slot_mapping)
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         scale = self.scale if self.scale is not None else self.head_dim ** -0.5
+        if self.config.is_mla:  # one latent head, K and V its rows: every row, decode or prefill, in one launch
+            from pagedkv.ops.triton.latent import latent_attention
+
+            lengths = self._latent_len.get(id(inp))
+            if lengths is None:
+                lengths = self._latent_len[id(inp)] = (inp.positions + 1).to(torch.int32)
+            return latent_attention(out, q, k_cache, meta.block_tables, meta.row_seq, lengths, scale,
+                                    int(self.config.kv_lora_rank or 0), k_scales)
         if meta.num_decode and quant is not None:
             triton_decode(out, q, k_cache, v_cache, meta.block_tables, meta.row_seq, meta.row_len, scale,
                           sliding_window=window, softcap=self.softcap, quant=quant)
@@ -323,11 +332,13 @@ class ModelRunner:
         self.model: LlamaForCausalLM = net
         self.config: ModelConfig = net.config
         d = self.config.head_dim
-        if self.backend == "triton" and (d < 16 or d > 256 or d & (d - 1)):  # MLA's latent head: 576 for V3
+        # MLA's latent head (576 dims for V3) has its own Triton kernel (ops/triton/latent.py)
+        if self.backend == "triton" and not self.config.is_mla and (d < 16 or d > 256 or d & (d - 1)):
             raise ValueError(f"the triton attention backend takes heads of a power of two in 16..256; this model's "
-                             f"KV head has {d} dims" + (" (its MLA latent, kv_lora_rank + qk_rope_head_dim)"
-                                                         if self.config.is_mla else "")
-                             + ": use device cpu with attention_backend native or plain")
+                             f"KV head has {d} dims: use device cpu with attention_backend native or plain")
+        if self.backend == "triton" and self.config.is_mla and kv_full_blocks:
+            raise ValueError("kv_full_blocks (a mixed KV pool) on an MLA model: the Triton latent kernel reads "
+                             "one block format; use kv_full_blocks 0, or attention_backend native or plain")
         model_dtype = next(net.parameters()).dtype
         fmt = kv_format(kv_cache_dtype, model_dtype)
         # The native kernels read blocks in place and fuse RMSNorm.
@@ -370,12 +381,6 @@ class ModelRunner:
         if self.lora is None:
             raise ValueError("this runner has no LoRA slots (build it with max_loras > 0)")
         self.lora.set_slot(slot, weights)
-
-    def close(self) -> None:
-        """Nothing to release on one device (the Runner protocol's last call)."""
-
-    def on_failure(self, callback: Callable[[str], None]) -> None:
-        """Never called: one device fails only inside a call, which raises."""
 
     @property
     def kv_format(self) -> KVFormat:

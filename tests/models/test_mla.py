@@ -22,58 +22,12 @@ from pagedkv.models.config import ModelConfig
 from pagedkv.ops import native
 from pagedkv.runner import ModelRunner, SeqChunk
 from pagedkv.sampling_params import SamplingParams
-from pagedkv_testing.hf_checkpoints import (
-    TinyAllocator,
-    check_greedy_both_ways,
-    hf_greedy,
-    hf_logits,
-    load_hf_reference,
-    paged_greedy,
-    randomize_,
-)
+from pagedkv_testing.hf_checkpoints import TinyAllocator, hf_greedy, load_hf_reference
+from pagedkv_testing.moe_cases import DEEPSEEK_CASES as CASES
+from pagedkv_testing.moe_cases import check_greedy_32, check_prefill_logits, make_deepseek
+from pagedkv_testing.moe_cases import prompt as _prompt
 
 FULL = os.environ.get("PAGEDKV_MOE_FULL_MATRIX") == "1"  # docs/environment.md
-TINY: dict[str, Any] = dict(vocab_size=256, hidden_size=48, intermediate_size=72, num_hidden_layers=3,
-                            num_attention_heads=3, num_key_value_heads=3, max_position_embeddings=512,
-                            rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, n_routed_experts=8,
-                            num_experts_per_tok=3, moe_intermediate_size=20, first_k_dense_replace=1,
-                            kv_lora_rank=20, qk_rope_head_dim=6, qk_nope_head_dim=10, v_head_dim=14)
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
-        "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1}
-# name -> (DeepSeek version, overrides)
-CASES: dict[str, tuple[int, dict[str, Any]]] = {
-    # V2 / V2-Lite: no q_lora_rank, softmax greedy routing, one shared expert, interleaved RoPE
-    "v2_no_q_lora": (2, dict(q_lora_rank=None, n_shared_experts=1, topk_method="greedy")),
-    # V2 with q_lora_rank, group-limited routing, YaRN with DeepSeek's mscale, scaled weights
-    "v2_q_lora_yarn": (2, dict(q_lora_rank=18, n_shared_experts=2, topk_method="group_limited_greedy", n_group=4,
-                               topk_group=2, routed_scaling_factor=1.7, rope_parameters=YARN)),
-    # V3: sigmoid + correction bias, group-limited (n_group / topk_group), first_k_dense_replace, no interleave
-    "v3_groups": (3, dict(q_lora_rank=18, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-                          rope_interleave=False, rope_parameters=YARN)),
-}
-
-
-def make_deepseek(tmp: Path, version: int, seed: int, **overrides: Any) -> Path:
-    import transformers
-
-    if version == 3:
-        config: Any = transformers.DeepseekV3Config(**{**TINY, **overrides})
-        cls: Any = transformers.DeepseekV3ForCausalLM
-    else:
-        config, cls = transformers.DeepseekV2Config(**{**TINY, **overrides}), transformers.DeepseekV2ForCausalLM
-    torch.manual_seed(seed)
-    model = cls(config).eval()
-    randomize_(model, seed)
-    with torch.no_grad():  # a correction bias that changes the choice (zero in a fresh model)
-        for name, p in model.named_parameters():
-            if name.endswith("e_score_correction_bias"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.5 * torch.randn(b.shape, generator=torch.Generator().manual_seed(seed)))
-    folder = tmp / "model"
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +41,6 @@ def _case(name: str, tmp_path_factory: pytest.TempPathFactory, cache: dict[str, 
         folder = make_deepseek(tmp_path_factory.mktemp(name), version, seed=len(name), **overrides)
         cache[name] = (load_hf_reference(folder), load_model(str(folder)), folder)
     return cache[name][:2]
-
-
-def _prompt(n: int, vocab: int, seed: int) -> list[int]:
-    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -107,19 +57,6 @@ def test_the_cache_head_is_the_latent(name: str, tmp_path_factory: pytest.TempPa
     if native.available():  # 8-bit latent blocks: one byte a value, one fp32 scale per block and layer
         runner = ModelRunner(loaded, block_size=16, num_blocks=10, kv_cache_dtype="int8")
         assert runner.cache.device_bytes == 10 * kv_bytes_per_block(cfg, 16, "int8") == 10 * (3 * 16 * 26 + 3 * 4)
-
-
-def test_triton_backend_refuses_the_latent_head_by_name(tmp_path_factory: pytest.TempPathFactory,
-                                                        built: dict[str, Any]) -> None:
-    """The Triton prefill kernel takes power-of-two heads in 16..256; a latent head (26 here, 576
-    for V3) is refused when the runner is built, not at the first prompt."""
-    from pagedkv.ops import triton as triton_ops
-
-    if not triton_ops.usable_on("cpu"):
-        pytest.skip("Triton (or its interpreter) is unavailable here")
-    _, loaded = _case("v2_no_q_lora", tmp_path_factory, built)
-    with pytest.raises(ValueError, match=r"KV head has 26 dims \(its MLA latent.*native or plain"):
-        ModelRunner(loaded, block_size=16, num_blocks=4, attention_backend="triton")
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
@@ -151,16 +88,7 @@ def test_8bit_latent_blocks_stay_close_to_model_precision(kv_dtype: str, tmp_pat
 def test_prefill_logits_whole_and_in_chunks(name: str, block_size: int, tmp_path_factory: pytest.TempPathFactory,
                                             built: dict[str, Any]) -> None:
     ref, loaded = _case(name, tmp_path_factory, built)
-    ids = _prompt(45, loaded.config.vocab_size, 1)
-    want = hf_logits(ref, ids)
-    num_blocks = 48 + 45 // block_size
-    table = TinyAllocator(num_blocks).take(-(-45 // block_size))
-    runner = ModelRunner(loaded, block_size=block_size, num_blocks=num_blocks)
-    got = runner.execute([SeqChunk(ids, 0, table)], return_all_logits=True)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    runner = ModelRunner(loaded, block_size=block_size, num_blocks=num_blocks)
-    parts = [runner.execute([SeqChunk(ids[s:s + 6], s, table)], return_all_logits=True) for s in range(0, 45, 6)]
-    torch.testing.assert_close(torch.cat(parts), want, atol=1e-4, rtol=1e-4)
+    check_prefill_logits(ref, loaded, 45, block_size)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "plain"])
@@ -168,14 +96,7 @@ def test_prefill_logits_whole_and_in_chunks(name: str, block_size: int, tmp_path
 def test_greedy_32_tokens_match_transformers(name: str, native: bool, tmp_path_factory: pytest.TempPathFactory,
                                              built: dict[str, Any]) -> None:
     ref, loaded = _case(name, tmp_path_factory, built)
-    prompts = [_prompt(n, loaded.config.vocab_size, 10 + n) for n in (13, 21, 5)]
-    if (name, "greedy") not in built:  # one reference for both attention paths
-        built[name, "greedy"] = [hf_greedy(ref, p, 32) for p in prompts]
-    want = built[name, "greedy"]
-    check_greedy_both_ways(loaded, prompts, want, native=native, num_blocks=128, chunk=6)
-    for block_size in (1, 16, 64) if FULL else ():  # block sizes 4 and 3 above; 1/16/64 in the prefill tests
-        runner = ModelRunner(loaded, block_size=block_size, num_blocks=256, native_attention=native)
-        assert paged_greedy(runner, prompts, 32, chunk=6) == want
+    check_greedy_32(ref, loaded, native, built, name, (1, 16, 64) if FULL else ())  # 4 and 3 in it
 
 
 def _workload(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, list[list[int]]]:

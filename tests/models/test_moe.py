@@ -18,16 +18,9 @@ from pagedkv.models.config import ModelConfig, moe_from_hf
 from pagedkv.models.errors import UnsupportedModelError
 from pagedkv.models.moe import MoEMLP
 from pagedkv.models.weights import build_model
-from pagedkv.runner import ModelRunner, SeqChunk
-from pagedkv_testing.hf_checkpoints import (
-    TinyAllocator,
-    check_greedy_both_ways,
-    hf_greedy,
-    hf_logits,
-    load_hf_reference,
-    paged_greedy,
-    randomize_,
-)
+from pagedkv_testing.hf_checkpoints import load_hf_reference, randomize_
+from pagedkv_testing.moe_cases import check_greedy_32, check_prefill_logits
+from pagedkv_testing.moe_cases import prompt as _prompt
 
 TINY: dict[str, Any] = dict(vocab_size=200, hidden_size=48, intermediate_size=72, num_hidden_layers=3,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -72,10 +65,6 @@ def _case(name: str, tmp_path_factory: pytest.TempPathFactory, cache: dict[str, 
     return cache[name]
 
 
-def _prompt(n: int, vocab: int, seed: int) -> list[int]:
-    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_config_reads_the_routing(name: str, tmp_path_factory: pytest.TempPathFactory,
                                   built: dict[str, Any]) -> None:
@@ -95,16 +84,7 @@ def test_config_reads_the_routing(name: str, tmp_path_factory: pytest.TempPathFa
 def test_prefill_logits_whole_and_in_chunks(name: str, block_size: int, tmp_path_factory: pytest.TempPathFactory,
                                             built: dict[str, Any]) -> None:
     ref, loaded = _case(name, tmp_path_factory, built)
-    ids = _prompt(40, loaded.config.vocab_size, 1)
-    want = hf_logits(ref, ids)
-    num_blocks = 48 + 40 // block_size
-    runner = ModelRunner(loaded, block_size=block_size, num_blocks=num_blocks)
-    table = TinyAllocator(num_blocks).take(-(-40 // block_size))
-    got = runner.execute([SeqChunk(ids, 0, table)], return_all_logits=True)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    runner = ModelRunner(loaded, block_size=block_size, num_blocks=num_blocks)
-    parts = [runner.execute([SeqChunk(ids[s:s + 6], s, table)], return_all_logits=True) for s in range(0, 40, 6)]
-    torch.testing.assert_close(torch.cat(parts), want, atol=1e-4, rtol=1e-4)
+    check_prefill_logits(ref, loaded, 40, block_size)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "plain"])
@@ -112,14 +92,7 @@ def test_prefill_logits_whole_and_in_chunks(name: str, block_size: int, tmp_path
 def test_greedy_32_tokens_match_transformers(name: str, native: bool, tmp_path_factory: pytest.TempPathFactory,
                                              built: dict[str, Any]) -> None:
     ref, loaded = _case(name, tmp_path_factory, built)
-    prompts = [_prompt(n, loaded.config.vocab_size, 10 + n) for n in (13, 21, 5)]
-    if (name, "greedy") not in built:  # one reference for both attention paths
-        built[name, "greedy"] = [hf_greedy(ref, p, 32) for p in prompts]
-    want = built[name, "greedy"]
-    check_greedy_both_ways(loaded, prompts, want, native=native, num_blocks=128, chunk=6)
-    for block_size in (1, 16, 64) if FULL else ():  # block sizes 4 and 3 above; 1/16/64 in the prefill tests
-        runner = ModelRunner(loaded, block_size=block_size, num_blocks=256, native_attention=native)
-        assert paged_greedy(runner, prompts, 32, chunk=6) == want
+    check_greedy_32(ref, loaded, native, built, name, (1, 16, 64) if FULL else ())  # 4 and 3 in it
 
 
 def _deepseek_moe(version: int, **overrides: Any) -> tuple[torch.nn.Module, dict[str, Any]]:
