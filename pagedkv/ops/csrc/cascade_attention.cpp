@@ -44,9 +44,11 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#include "simd_common.h"  // Vec<S>, exp256 / exp512, reduce8, hsum (shared with paged_attention.cpp)
+
+#ifdef PAGEDKV_SIMD_AVX2
 #define PAGEDKV_CASCADE_AVX2 1
+using namespace pagedkv_simd;
 #endif
 
 namespace {
@@ -152,91 +154,6 @@ void attend_portable(const Item& it, const Cache<F, Q>& cache, int64_t block_siz
 
 #ifdef PAGEDKV_CASCADE_AVX2
 constexpr int CHUNK = 64;
-
-template <typename S>
-struct Vec {
-  static constexpr bool ok = false;
-};
-template <>
-struct Vec<float> {
-  static constexpr bool ok = true;
-  static constexpr float unit = 1.f;
-  static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
-};
-template <>
-struct Vec<c10::BFloat16> {
-  static constexpr bool ok = true;
-  static constexpr float unit = 1.f;
-  static __m256 load(const c10::BFloat16* p) {
-    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
-  }
-};
-template <>
-struct Vec<int8_t> {
-  static constexpr bool ok = true;
-  static constexpr float unit = 1.f;
-  static __m256 load(const int8_t* p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  }
-};
-#ifdef __F16C__
-template <>
-struct Vec<c10::Half> {
-  static constexpr bool ok = true;
-  static constexpr float unit = 1.f;
-  static __m256 load(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-};
-template <>
-struct Vec<c10::Float8_e5m2> {  // e5m2 is the top byte of a float16
-  static constexpr bool ok = true;
-  static constexpr float unit = 1.f;
-  static __m256 load(const c10::Float8_e5m2* p) {
-    const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_cvtph_ps(_mm_slli_epi16(x, 8));
-  }
-};
-template <>
-struct Vec<c10::Float8_e4m3fn> {  // s.eeee.mmm -> float16 s.0eeee.mmm0000000 = value * 2^-8
-  static constexpr bool ok = true;
-  static constexpr float unit = 256.f;
-  static __m256 load(const c10::Float8_e4m3fn* p) {
-    const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m128i mag = _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7F)), 7);
-    const __m128i sign = _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8);
-    return _mm256_cvtph_ps(_mm_or_si128(mag, sign));
-  }
-};
-#endif
-
-// e^x for x <= 0 (Cephes' polynomial, as paged_attention.cpp); very negative x gives 0.
-inline __m256 exp256(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
-  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
-}
-
-inline __m256 reduce8(const __m256* a) {
-  __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
-}
-
-inline float hsum(__m256 v) {
-  alignas(32) float tmp[8];
-  _mm256_store_ps(tmp, v);
-  return ((tmp[0] + tmp[1]) + (tmp[2] + tmp[3])) + ((tmp[4] + tmp[5]) + (tmp[6] + tmp[7]));
-}
 
 // The vector path (head_dim D = 64, 128, 256): the item's tokens in chunks of CHUNK, each chunk's
 // K and V rows located (float32: read in place) or converted once into `conv` (2 * CHUNK * D
@@ -378,6 +295,11 @@ inline void gather_row(const S* src, float* dst, float scale, int64_t d) {
 // max(m, x[0..n)), 8 lanes at a time (a scalar max is a 4-cycle dependency chain per element).
 inline float max_of(const float* x, int64_t n, float m) {
   int64_t t = 0;
+#ifdef PAGEDKV_SIMD_AVX512
+  __m512 mw = _mm512_set1_ps(m);
+  for (; t + 16 <= n; t += 16) mw = _mm512_max_ps(mw, _mm512_loadu_ps(x + t));
+  m = _mm512_reduce_max_ps(mw);
+#endif
 #ifdef PAGEDKV_CASCADE_AVX2
   __m256 mv = _mm256_set1_ps(m);
   for (; t + 8 <= n; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + t));
@@ -393,6 +315,18 @@ inline float max_of(const float* x, int64_t n, float m) {
 inline float exp_sum(float* x, int64_t n, float m) {
   int64_t t = 0;
   float sum = 0.f;
+#ifdef PAGEDKV_SIMD_AVX512
+  {  // 16 lanes at a time where the core has them: a long shared run's scores are most of a step's exps
+    const __m512 mw = _mm512_set1_ps(m);
+    __m512 sw = _mm512_setzero_ps();
+    for (; t + 16 <= n; t += 16) {
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(x + t), mw));
+      _mm512_storeu_ps(x + t, e);
+      sw = _mm512_add_ps(sw, e);
+    }
+    sum = _mm512_reduce_add_ps(sw);
+  }
+#endif
 #ifdef PAGEDKV_CASCADE_AVX2
   const __m256 mv = _mm256_set1_ps(m);
   __m256 sv = _mm256_setzero_ps();
@@ -401,7 +335,7 @@ inline float exp_sum(float* x, int64_t n, float m) {
     _mm256_storeu_ps(x + t, e);
     sv = _mm256_add_ps(sv, e);
   }
-  sum = hsum(sv);
+  sum += hsum(sv);
 #endif
   for (; t < n; ++t) {
     x[t] = std::exp(x[t] - m);
