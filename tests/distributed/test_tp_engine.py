@@ -1,7 +1,8 @@
 """The tensor-parallel engine end to end: ``tensor_parallel_size`` 2 gives what 1 gives (greedy
 tokens equal, logprobs within 1e-4) over a fixed set of prompts with prefix hits, ``n > 1``, beam
 search, swap and recompute preemption and evictions (fault injection), LoRA adapters, 8-bit KV
-blocks and a disk-tier restart; and failure is loud (``test_tp_failure.py``: killed ranks).
+blocks and a disk-tier restart; a rank allocates what ``pagedkv size --tp`` says it holds; and failure
+is loud (``test_tp_failure.py``: killed ranks).
 
 One TP=1 and one TP=2 engine per configuration, each running the whole workload once. The
 workers are spawned interpreters, so nothing here times work: these run in the parallel phase.
@@ -18,6 +19,8 @@ import pytest
 
 from pagedkv.engine import LLMEngine
 from pagedkv.lora.request import LoRARequest
+from pagedkv.memory.tiers.disk_files import read_fingerprint
+from pagedkv.model_shape import kv_bytes_per_block
 from pagedkv.sampling_params import SamplingParams
 from pagedkv_testing.hf_checkpoints import make_hf_checkpoint
 
@@ -78,7 +81,7 @@ def _run(model: Path, tp: int, **options: Any) -> tuple[dict[str, Any], dict[str
         facts = {"prefix_hits": stats.kv.prefix_hit_tokens,
                  "num_blocks": engine.runner.num_blocks, "bytes_per_block": engine.runner.bytes_per_block,
                  "payload_bytes": engine.runner.payload_bytes, "vocab": engine.runner.config.vocab_size,
-                 "kv_heads": engine.runner.config.num_key_value_heads,
+                 "kv_heads": engine.runner.config.num_key_value_heads, "config": engine.runner.config,
                  "faults": dict(engine.faults.fired) if engine.faults is not None else {}}
     finally:
         engine.close()
@@ -88,8 +91,13 @@ def _run(model: Path, tp: int, **options: Any) -> tuple[dict[str, Any], dict[str
 FAULTS = "seed=5,rate=0.3,kinds=recompute+swap+evict+alloc"
 
 
-def test_tp2_equals_tp1_with_prefix_hits_forks_beams_and_preemption(model: Path) -> None:
-    options = {"num_kv_blocks": 48, "fault_injection": FAULTS}
+def test_tp2_equals_tp1_with_prefix_hits_forks_beams_preemption_and_lora(model: Path, tmp_path: Path) -> None:
+    from pagedkv_testing.lora_adapters import make_adapter
+
+    make_adapter(model, tmp_path / "ad", seed=1, r=4, lora_alpha=8,
+                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    lora = LoRARequest("ad", 1, str(tmp_path / "ad"))  # half the greedy requests run through it
+    options = {"num_kv_blocks": 48, "fault_injection": FAULTS, "enable_lora": True, "max_lora_rank": 8, "lora": lora}
     want, one = _run(model, 1, **options)
     got, two = _run(model, 2, **options)
     _assert_same(got, want)
@@ -99,11 +107,13 @@ def test_tp2_equals_tp1_with_prefix_hits_forks_beams_and_preemption(model: Path)
     assert two["num_blocks"] == one["num_blocks"]
     assert two["bytes_per_block"] * 2 == one["bytes_per_block"]  # a rank holds half the KV heads
     assert two["payload_bytes"] == one["payload_bytes"]  # a block's payload: both shards
+    # what `pagedkv size --tp 2` says a rank holds is what a rank allocates
+    assert two["bytes_per_block"] == kv_bytes_per_block(two["config"], BASE["block_size"], "float32", tp=2)
 
 
 def test_tp2_int8_blocks_and_a_disk_tier_restart(model: Path, tmp_path: Path) -> None:
     options = {"num_kv_blocks": 32, "kv_cache_dtype": "int8", "kv_offload_dir": str(tmp_path / "kv")}
-    want, _ = _run(model, 1, **{**options, "kv_offload_dir": str(tmp_path / "kv1")})
+    want, _ = _run(model, 1, **{**options, "kv_offload_dir": None})
     first, _ = _run(model, 2, **options)
     _assert_same(first, want, logprobs=False)  # (8-bit blocks: each rank's heads quantized as TP=1's)
     engine = LLMEngine.from_options(str(model), tensor_parallel_size=2, **{**BASE, **options})
@@ -114,24 +124,8 @@ def test_tp2_int8_blocks_and_a_disk_tier_restart(model: Path, tmp_path: Path) ->
         engine.close()
     _assert_same(again, want, logprobs=False)
     assert hits > 0  # the restart read TP=2 blocks back from disk
-    other = LLMEngine.from_options(str(model), **{**BASE, **options})  # TP=1 on the TP=2 folder
-    try:
-        _workload(other, None)
-        assert other.stats().kv.disk_hit_tokens == 0  # the fingerprint records the TP size
-    finally:
-        other.close()
-
-
-def test_tp2_lora_adapters(model: Path, tmp_path: Path) -> None:
-    from pagedkv_testing.lora_adapters import make_adapter
-
-    make_adapter(model, tmp_path / "ad", seed=1, r=4, lora_alpha=8,
-                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    lora = LoRARequest("ad", 1, str(tmp_path / "ad"))
-    options = {"num_kv_blocks": 64, "enable_lora": True, "max_lora_rank": 8}
-    want, _ = _run(model, 1, lora=lora, **options)
-    got, _ = _run(model, 2, lora=lora, **options)
-    _assert_same(got, want)
+    fingerprint = read_fingerprint(tmp_path / "kv")  # (a TP=1 engine's has no such key: it reads none of these)
+    assert isinstance(fingerprint, dict) and fingerprint["fingerprint"]["tensor_parallel_size"] == "2"
 
 
 @pytest.mark.skipif(not FULL, reason="PAGEDKV_FULL_MATRIX=1: TP=3")
