@@ -47,10 +47,12 @@ def padded_rows(rows: int) -> int:
 class PackedLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` held in oneDNN's packed layout (inference only)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, keep_weight: bool = True) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.weight = weight  # the unpacked tensor (shared, not copied): for inspection only
+        # the unpacked tensor (shared, not copied), for inspection only; dropped (None) where
+        # nothing else holds it (an untied head): a second copy of the head's weights otherwise
+        self.weight: torch.Tensor | None = weight if keep_weight else None
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_BATCH_HINT)
         self.bias = None if bias is None else bias.detach().clone()
@@ -98,7 +100,7 @@ def pack_lm_head(model: nn.Module) -> bool:
         return False
     if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or not packing_available():
         return False
-    model.lm_head = PackedLinear(weight, bias)
+    model.lm_head = PackedLinear(weight, bias, keep_weight=head is None)
     return True
 
 

@@ -212,14 +212,18 @@ class LazyTensor(Protocol):
     @property
     def shape(self) -> tuple[int, ...]: ...
 
-    def read(self, index: Index | None = None) -> torch.Tensor: ...
+    def read(self, index: Index | None = None, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
-def read(src: torch.Tensor | LazyTensor, index: Index | None = None) -> torch.Tensor:
-    """``src[index]`` (all of ``src`` for None), read from the file only now for a LazyTensor."""
+def read(src: torch.Tensor | LazyTensor, index: Index | None = None, out: torch.Tensor | None = None
+         ) -> torch.Tensor:
+    """``src[index]`` (all of ``src`` for None), read from the file only now for a LazyTensor;
+    with ``out`` (of the same shape) into it, returned, else a tensor of the part's own shape
+    (the caller checks the shape)."""
     if isinstance(src, torch.Tensor):
-        return src if index is None else src[index]
-    return src.read(index)
+        part = src if index is None else src[index]
+        return out.copy_(part) if out is not None and out.shape == part.shape else part
+    return src.read(index, out)
 
 
 def column_bounds(split: Split, cols: int) -> tuple[int, int] | None:

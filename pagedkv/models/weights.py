@@ -395,12 +395,11 @@ def _fill_shard(name: str, target: Target, src: torch.Tensor | LazyTensor, param
     written = 0
     shape = tuple(src.shape)
     for index, dest in shard_copies(split, param, shape, target.row_start, target.row_end, lead):
-        tensor = read(src, index)
+        tensor = read(src, index, dest)  # straight into the rank's parameter where it can
         if tuple(tensor.shape) != tuple(dest.shape):
             raise ModelLoadError(f"checkpoint tensor {name!r} of shape {shape}: its tensor-parallel shard "
                                  f"{tuple(tensor.shape)} does not fit {tuple(dest.shape)} (a checkpoint for "
                                  "another config?)")
-        dest.copy_(tensor)
         written += dest.numel()
     return written
 

@@ -191,3 +191,26 @@ def test_split_rules() -> None:
     assert bias is not None and bias.rank0_only
     assert param_split(cfg, "layers.0.input_layernorm.weight", TPGroup(1, 2)) is None
     assert param_split(cfg, "layers.0.self_attn.qkv_proj.weight", TPGroup(0, 1)) is None
+
+
+def test_safetensors_entries_read_rows_columns_and_into_a_destination(tmp_path: Path) -> None:
+    """The sharded loader's reader (models/hf_loader.py) against safetensors' own slices."""
+    from safetensors.torch import save_file
+
+    from pagedkv.models.hf_loader import iter_safetensors_entries
+
+    tensors = {"a": torch.randn(5, 70, 9), "b": torch.randn(33, 17).to(torch.bfloat16), "c": torch.randn(4)}
+    save_file(tensors, str(tmp_path / "t.safetensors"))
+    indices = [None, (slice(1, 3),), (slice(None), slice(5, 9)), (slice(None), slice(None), slice(2, 7)),
+               (slice(1, 4), slice(3, 8))]
+    for name, entry in iter_safetensors_entries([tmp_path / "t.safetensors"]):
+        whole = tensors[name]
+        assert entry.shape == tuple(whole.shape)
+        for index in indices:
+            if index is not None and len(index) > whole.dim():
+                continue
+            want = whole if index is None else whole[index]
+            assert torch.equal(entry.read(index), want), (name, index)
+            for dtype in (whole.dtype, torch.float64):  # straight into it, or converted
+                out = torch.zeros(want.shape, dtype=dtype)
+                assert entry.read(index, out) is out and torch.equal(out, want.to(dtype)), (name, index, dtype)
