@@ -15,6 +15,12 @@
 - ``int8_rel_err`` / ``int8_top1``: a tiny random DeepSeek-V3 (transformers-built) prefilled in two
   chunks with int8 latent blocks, against model-precision latent blocks: mean relative L2 error of
   the logits and top-1 agreement over every position (native kernels only; skipped otherwise).
+- ``experts_q8_speedup_b{1,32}``: one MoE layer (``MoEMLP``: router, top-8 of 16 experts of
+  Qwen3-30B-A3B's size, hidden 2048, expert width 768) at 1 and 32 tokens, experts kept 8-bit
+  (``QuantExperts``, one kernel call per active expert over its slice) against float32 experts;
+  ``experts_q8_bytes_ratio`` their weight bytes (float / 8-bit); ``experts_call_share_b1`` the time
+  of the same layer with 32-wide experts (the per-call cost alone: what a batched kernel over all
+  experts could save at most) against the 8-bit layer's at batch 1.
 
     .venv/bin/python bench/mla.py --threads 1
 """
@@ -29,7 +35,9 @@ from typing import Any
 
 import torch
 
-from pagedkv.models.config import ModelConfig
+from pagedkv.models.config import ModelConfig, MoEConfig
+from pagedkv.models.moe import MoEMLP
+from pagedkv.models.quant_linear import QuantExperts, quantize_model, weight_bytes
 from pagedkv.ops import DecodeMetadata, native, paged_decode_attention, write_kv
 from pagedkv.ops.paged_attention import NativeMetadata, native_paged_attention
 from pagedkv.runner.kv_cache import KVCache, num_blocks_for_memory
@@ -154,6 +162,46 @@ def int8_quality() -> dict[str, float] | None:
     return {"int8_rel_err": float(rel), "int8_top1": float((got.argmax(-1) == want.argmax(-1)).float().mean())}
 
 
+def _moe_layer(hidden: int, inter: int, quantized: bool) -> MoEMLP:
+    """A random Qwen3-MoE-style layer (16 experts, top 8, renormalized) of ``hidden`` x ``inter`` experts."""
+    from types import SimpleNamespace
+
+    moe = MoEConfig(num_experts=16, top_k=8, intermediate_size=inter, sparse_layers=frozenset({0}))
+    layer = MoEMLP(SimpleNamespace(moe=moe, hidden_size=hidden))  # type: ignore[arg-type]  # reads two fields
+    gen = torch.Generator().manual_seed(hidden)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    if quantized:
+        quantize_model(layer)
+        assert isinstance(layer.gate_up, QuantExperts)
+    return layer.eval()
+
+
+def experts_case(args: argparse.Namespace) -> dict[str, float]:
+    """8-bit against float32 experts of one MoE layer, interleaved medians (the module docstring)."""
+    hidden, inter = 2048, 768
+    result: dict[str, float] = {}
+    layers = {"float": _moe_layer(hidden, inter, False), "q8": _moe_layer(hidden, inter, True),
+              "calls": _moe_layer(32, 32, True)}
+    result["experts_q8_bytes_ratio"] = weight_bytes(layers["float"]) / weight_bytes(layers["q8"])
+    for rows in (1, 32):
+        x = {name: torch.randn(rows, 32 if name == "calls" else hidden) for name in layers}
+        times: dict[str, list[float]] = {name: [] for name in layers}
+        with torch.inference_mode():
+            for rep in range(args.warmup + args.reps):
+                for name, layer in layers.items():
+                    t = _time(lambda: layer(x[name]))  # noqa: B023 - called at once
+                    if rep >= args.warmup:
+                        times[name].append(t)
+        med = {name: statistics.median(ts) for name, ts in times.items()}
+        result[f"experts_q8_speedup_b{rows}"] = med["float"] / med["q8"]
+        if rows == 1:
+            result["experts_call_share_b1"] = med["calls"] / med["q8"]
+        print(json.dumps({"experts_rows": rows, **{f"{k}_ms": v * 1e3 for k, v in med.items()}}))
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -185,6 +233,11 @@ def main() -> None:
         result.update(quality)
         print(f"int8 latent blocks: relative logits error {quality['int8_rel_err']:.4f}, "
               f"top-1 agreement {quality['int8_top1']:.3f}")
+    experts = experts_case(args)
+    result.update(experts)
+    print(f"experts 8-bit vs float32: {experts['experts_q8_speedup_b1']:.2f}x at 1 token, "
+          f"{experts['experts_q8_speedup_b32']:.2f}x at 32; bytes {experts['experts_q8_bytes_ratio']:.2f}x fewer; "
+          f"per-call share at 1 token {experts['experts_call_share_b1']:.3f}")
     print(json.dumps(result))
 
 

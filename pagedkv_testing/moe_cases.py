@@ -7,6 +7,7 @@ Imported explicitly (``from pagedkv_testing.moe_cases import ...``); pytest does
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,3 +103,29 @@ def check_greedy_32(ref: torch.nn.Module, loaded: Any, native: bool, memo: dict[
     for block_size in block_sizes:
         runner = ModelRunner(loaded, block_size=block_size, num_blocks=256, native_attention=native)
         assert paged_greedy(runner, prompts, 32, chunk=6) == want
+
+
+def transformers_tests(names: list[str], case: Callable[..., Any], n_prefill: int, full: bool
+                       ) -> tuple[Callable[..., None], Callable[..., None]]:
+    """The two equality tests a MoE / MLA test module runs over its ``names``:
+    ``test_prefill_logits_whole_and_in_chunks`` (block sizes 1, 16, 64; :func:`check_prefill_logits`
+    of ``n_prefill`` tokens) and ``test_greedy_32_tokens_match_transformers`` (native and plain;
+    :func:`check_greedy_32`, at 1, 16 and 64 too when ``full``). ``case(name, tmp_path_factory,
+    built)`` gives (transformers model, loaded model); ``built`` is the module's memo fixture."""
+    import pytest
+
+    @pytest.mark.parametrize("block_size", [1, 16, 64])
+    @pytest.mark.parametrize("name", names)
+    def test_prefill_logits_whole_and_in_chunks(name: str, block_size: int, tmp_path_factory: pytest.TempPathFactory,
+                                                built: dict[str, Any]) -> None:
+        ref, loaded = case(name, tmp_path_factory, built)
+        check_prefill_logits(ref, loaded, n_prefill, block_size)
+
+    @pytest.mark.parametrize("native", [True, False], ids=["native", "plain"])
+    @pytest.mark.parametrize("name", names)
+    def test_greedy_32_tokens_match_transformers(name: str, native: bool, tmp_path_factory: pytest.TempPathFactory,
+                                                 built: dict[str, Any]) -> None:
+        ref, loaded = case(name, tmp_path_factory, built)
+        check_greedy_32(ref, loaded, native, built, name, (1, 16, 64) if full else ())  # 4 and 3 in it
+
+    return test_prefill_logits_whole_and_in_chunks, test_greedy_32_tokens_match_transformers

@@ -24,7 +24,7 @@ from pagedkv.runner import ModelRunner, SeqChunk
 from pagedkv.sampling_params import SamplingParams
 from pagedkv_testing.hf_checkpoints import TinyAllocator, hf_greedy, load_hf_reference
 from pagedkv_testing.moe_cases import DEEPSEEK_CASES as CASES
-from pagedkv_testing.moe_cases import check_greedy_32, check_prefill_logits, make_deepseek
+from pagedkv_testing.moe_cases import make_deepseek, transformers_tests
 from pagedkv_testing.moe_cases import prompt as _prompt
 
 FULL = os.environ.get("PAGEDKV_MOE_FULL_MATRIX") == "1"  # docs/environment.md
@@ -83,20 +83,9 @@ def test_8bit_latent_blocks_stay_close_to_model_precision(kv_dtype: str, tmp_pat
     assert not torch.equal(got, want)  # the blocks really were 8-bit
 
 
-@pytest.mark.parametrize("block_size", [1, 16, 64])
-@pytest.mark.parametrize("name", list(CASES))
-def test_prefill_logits_whole_and_in_chunks(name: str, block_size: int, tmp_path_factory: pytest.TempPathFactory,
-                                            built: dict[str, Any]) -> None:
-    ref, loaded = _case(name, tmp_path_factory, built)
-    check_prefill_logits(ref, loaded, 45, block_size)
-
-
-@pytest.mark.parametrize("native", [True, False], ids=["native", "plain"])
-@pytest.mark.parametrize("name", list(CASES))
-def test_greedy_32_tokens_match_transformers(name: str, native: bool, tmp_path_factory: pytest.TempPathFactory,
-                                             built: dict[str, Any]) -> None:
-    ref, loaded = _case(name, tmp_path_factory, built)
-    check_greedy_32(ref, loaded, native, built, name, (1, 16, 64) if FULL else ())  # 4 and 3 in it
+# prefill logits (block sizes 1, 16, 64) and greedy 32 tokens (native, plain) against transformers
+test_prefill_logits_whole_and_in_chunks, test_greedy_32_tokens_match_transformers = transformers_tests(
+    list(CASES), _case, 45, FULL)
 
 
 def _workload(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, list[list[int]]]:

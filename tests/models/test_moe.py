@@ -19,8 +19,8 @@ from pagedkv.models.errors import UnsupportedModelError
 from pagedkv.models.moe import MoEMLP
 from pagedkv.models.weights import build_model
 from pagedkv_testing.hf_checkpoints import load_hf_reference, randomize_
-from pagedkv_testing.moe_cases import check_greedy_32, check_prefill_logits
 from pagedkv_testing.moe_cases import prompt as _prompt
+from pagedkv_testing.moe_cases import transformers_tests
 
 TINY: dict[str, Any] = dict(vocab_size=200, hidden_size=48, intermediate_size=72, num_hidden_layers=3,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -79,20 +79,9 @@ def test_config_reads_the_routing(name: str, tmp_path_factory: pytest.TempPathFa
     assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
 
 
-@pytest.mark.parametrize("block_size", [1, 16, 64])
-@pytest.mark.parametrize("name", list(CASES))
-def test_prefill_logits_whole_and_in_chunks(name: str, block_size: int, tmp_path_factory: pytest.TempPathFactory,
-                                            built: dict[str, Any]) -> None:
-    ref, loaded = _case(name, tmp_path_factory, built)
-    check_prefill_logits(ref, loaded, 40, block_size)
-
-
-@pytest.mark.parametrize("native", [True, False], ids=["native", "plain"])
-@pytest.mark.parametrize("name", list(CASES))
-def test_greedy_32_tokens_match_transformers(name: str, native: bool, tmp_path_factory: pytest.TempPathFactory,
-                                             built: dict[str, Any]) -> None:
-    ref, loaded = _case(name, tmp_path_factory, built)
-    check_greedy_32(ref, loaded, native, built, name, (1, 16, 64) if FULL else ())  # 4 and 3 in it
+# prefill logits (block sizes 1, 16, 64) and greedy 32 tokens (native, plain) against transformers
+test_prefill_logits_whole_and_in_chunks, test_greedy_32_tokens_match_transformers = transformers_tests(
+    list(CASES), _case, 40, FULL)
 
 
 def _deepseek_moe(version: int, **overrides: Any) -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -250,10 +239,11 @@ def test_multi_token_prediction_layers_are_skipped_with_a_log_line(
         tmp_path_factory: pytest.TempPathFactory, built: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
     """A checkpoint's layers past num_hidden_layers (DeepSeek-V3's MTP layer 61 of 61) are skipped
     with one log line naming them; no unknown-tensor warning for them."""
-    _, loaded = _case("mixtral", tmp_path_factory, built)
+    ref, loaded = _case("mixtral", tmp_path_factory, built)
     cfg: ModelConfig = loaded.config
+    # the LM head from transformers' model: a runner packs the loaded one's (models/packed_linear.py)
     tensors = [(f"model.{name}" if name.startswith("layers.") or name in ("embed_tokens.weight", "norm.weight")
-                else name, t) for name, t in _checkpoint_of(loaded.model, cfg)]
+                else name, t) for name, t in _checkpoint_of(loaded.model, cfg, ref.lm_head.weight)]
     mtp = [(f"model.layers.3.{suffix}", torch.zeros(2)) for suffix in ("enorm.weight", "eh_proj.weight",
                                                                         "mlp.experts.0.w1.weight")]
     with caplog.at_level(logging.INFO, logger="pagedkv.models.weights"):
@@ -265,10 +255,11 @@ def test_multi_token_prediction_layers_are_skipped_with_a_log_line(
                                                                                                _causal)[-1].argmax())
 
 
-def _checkpoint_of(model: torch.nn.Module, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
-    """HF-named tensors of a loaded Mixtral (experts split back per expert, q/k/v and gate/up unfused)."""
+def _checkpoint_of(model: torch.nn.Module, cfg: ModelConfig, head: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """HF-named tensors of a loaded Mixtral (experts split back per expert, q/k/v and gate/up unfused)
+    with LM head ``head``."""
     out: list[tuple[str, torch.Tensor]] = [("embed_tokens.weight", model.embed_tokens.weight),
-                                           ("norm.weight", model.norm.weight), ("lm_head.weight", model.lm_head.weight)]
+                                           ("norm.weight", model.norm.weight), ("lm_head.weight", head)]
     q, kv = cfg.q_size, cfg.kv_size
     for i, layer in enumerate(model.layers):
         p = f"layers.{i}."
