@@ -7,6 +7,8 @@
 #   2. kernels: the Triton kernel tests (decode, prefill, cache write and block copy) on CUDA tensors
 #   3. engine: greedy equality against transformers and the CPU path on tiny random models, device cuda
 #   4. throughput: cases a, b, c at bfloat16 on random weights of the benchmark shape and a larger one
+#   5. tensor parallelism: with two GPUs or more, the engine's TP = 2 equality tests (TP = 1's tokens and
+#      logprobs) with the ranks on cuda:0 and cuda:1 joined by NCCL; with fewer it says why it skipped
 #
 # The last line is one JSON object: each stage's status, test counts and the throughput figures.
 #
@@ -26,7 +28,7 @@ skip_bench=0
 shapes="smollm2-135m,llama-1b"
 stage_timeout=240
 
-usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) dry_run=1 ;;
@@ -47,6 +49,7 @@ command -v "$python" >/dev/null 2>&1 || { echo "gpu_check: no $python" >&2; exit
 
 kernel_tests="tests/ops/triton/test_triton_decode.py tests/ops/triton/test_triton_prefill.py tests/ops/triton/test_triton_cache_ops.py"
 engine_tests="tests/runner/test_device.py"
+tp_tests="tests/distributed/test_tp_engine.py"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PAGEDKV_TEST_DEVICE=cuda
 unset TRITON_INTERPRET
 
@@ -57,14 +60,15 @@ steps=(
     "engine: timeout $stage_timeout $python -m pytest -q -p no:cacheprovider $engine_tests"
 )
 [ "$skip_bench" = 1 ] || steps+=("throughput: timeout $stage_timeout $python bench/gpu_throughput.py --device cuda --dtype bfloat16 --shapes $shapes")
+steps+=("tensor parallelism (2+ GPUs, else skipped with the reason): timeout $stage_timeout $python -m pytest -q -p no:cacheprovider $tp_tests")
 if [ "$dry_run" = 1 ]; then
     echo "gpu_check (dry run): PAGEDKV_TEST_DEVICE=cuda, results under $out"
     for s in "${steps[@]}"; do echo "  - $s"; done
     # What can be checked without a GPU: the scripts and test files exist and parse.
-    for f in $kernel_tests $engine_tests bench/gpu_throughput.py; do
+    for f in $kernel_tests $engine_tests $tp_tests bench/gpu_throughput.py; do
         [ -f "$f" ] || { echo "gpu_check: missing $f" >&2; exit 1; }
     done
-    "$python" -c "import ast, sys; [ast.parse(open(f).read(), f) for f in sys.argv[1:]]" $kernel_tests $engine_tests \
+    "$python" -c "import ast, sys; [ast.parse(open(f).read(), f) for f in sys.argv[1:]]" $kernel_tests $engine_tests $tp_tests \
         bench/gpu_throughput.py pagedkv/ops/triton/*.py
     echo "gpu_check (dry run): files present and parse"
     exit 0
@@ -110,11 +114,22 @@ if [ "$skip_bench" = 0 ]; then
     bench_status=$(run_stage throughput "$python" bench/gpu_throughput.py --device cuda --dtype bfloat16 --shapes "$shapes")
     bench=$(tail -1 "$out/throughput.log" | grep -E '^\{' || echo null)
 fi
+gpus=$("$python" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null \
+    || echo 0)
+if [ "$gpus" -ge 2 ]; then
+    tp_status=$(run_stage tp "$python" -m pytest -q -p no:cacheprovider $tp_tests)
+    tp_summary=$(summary "$out/tp.log")
+else
+    tp_status="skipped"
+    tp_summary="skipped: torch sees $gpus GPU(s); the tensor-parallel stage needs 2 (one rank per GPU, NCCL)"
+    echo "[tp] $tp_summary" >&2
+fi
 "$python" - "$kernels" "$engine" "$bench_status" "$(summary "$out/kernels.log")" "$(summary "$out/engine.log")" \
-    "$bench" "$(cat "$out/environment.json")" <<'EOF'
+    "$bench" "$(cat "$out/environment.json")" "$tp_status" "$tp_summary" <<'EOF'
 import json, sys
-k, e, b, ks, es, bench, env = sys.argv[1:]
+k, e, b, ks, es, bench, env, t, ts = sys.argv[1:]
 print(json.dumps({"kernels_status": int(k), "kernels": ks, "engine_status": int(e), "engine": es,
                   "throughput_status": b if b == "skipped" else int(b), "throughput": json.loads(bench),
+                  "tp_status": t if t == "skipped" else int(t), "tp": ts,
                   "environment": json.loads(env)}))
 EOF

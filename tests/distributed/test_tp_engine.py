@@ -7,6 +7,8 @@ is loud (``test_tp_failure.py``: killed ranks).
 One TP=1 and one TP=2 engine per configuration, each running the whole workload once. The
 workers are spawned interpreters, so nothing here times work: these run in the parallel phase.
 ``PAGEDKV_FULL_MATRIX=1`` adds TP=3 (a model whose one KV head is replicated on every rank).
+``PAGEDKV_TEST_DEVICE=cuda`` (``scripts/gpu_check.sh``'s TP stage, two GPUs or more) runs the same
+on GPUs, the ranks joined by NCCL.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from pagedkv.sampling_params import SamplingParams
 from pagedkv_testing.hf_checkpoints import make_hf_checkpoint
 
 FULL = os.environ.get("PAGEDKV_FULL_MATRIX") == "1"  # docs/environment.md
+DEVICE = os.environ.get("PAGEDKV_TEST_DEVICE", "cpu")  # scripts/gpu_check.sh: cuda, NCCL between the ranks' GPUs
 PREFIX = [(5 * i + 7) % 200 + 3 for i in range(24)]  # shared by half the prompts: prefix hits
 PROMPTS = [PREFIX + [(11 * i + j) % 240 + 3 for j in range(3 + i % 5)] if i % 2 else
            [(13 * i + 3 * j) % 240 + 3 for j in range(5 + 2 * i)] for i in range(16)]
-BASE = {"block_size": 4, "threads": 1, "kv_offloading_size": 0.004, "debug_integrity": True}
+BASE = {"block_size": 4, "threads": 1, "kv_offloading_size": 0.004, "debug_integrity": True, "device": DEVICE}
 
 
 @pytest.fixture(autouse=True)
