@@ -32,8 +32,8 @@ from pagedkv.ops.triton.decode import (
     _SCALED_CACHES,
     _attend_tile,
     _check,
+    _fold_tile,
     _next_pow2,
-    _tanh,
     paged_decode_attention,
 )
 
@@ -57,31 +57,14 @@ def _attend_rows_tile(
                 mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + blk[:, None] * v_s0 + off[:, None] * v_s1 + kvh * v_s2 + offs_d[None, :] * v_s3,
                 mask=kv_mask, other=0.0)
-    if USE_DOT:
-        s = tl.dot(q_dot, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PREC)  # [M, BLOCK_N]
-    else:
-        s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+    k_sc = t_mask  # unused unless SCALED
+    v_sc = t_mask
     if SCALED:
         k_sc = tl.load(ks_ptr + blk * sc_s0 + kvh * sc_s1, mask=t_mask, other=0.0)
-        s = s * k_sc[None, :]
-    if SOFTCAP:
-        s = softcap * _tanh(s / softcap)
-    visible = (t[None, :] >= q_start[:, None]) & (t[None, :] < q_end[:, None])
-    s = tl.where(visible, s * 1.4426950408889634, float("-inf"))  # base 2 from here on
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if SCALED:
         v_sc = tl.load(vs_ptr + blk * sc_s0 + kvh * sc_s1, mask=t_mask, other=0.0)
-        p = p * v_sc[None, :]
-    if USE_DOT:
-        pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PREC)
-    else:
-        pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-    acc = acc * alpha[:, None] + pv
-    return m_new, l_i, acc
+    visible = (t[None, :] >= q_start[:, None]) & (t[None, :] < q_end[:, None])
+    return _fold_tile(visible, k, v, k_sc, v_sc, q, q_dot, m_i, l_i, acc, softcap, SCALED, SOFTCAP, USE_DOT,
+                      DOT_DTYPE, DOT_PREC)
 
 
 @triton.jit

@@ -105,8 +105,8 @@ def _attend_tile(
     if SCALED:
         k_sc = tl.load(ks_ptr + blk * sc_s0 + kvh * sc_s1, mask=t_mask, other=0.0)
         v_sc = tl.load(vs_ptr + blk * sc_s0 + kvh * sc_s1, mask=t_mask, other=0.0)
-    return _fold_tile(t_mask, k, v, k_sc, v_sc, q, q_dot, m_i, l_i, acc, softcap, SCALED, SOFTCAP, USE_DOT,
-                      DOT_DTYPE, DOT_PREC)
+    return _fold_tile(t_mask[None, :], k, v, k_sc, v_sc, q, q_dot, m_i, l_i, acc, softcap, SCALED, SOFTCAP,
+                      USE_DOT, DOT_DTYPE, DOT_PREC)
 
 
 @triton.jit
@@ -153,15 +153,17 @@ def _attend_tile_mixed(
                     kq_s0, kq_s1, kq_s2, kq_s3, sc_s0, sc_s1, False)
     v = _load_mixed(v_ptr, vq_ptr, vs_ptr, blk, off, kvh, offs_d, kv_mask, base, v_s0, v_s1, v_s2, v_s3,
                     vq_s0, vq_s1, vq_s2, vq_s3, sc_s0, sc_s1, False)
-    return _fold_tile(t_mask, k, v, t_mask, t_mask, q, q_dot, m_i, l_i, acc, softcap, False, SOFTCAP, USE_DOT,
+    return _fold_tile(t_mask[None, :], k, v, t_mask, t_mask, q, q_dot, m_i, l_i, acc, softcap, False, SOFTCAP, USE_DOT,
                       DOT_DTYPE, DOT_PREC)
 
 
 @triton.jit
-def _fold_tile(t_mask, k, v, k_sc, v_sc, q, q_dot, m_i, l_i, acc, softcap, SCALED: tl.constexpr,
+def _fold_tile(visible, k, v, k_sc, v_sc, q, q_dot, m_i, l_i, acc, softcap, SCALED: tl.constexpr,
                SOFTCAP: tl.constexpr, USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
     """A loaded K/V tile (``[BLOCK_N, BLOCK_D]``; 8-bit with per-token scales ``k_sc`` / ``v_sc``
-    when ``SCALED``) folded into the online softmax state ``(m_i, l_i, acc)``."""
+    when ``SCALED``) folded into the online softmax state ``(m_i, l_i, acc)``; ``visible``: which
+    (query, token) scores count, ``[1 or queries, BLOCK_N]`` (``ops/triton/cascade.py`` gives each
+    query its own range)."""
     if USE_DOT:
         s = tl.dot(q_dot, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PREC)  # [GROUP_P, BLOCK_N]
     else:
@@ -170,7 +172,7 @@ def _fold_tile(t_mask, k, v, k_sc, v_sc, q, q_dot, m_i, l_i, acc, softcap, SCALE
         s = s * k_sc[None, :]
     if SOFTCAP:
         s = softcap * _tanh(s / softcap)
-    s = tl.where(t_mask[None, :], s * 1.4426950408889634, float("-inf"))  # base 2 from here on
+    s = tl.where(visible, s * 1.4426950408889634, float("-inf"))  # base 2 from here on
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked tile: no NaN
     alpha = tl.exp2(m_i - m_use)
