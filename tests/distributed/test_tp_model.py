@@ -4,7 +4,8 @@ rank: the same greedy tokens over 16 prompts and logits within 1e-4, through eac
 q/k norms, KV heads divided), Gemma 3 (hybrid sliding window, softcaps), Phi-3 (fused q/k/v and
 gate/up checkpoints), DeepSeek-V3 (MLA + routed and shared experts), Qwen3-MoE, plus int8 KV blocks
 (per-block scales of the rank's heads), Q8_0 weights, LoRA adapters (separate and fused parts) and a
-Q8_0 GGUF whose row-parallel blocks do not divide over the ranks (dequantized for sharding). Plus
+Q8_0 GGUF whose row-parallel blocks do not divide over the ranks (dequantized for sharding), dense
+and with 8-bit experts. Plus
 what is refused by name, and the split rules.
 
 One spawn of N ranks runs every model (the cost is the processes' start-up); the checkpoints are
@@ -77,7 +78,7 @@ def _moe_checkpoint(tmp: Path, kind: str) -> Path:
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """name -> case of ``sharded_greedy`` (the checkpoints written once)."""
-    from pagedkv_testing.quantized_gguf import EXACT, write_gguf
+    from pagedkv_testing.quantized_gguf import EXACT, Q, write_gguf
 
     root = tmp_path_factory.mktemp("tp_models")
     out: dict[str, dict[str, Any]] = {}
@@ -108,13 +109,18 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]
     gguf_path = root / "exact.gguf"
     write_gguf(gguf_path, EXACT, tied=True, seed=4)
     out["gguf_q8_0"] = dict(folder=str(gguf_path), prompts=_prompts(128), steps=STEPS, quantization="auto")
+    # Mixtral's layout with 8-bit experts (QuantExperts): gate/up rows split, down's 96 inputs dequantized
+    moe_path = root / "experts.gguf"
+    write_gguf(moe_path, {**EXACT, "ffn_gate_exps.weight": Q.Q8_0, "ffn_up_exps.weight": Q.Q4_0,
+                          "ffn_down_exps.weight": Q.Q8_0}, tied=True, seed=6, experts=4)
+    out["gguf_experts_q8_0"] = dict(folder=str(moe_path), prompts=_prompts(128), steps=STEPS, quantization="auto")
     return out
 
 
 TP2 = ["llama_kv1", "qwen3", "gemma3", "phi3", "deepseek_v3", "qwen3_moe", "qwen3_int8_kv", "llama_q8_0",
-       "llama_kv1_lora", "phi3_lora", "gguf_q8_0"]
-# the GGUF's 4 heads do not split over 3
-TP3 = [n for n in TP2 if n != "gguf_q8_0"]
+       "llama_kv1_lora", "phi3_lora", "gguf_q8_0", "gguf_experts_q8_0"]
+# the GGUFs' 4 heads do not split over 3
+TP3 = [n for n in TP2 if not n.startswith("gguf")]
 
 
 @pytest.fixture(scope="module")
