@@ -32,14 +32,17 @@ context, decoded together in one batch per step, K/V in f32, greedy argmax.
 ``--quantization`` and ``--kv-cache-dtype`` go to pagedkv's engine only (the peers load the float32
 checkpoint): ``--quantization none`` compares at equal float32 weights. ``--profile`` prints, per
 case, where one decode step's time goes (``profile_decode``: layer matmuls, LM head, attention,
-other model ops, runner, scheduler, sampler, the rest of the engine).
+other model ops, runner, scheduler, sampler, the rest of the engine). Each pagedkv run also
+splits its time into the steps before decoding (prompts, shared prefixes, first tokens) and the
+decode steps (``decode_split``: the last ``new tokens - 1`` steps, where every request of a case
+decodes): the peers compute the same prompts, so only the decode part can widen a ratio.
 
 ``--tensor-parallel-size N`` (N > 1) runs bench/tensor_parallel.py instead: N ranks against one,
 alternating; last line ``tpN_vs_tp1_case_b`` and the step's split (plan broadcast, all-reduce, compute).
 
 Last line: one JSON object (pagedkv_tok_s, hf_tok_s, ratio, kv_waste, case_a_tok_s, case_b_tok_s,
 ratio_vs_vllm_case_a .. _case_d for the cases run when vLLM ran, ratio_vs_llamacpp_* when llama.cpp
-ran, the loads, the formats, profile_ms per case, and more).
+ran, the loads, the formats, profile_ms per case, prefill_s / decode_s per case, and more).
 """
 
 from __future__ import annotations
@@ -329,6 +332,16 @@ def _model_folder(model: str | None) -> Path:
     return converted_folder(path) if path.is_file() else path
 
 
+def decode_split(workload: Workload, step_times: list[float]) -> tuple[float, float]:
+    """(seconds before decoding, seconds decoding) of one run: the decode part is the last
+    ``min(new tokens) - 1`` steps, in which no prompt is computed any more (a request's prompt
+    step makes its first token); when all requests start decoding together (cases a, c, d) these
+    are exactly the steps where every request decodes."""
+    n = max(0, min(workload.new_tokens, default=1) - 1)
+    decode = sum(step_times[len(step_times) - n:]) if n else 0.0
+    return sum(step_times) - decode, decode
+
+
 def _median(values: list[float]) -> float:
     return statistics.median(values)  # every list here has a run in it (repeats >= 1)
 
@@ -405,9 +418,10 @@ def main() -> None:
         for w in workloads:
             r = run_pagedkv(engine, w, progress=sys.stderr.isatty())
             runs[w.name].append(r)
+            pre, dec = decode_split(w, r.step_times)
             print(f"{tag}pagedkv {w.name:<9} {r.tok_s:7.1f} tok/s  {r.seconds:6.1f}s  steps {r.steps}  "
                   f"peak blocks {r.peak_used_blocks}  KV waste {r.kv_waste:.2%}  "
-                  f"prefix hits {r.prefix_hit_rate:.1%}", flush=True)
+                  f"prefix hits {r.prefix_hit_rate:.1%}  prefill {pre:.1f}s decode {dec:.1f}s", flush=True)
         if vllm_folder is not None:
             for k, v in run_vllm(args.vllm_python, vllm_folder, workloads, warmup, args.threads).items():
                 vllm[k].append(v)
@@ -465,6 +479,8 @@ def main() -> None:
         **{f"ratio_vs_vllm_{k}": round(v, 3) for k, v in vs_vllm.items()},
         **{f"llamacpp_{k}_tok_s": round(v, 2) for k, v in llamacpp_tok_s.items()},
         **{f"ratio_vs_llamacpp_{k}": round(v, 3) for k, v in vs_llamacpp.items()},
+        **{f"{w.name}_{part}_s": round(_median([decode_split(w, r.step_times)[i] for r in runs[w.name]]), 2)
+           for w in workloads if w.name != "sharegpt" for i, part in enumerate(("prefill", "decode"))},
         **({"profile_ms": {c: {k: round(v, 2) for k, v in p.items()} for c, p in profile.items()}}
            if profile else {}),
     }

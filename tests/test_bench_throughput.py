@@ -51,6 +51,10 @@ def test_profile_measures_every_part_and_leaves_the_engine_as_it_was(tmp_path: P
     assert not engine.has_unfinished_requests()
     after = run_pagedkv(engine, work)
     assert after.output_tokens == before.output_tokens and after.steps == before.steps
+    # the run's time split: the last 5 steps (6 new tokens, the first from the prompt's step) decode
+    prefill, decode = bench.decode_split(work, after.step_times)
+    assert decode == pytest.approx(sum(after.step_times[-5:]))
+    assert prefill == pytest.approx(sum(after.step_times[:-5])) and prefill > 0
     with pytest.raises(SystemExit):  # an unknown case is refused by name, before any engine is built
         import sys
         argv, sys.argv = sys.argv, ["throughput.py", "--cases", "case_z"]
