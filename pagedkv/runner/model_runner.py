@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 
 import torch
@@ -381,6 +381,12 @@ class ModelRunner:
         if self.lora is None:
             raise ValueError("this runner has no LoRA slots (build it with max_loras > 0)")
         self.lora.set_slot(slot, weights)
+
+    def close(self) -> None:
+        """Nothing to release on one device (the Runner protocol's last call)."""
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Never called: one device fails only inside a call, which raises."""
 
     @property
     def kv_format(self) -> KVFormat:
