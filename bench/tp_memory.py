@@ -74,7 +74,7 @@ def _status_mb(key: str) -> float:
     return 0.0
 
 
-def rank_memory(tp: Any, folder: str) -> dict[str, float]:
+def rank_memory(tp: Any, folder: str, pack_lm_head: bool = True) -> dict[str, float]:
     """One rank: load the shard, one forward pass; its RSS before and its peak."""
     from pagedkv.models import load_model
     from pagedkv.runner import ModelRunner, SeqChunk
@@ -84,7 +84,7 @@ def rank_memory(tp: Any, folder: str) -> dict[str, float]:
     # VmHWM, not getrusage's ru_maxrss: that one keeps the peak of the parent the spawned process was
     # forked from (exec does not reset it), VmHWM is this program's own
     load_peak, loaded_rss = _status_mb("VmHWM"), _status_mb("VmRSS")
-    runner = ModelRunner(loaded, block_size=16, num_blocks=16)
+    runner = ModelRunner(loaded, block_size=16, num_blocks=16, pack_lm_head=pack_lm_head)
     runner.execute([SeqChunk(list(range(3, 40)), 0, [0, 1, 2])])
     return {"before": before, "load_peak": load_peak, "loaded": loaded_rss, "peak": _status_mb("VmHWM"),
             "running": _status_mb("VmRSS")}
@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tensor-parallel-size", type=int, default=2)
     parser.add_argument("--keep", type=Path, default=None, help="write (or reuse) the model in this folder")
+    parser.add_argument("--no-pack-lm-head", action="store_true",
+                        help="the runner keeps the LM head unpacked (ModelRunner(pack_lm_head=False))")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from pagedkv_testing.tp_ranks import run_ranks
@@ -105,14 +107,15 @@ def main(argv: list[str] | None = None) -> int:
         else:
             weights = write_model(folder)
         n = args.tensor_parallel_size
-        got = run_ranks(n, rank_memory, (str(folder),), timeout=900)
+        got = run_ranks(n, rank_memory, (str(folder), not args.no_pack_lm_head), timeout=900)
     weights_mb = weights / 2**20
     limit = weights_mb / n + 300
     peaks = [round(r["peak"], 1) for r in got]
     def each(key: str) -> list[float]:
         return [round(r[key], 1) for r in got]
 
-    result = {"weights_mb": round(weights_mb, 1), "tp": n, "peak_rss_mb": peaks,
+    result = {"weights_mb": round(weights_mb, 1), "tp": n, "pack_lm_head": not args.no_pack_lm_head,
+              "peak_rss_mb": peaks,
               "load_peak_rss_mb": each("load_peak"), "rss_loaded_mb": each("loaded"),
               "rss_running_mb": each("running"), "rss_before_load_mb": each("before"),
               "limit_mb": round(limit, 1), "within_limit": max(peaks) <= limit,
