@@ -91,12 +91,14 @@ def teacher_forced_sinks(loaded, tokens: list[int], kind: str, sinks: int, chunk
     return torch.cat(out)
 
 
-def teacher_forced_one_part(loaded, tokens: list[int], kind: str, part: int, chunk: int,
-                            block_size: int) -> torch.Tensor:
-    """``teacher_forced`` on a model-dtype pool where only K (``part`` 0) or only V (1) is rounded to
-    ``kind`` as the write kernel stores it: per block and KV head, absmax scale, in the Hadamard
-    basis; the written blocks re-rounded at each write (a block's scale follows its contents), so
-    every read, the chunk's own tokens included, sees the rounded values. An emulation: the real
+def teacher_forced_one_part(loaded, tokens: list[int], kind: str, part: int | None, chunk: int,
+                            block_size: int, sinks: int = 0, per_token: bool = False) -> torch.Tensor:
+    """``teacher_forced`` on a model-dtype pool where only K (``part`` 0) or only V (1), or both
+    (None), are rounded to ``kind`` as the write kernel stores them: per block and KV head, absmax
+    scale, in the Hadamard basis; the written blocks re-rounded at each write (a block's scale
+    follows its contents), so every read, the chunk's own tokens included, sees the rounded
+    values. The first ``sinks`` blocks stay unrounded; ``per_token``: a scale per token and KV
+    head instead of per block (what a finer-grained format would store). An emulation: the real
     pools round both (or, mixed, whole blocks)."""
     fmt = kv_format(kind)
     rotation = hadamard(loaded.config.head_dim)
@@ -104,14 +106,15 @@ def teacher_forced_one_part(loaded, tokens: list[int], kind: str, part: int, chu
 
     def rounding_write(k_cache, v_cache, k, v, slot_mapping):
         plain_write(k_cache, v_cache, k, v, slot_mapping)
-        cache = (k_cache, v_cache)[part]
-        touched = torch.unique(slot_mapping // cache.shape[1])
-        x = cache.index_select(0, touched)  # [blocks, block_size, kv_heads, d]
-        if rotation is not None:
-            x = x @ rotation
-        scale = x.abs().amax(dim=(1, 3), keepdim=True) / fmt.qmax
-        y = dequantize(quantize(x, fmt, scale), fmt, scale)
-        cache.index_copy_(0, touched, (y @ rotation if rotation is not None else y).to(cache.dtype))
+        for cache in (k_cache, v_cache) if part is None else ((k_cache, v_cache)[part],):
+            touched = torch.unique(slot_mapping // cache.shape[1])
+            touched = touched[touched >= sinks]
+            x = cache.index_select(0, touched)  # [blocks, block_size, kv_heads, d]
+            if rotation is not None:
+                x = x @ rotation
+            scale = x.abs().amax(dim=3 if per_token else (1, 3), keepdim=True) / fmt.qmax
+            y = dequantize(quantize(x, fmt, scale), fmt, scale)
+            cache.index_copy_(0, touched, (y @ rotation if rotation is not None else y).to(cache.dtype))
 
     runner = ModelRunner(loaded, block_size=block_size, num_blocks=-(-len(tokens) // block_size) + 1,
                          kv_cache_dtype="auto", attention_backend="native")
@@ -293,6 +296,12 @@ def mixed_figures(args, loaded, tokens: list[int], targets: torch.Tensor, base_k
         quality(teacher_forced_sinks(loaded, tokens, kind, s, args.chunk, bs), f"{kind}_sink{s}")
     for part, name in ((0, "k_only"), (1, "v_only")):
         quality(teacher_forced_one_part(loaded, tokens, kind, part, args.chunk, bs), f"{kind}_{name}")
+    # emulated beside them: the same pool (first block unrounded) with the real per-block scales,
+    # and with a scale per token (the finest granularity a format could take): how far a finer
+    # format could lift the gated figure
+    for per_token, name in ((False, "sink1_emulated"), (True, "sink1_token_scale")):
+        quality(teacher_forced_one_part(loaded, tokens, kind, None, args.chunk, bs, sinks=1, per_token=per_token),
+                f"{kind}_{name}")
     stride = max(1, (len(tokens) - args.sink_prompt_len) // args.sink_prompts)
     prompts = [tokens[i * stride:i * stride + args.sink_prompt_len] for i in range(args.sink_prompts)]
     base_out = greedy(args.model, prompts, base_kind, args.sink_new_tokens)

@@ -125,7 +125,7 @@ class EngineConfig:
         "with an 8-bit kv_cache_dtype: the first blocks of every sequence (the attention sinks) kept at the "
         "model dtype in a mixed pool, the rest 8-bit; the pool gives full-precision blocks a share sized from "
         "this and max_model_len, and requests may ask for full-precision KV (kv_cache_dtype in the request); "
-        "native CPU kernels (docs/kv_quantization.md)")})
+        "every attention backend reads it (docs/kv_quantization.md)")})
     quantization: str = field(default="auto", metadata={"help": (
         "linear weights: none (the model dtype), q8_0 (int8 + a scale and offset per 32 values; GGUF "
         "types it cannot hold exactly are requantized), auto: a GGUF's weights kept 8-bit where exact "
