@@ -220,3 +220,37 @@ def test_safetensors_entries_read_rows_columns_and_into_a_destination(tmp_path: 
             for dtype in (whole.dtype, torch.float64):  # straight into it, or converted
                 out = torch.zeros(want.shape, dtype=dtype)
                 assert entry.read(index, out) is out and torch.equal(out, want.to(dtype)), (name, index, dtype)
+
+
+def test_a_rank_reads_only_its_shard(cases: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
+                                     caplog: pytest.LogCaptureFixture) -> None:
+    """In this process (no collective runs while loading): rank 1 of 2 reads no more elements than
+    its parameters hold, about half the checkpoint's; a quantized tensor split inside a block of 32
+    is dequantized for the shard, with a log line."""
+    import logging
+
+    from pagedkv.models import load_model
+    from pagedkv.models.gguf_loader import converted_folder
+    from pagedkv.models.hf_loader import SafetensorsEntry
+
+    read_elements = []
+    original = SafetensorsEntry.read
+
+    def counting(self: SafetensorsEntry, index: Any = None, out: Any = None) -> torch.Tensor:
+        got = original(self, index, out)
+        read_elements.append((got.numel(), int(torch.tensor(self.shape).prod())))
+        return got
+
+    monkeypatch.setattr(SafetensorsEntry, "read", counting)
+    loaded = load_model(cases["qwen3"]["folder"], quantization="none", tp=TPGroup(1, 2))
+    held = sum(p.numel() for p in loaded.model.parameters())
+    read, whole = sum(n for n, _ in read_elements), sum(n for _, n in read_elements)
+    assert read <= held and read < 0.6 * whole
+    assert loaded.config.num_attention_heads == 3 and loaded.full_config is not None
+    assert loaded.full_config.num_attention_heads == 6
+    folder = converted_folder(Path(cases["gguf_q8_0"]["folder"]), "auto")
+    with caplog.at_level(logging.INFO, logger="pagedkv.models.weights"):
+        shard = load_model(str(folder), quantization="auto", tp=TPGroup(1, 2))
+    assert "dequantized for this rank's shard" in caplog.text
+    assert type(shard.model.layers[0].mlp.down_proj) is torch.nn.Linear  # 48 of 96 inputs: inside a block
+    assert type(shard.model.layers[0].self_attn.o_proj).__name__ == "QuantLinear"  # 32 of 64: whole blocks
