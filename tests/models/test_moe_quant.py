@@ -141,6 +141,9 @@ GGUF_CASES = {
              {"gate_up": "q8_0", "down": "i4"}),
     "q8_0": ("q8_0", {"ffn_gate_exps.weight": "Q4_0", "ffn_up_exps.weight": "Q4_1", "ffn_down_exps.weight": "Q8_0"},
              {"gate_up": "q8_0+offsets", "down": "q8_0"}),
+    # a Q4_K_M file's experts (K-quants: rows of 256): Q4_K gate/up at 4 bits, Q6_K down at 6
+    "auto_k": ("auto", {"ffn_gate_exps.weight": "Q4_K", "ffn_up_exps.weight": "Q4_K", "ffn_down_exps.weight": "Q6_K"},
+               {"gate_up": "u4+offsets", "down": "i6"}),
 }
 
 
@@ -152,7 +155,8 @@ def test_gguf_quantized_experts_are_kept_and_equal_the_float_load(case: str, tmp
 
     quantization, types, formats = GGUF_CASES[case]
     path = tmp_path / "moe.gguf"
-    write_gguf(path, {k: gguf.GGMLQuantizationType[v] for k, v in types.items()}, tied=False, experts=5)
+    sizes = dict(hidden=256, ffn=256) if case == "auto_k" else {}
+    write_gguf(path, {k: gguf.GGMLQuantizationType[v] for k, v in types.items()}, tied=False, experts=5, **sizes)
     monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
     quantized, reference = load_model(str(path), quantization=quantization), load_model(str(path), quantization="none")
     assert quantized.config.moe is not None and quantized.config.moe.num_experts == 5
