@@ -23,7 +23,10 @@ model-dtype cache:
   ``--sink-context`` tokens of context against model-dtype blocks at equal memory (the engine's own
   split, ``ops/kv_format.full_block_fraction``). Beside them, not gated, the K/V split emulated
   on a model-dtype pool: only K (or only V) rounded to 8 bits per block and KV head, in the
-  Hadamard basis, as the write kernel stores it (``<sink-kind>_k_only_*``, ``<sink-kind>_v_only_*``).
+  Hadamard basis, as the write kernel stores it (``<sink-kind>_k_only_*``, ``<sink-kind>_v_only_*``);
+  and the one-sink pool emulated the same way, K and V, with a scale per block
+  (``<sink-kind>_sink1_emulated_*``) and per token (``<sink-kind>_sink1_token_scale_*``: the finest
+  granularity a format could take), which bound what a finer 8-bit format could add.
 
     .venv/bin/python bench/kv_quant.py [--threads 1] [--kinds int8,fp8_e4m3,fp8_e5m2,bfloat16,float16]
 
