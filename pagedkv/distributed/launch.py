@@ -154,9 +154,11 @@ def pin_threads(rank: int, size: int, threads: int | None) -> Callable[[], None]
         os.sched_setaffinity(0, mine)
         logger.info("tensor-parallel rank %d: %d thread(s) on cores %s", rank, per, ",".join(map(str, mine)))
     elif rank == 0:
+        hint = (f"give --threads {len(cores) // size} or fewer" if len(cores) >= size
+                else f"{size} ranks want {size} cores at least")
         logger.warning("tensor parallelism: %d ranks x %d threads exceed the %d cores this process may use; "
-                       "the ranks are not pinned (they share cores, which slows every all-reduce): give "
-                       "--threads %d or fewer", size, per, len(cores), max(1, len(cores) // size))
+                       "the ranks are not pinned (they share cores, which slows every all-reduce): %s",
+                       size, per, len(cores), hint)
     return restore
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from pagedkv.distributed.group import TPGroup
 from pagedkv.distributed.launch import (
+    RankFailedError,
     RankWatch,
     die_with_parent,
     free_port,
@@ -35,6 +36,7 @@ from pagedkv.distributed.launch import (
     torchrun_rank,
 )
 from pagedkv.engine.config import EngineConfig
+from pagedkv.errors import PagedKVError
 
 # build.build_rank_runner, handed in by its callers (build.py imports this module, not the reverse):
 # (config, tp) -> (RunnerParts, the whole model's ModelConfig)
@@ -94,7 +96,11 @@ def worker_main(rank: int, size: int, port: int, config: EngineConfig, parent_pi
     plans until rank 0 says stop. Any error ends the process (rank 0 names the rank)."""
     die_with_parent(parent_pid)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
-    _serve(config, rank, size, port, build)
+    try:
+        _serve(config, rank, size, port, build)
+    except (PagedKVError, ValueError, OSError) as exc:  # a user error (rank 0 says it too): one line, no trace
+        logger.error("tensor-parallel rank %d stops: %s", rank, exc)
+        sys.exit(1)
 
 
 def _serve(config: EngineConfig, rank: int, size: int, port: int | None, build: RankBuilder) -> None:
@@ -146,8 +152,11 @@ def build_tp_runner(config: EngineConfig, build: RankBuilder) -> Any:
     try:
         rank_config, group, plan_group, restore = _rank_setup(config, 0, size, port, watch)
         parts, full_config = build(rank_config, tp=group)
-    except BaseException:
+    except BaseException as exc:
+        failure = watch.dead_rank(wait_s=1.0) if not isinstance(exc, PagedKVError) else None
         shutdown(0.0)
+        if failure is not None:  # a worker died first (its error is in its log above): say which
+            raise RankFailedError(f"{failure} while the ranks started") from exc
         raise
 
     assert isinstance(parts.runner, ModelRunner)  # (rank 0's own shard)

@@ -1,7 +1,8 @@
 """Failure of a tensor-parallel engine is loud, never a hang, and leaves no process behind:
 ``pagedkv serve --tensor-parallel-size 2`` answers, then a killed rank 1 turns /health to 503
 and ends the server with a non-zero status and a message naming the rank, within 30 s; a killed
-rank 0 takes its workers with it.
+rank 0 takes its workers with it; (``PAGEDKV_FULL_MATRIX=1``) a stopped rank ends the engine after
+the collective timeout.
 
 Serial: each test starts a server or an engine whose failure is checked against a time bound.
 """
@@ -144,3 +145,28 @@ def test_killed_rank0_takes_its_workers_along(tiny: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.skipif(os.environ.get("PAGEDKV_FULL_MATRIX") != "1", reason="PAGEDKV_FULL_MATRIX=1: a hung rank")
+def test_a_hung_rank_ends_the_engine_after_the_collective_timeout(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedkv.engine import EngineDeadError, LLMEngine
+    from pagedkv.runner.tp_runner import TPRunner
+    from pagedkv.sampling_params import SamplingParams
+
+    monkeypatch.setenv("PAGEDKV_TP_TIMEOUT_S", "4")
+    engine = LLMEngine.from_options(str(tiny), tensor_parallel_size=2, threads=1, num_kv_blocks=32)
+    assert isinstance(engine.runner, TPRunner)
+    worker = engine.runner.watch.procs[0].pid
+    try:
+        engine.add_request("r", "hello", SamplingParams(max_tokens=200, ignore_eos=True))
+        engine.step()
+        os.kill(worker, signal.SIGSTOP)  # alive, answering nothing
+        stopped = time.monotonic()
+        with pytest.raises(EngineDeadError, match="stopped answering"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - stopped < BOUND_S
+    finally:
+        os.kill(worker, signal.SIGKILL)
+        engine.close()
+    assert _gone_within([worker], 10.0)
