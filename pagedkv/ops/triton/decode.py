@@ -118,19 +118,20 @@ def _load_mixed(f_ptr, qt_ptr, sc_ptr, blk, off, kvh, offs_d, mask, base, f_s0, 
     (``D_FIRST``: ``[d, tokens]``); ``mask`` has that shape."""
     is_q = blk >= base
     qb = tl.where(is_q, blk - base, 0)
+    sc = tl.load(sc_ptr + qb * sc_s0 + kvh * sc_s1, mask=is_q, other=0.0)
     if D_FIRST:
         f = tl.load(f_ptr + (blk * f_s0 + off * f_s1 + kvh * f_s2)[None, :] + offs_d[:, None] * f_s3,
                     mask=mask & (blk < base)[None, :], other=0.0).to(tl.float32)
         x = tl.load(qt_ptr + (qb * q_s0 + off * q_s1 + kvh * q_s2)[None, :] + offs_d[:, None] * q_s3,
                     mask=mask & is_q[None, :], other=0.0).to(tl.float32)
-        sc = tl.load(sc_ptr + qb * sc_s0 + kvh * sc_s1, mask=is_q, other=0.0)
-        return f + x * sc[None, :]
-    f = tl.load(f_ptr + (blk * f_s0 + off * f_s1 + kvh * f_s2)[:, None] + offs_d[None, :] * f_s3,
-                mask=mask & (blk < base)[:, None], other=0.0).to(tl.float32)
-    x = tl.load(qt_ptr + (qb * q_s0 + off * q_s1 + kvh * q_s2)[:, None] + offs_d[None, :] * q_s3,
-                mask=mask & is_q[:, None], other=0.0).to(tl.float32)
-    sc = tl.load(sc_ptr + qb * sc_s0 + kvh * sc_s1, mask=is_q, other=0.0)
-    return f + x * sc[:, None]
+        out = f + x * sc[None, :]
+    else:
+        f = tl.load(f_ptr + (blk * f_s0 + off * f_s1 + kvh * f_s2)[:, None] + offs_d[None, :] * f_s3,
+                    mask=mask & (blk < base)[:, None], other=0.0).to(tl.float32)
+        x = tl.load(qt_ptr + (qb * q_s0 + off * q_s1 + kvh * q_s2)[:, None] + offs_d[None, :] * q_s3,
+                    mask=mask & is_q[:, None], other=0.0).to(tl.float32)
+        out = f + x * sc[:, None]
+    return out
 
 
 @triton.jit
