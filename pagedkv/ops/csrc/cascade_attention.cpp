@@ -153,12 +153,10 @@ void attend_portable(const Item& it, const Cache<F, Q>& cache, int64_t block_siz
 }
 
 #ifdef PAGEDKV_CASCADE_AVX2
-constexpr int CHUNK = 64;
-
 // The vector path (head_dim D = 64, 128, 256): the item's tokens in chunks of CHUNK, each chunk's
 // K and V rows located (float32: read in place) or converted once into `conv` (2 * CHUNK * D
-// floats, 32-byte aligned, block scales folded in), then every (row, query head) of the item:
-// scores 8 tokens at a time, soft-cap, online softmax, the V sum in registers.
+// floats, 32-byte aligned, block scales folded in), then every (row, query head) of the item
+// through simd_common.h's attend_rows (the per-row kernel's loops: scores, online softmax, V sum).
 template <int D, typename F, typename Q>
 void attend_vec(const Item& it, const Cache<F, Q>& cache, int64_t block_size, int64_t kv_heads, int64_t h,
                 float* conv, float cap) {
@@ -168,7 +166,6 @@ void attend_vec(const Item& it, const Cache<F, Q>& cache, int64_t block_size, in
   const int64_t row_stride = kv_heads * D;
   const float* kp[CHUNK];
   const float* vp[CHUNK];
-  alignas(32) float p[CHUNK];
   // 8 stored values of either format -> floats times `scale` (Vec<S>::unit folded in)
   auto convert = [](const auto* src, float* dst, float scale) {
     using S = std::remove_cv_t<std::remove_pointer_t<decltype(src)>>;
@@ -200,70 +197,7 @@ void attend_vec(const Item& it, const Cache<F, Q>& cache, int64_t block_size, in
       kp[t - c0] = kd;
       vp[t - c0] = vd;
     }
-    for (int64_t i = 0; i < it.nr; ++i) {
-      const int64_t a = std::max(c0, it.start[i]), e = std::min(c1, it.end[i]);
-      if (e <= a) continue;
-      const int64_t n = e - a;
-      const float* const* kr = kp + (a - c0);
-      const float* const* vr = vp + (a - c0);
-      for (int64_t g = 0; g < it.group; ++g) {
-        const int64_t j = i * it.group + g;
-        const float* qj = it.qs + j * D;
-        int64_t t = 0;
-        for (; t + 8 <= n; t += 8) {
-          __m256 s[8];
-          for (int u = 0; u < 8; ++u) s[u] = _mm256_setzero_ps();
-          for (int v = 0; v < NV; ++v) {
-            const __m256 qv = _mm256_loadu_ps(qj + 8 * v);
-            for (int u = 0; u < 8; ++u) s[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[t + u] + 8 * v), s[u]);
-          }
-          _mm256_store_ps(p + t, reduce8(s));
-        }
-        for (; t < n; ++t) {
-          __m256 s = _mm256_setzero_ps();
-          for (int v = 0; v < NV; ++v) s = _mm256_fmadd_ps(_mm256_loadu_ps(qj + 8 * v), _mm256_loadu_ps(kr[t] + 8 * v), s);
-          p[t] = hsum(s);
-        }
-        if (cap > 0.f) {
-          for (t = 0; t < n; ++t) p[t] = cap * std::tanh(p[t] / cap);
-        }
-        float mb = it.m[j];
-        {  // the chunk's max, 8 lanes at a time (a scalar max is a 4-cycle dependency chain per token)
-          __m256 mx = _mm256_set1_ps(mb);
-          for (t = 0; t + 8 <= n; t += 8) mx = _mm256_max_ps(mx, _mm256_load_ps(p + t));
-          alignas(32) float lanes[8];
-          _mm256_store_ps(lanes, mx);
-          for (int u = 0; u < 8; ++u) mb = std::max(mb, lanes[u]);
-          for (; t < n; ++t) mb = std::max(mb, p[t]);
-        }
-        const float corr = std::exp(it.m[j] - mb);
-        const __m256 mv = _mm256_set1_ps(mb);
-        __m256 sumv = _mm256_setzero_ps();
-        t = 0;
-        for (; t + 8 <= n; t += 8) {
-          const __m256 ev = exp256(_mm256_sub_ps(_mm256_load_ps(p + t), mv));
-          _mm256_store_ps(p + t, ev);
-          sumv = _mm256_add_ps(sumv, ev);
-        }
-        float sum = hsum(sumv);
-        for (; t < n; ++t) {
-          p[t] = std::exp(p[t] - mb);
-          sum += p[t];
-        }
-        float* aj = it.acc + j * D;
-        __m256 av[NV];
-        const __m256 cv = _mm256_set1_ps(corr);
-        for (int v = 0; v < NV; ++v) av[v] = _mm256_mul_ps(_mm256_loadu_ps(aj + 8 * v), cv);
-        for (t = 0; t < n; ++t) {
-          const __m256 pv = _mm256_set1_ps(p[t]);
-          const float* vrow = vr[t];
-          for (int v = 0; v < NV; ++v) av[v] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vrow + 8 * v), av[v]);
-        }
-        for (int v = 0; v < NV; ++v) _mm256_storeu_ps(aj + 8 * v, av[v]);
-        it.l[j] = it.l[j] * corr + sum;
-        it.m[j] = mb;
-      }
-    }
+    attend_rows<D>(it.qs, it.start, it.end, it.nr, it.group, c0, c1, kp, vp, it.acc, it.m, it.l, cap);
   }
 }
 

@@ -1,7 +1,8 @@
 // Vector helpers of the attention kernels (csrc/paged_attention.cpp, csrc/cascade_attention.cpp),
 // one copy for both: Vec<S>::load (8 stored values of a block format -> 8 floats), exp256 (and
-// exp512 where the core has AVX-512), reduce8 and hsum. Include it at file scope (not inside an
-// anonymous namespace): everything here is inline, in namespace pagedkv_simd.
+// exp512 where the core has AVX-512), reduce8, hsum, and attend_rows (the online-softmax loops over
+// one chunk of K/V rows). Include it at file scope (not inside an anonymous namespace): everything
+// here is inline, in namespace pagedkv_simd.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -9,6 +10,8 @@
 #include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -127,6 +130,87 @@ inline __m512 exp512(__m512 x) {
   return _mm512_mul_ps(y, _mm512_castsi512_ps(n));
 }
 #endif
+
+constexpr int CHUNK = 64;
+
+// The vector paths' inner loops (paged_attention.cpp's attend_vec and attend_vec_mixed, cascade_attention.cpp's
+// attend_vec) over one chunk [c0, c1) of the context whose K and V rows (as floats, block scales folded
+// in) are kp[t - c0] and vp[t - c0]: scores, online softmax and the V sum of every (row, query head) of
+// the tile. qs: the tile's scaled queries [nr * group][D];
+// acc/m/l: the online-softmax state per (row, query head).
+template <int D>
+__attribute__((always_inline)) inline void attend_rows(const float* qs, const int64_t* row_start,
+                                                       const int64_t* row_end, int64_t nr, int64_t group,
+                                                       int64_t c0, int64_t c1, const float* const* kp,
+                                                       const float* const* vp, float* acc, float* m, float* l,
+                                                       float cap) {
+  constexpr int NV = D / 8;
+  alignas(32) float p[CHUNK];
+  for (int64_t i = 0; i < nr; ++i) {
+    const int64_t a = std::max(c0, row_start[i]), e = std::min(c1, row_end[i]);
+    if (e <= a) continue;
+    const int64_t n = e - a;
+    const float* const* kr = kp + (a - c0);
+    const float* const* vr = vp + (a - c0);
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t j = i * group + g;
+      const float* qj = qs + j * D;
+      int64_t t = 0;
+      for (; t + 8 <= n; t += 8) {
+        __m256 s[8];
+        for (int u = 0; u < 8; ++u) s[u] = _mm256_setzero_ps();
+        for (int v = 0; v < NV; ++v) {
+          const __m256 qv = _mm256_loadu_ps(qj + 8 * v);
+          for (int u = 0; u < 8; ++u) s[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[t + u] + 8 * v), s[u]);
+        }
+        _mm256_store_ps(p + t, reduce8(s));
+      }
+      for (; t < n; ++t) {
+        __m256 s = _mm256_setzero_ps();
+        for (int v = 0; v < NV; ++v) s = _mm256_fmadd_ps(_mm256_loadu_ps(qj + 8 * v), _mm256_loadu_ps(kr[t] + 8 * v), s);
+        p[t] = hsum(s);
+      }
+      if (cap > 0.f) {  // Gemma 2's soft-cap on the scores: cap * tanh(score / cap)
+        for (t = 0; t < n; ++t) p[t] = cap * std::tanh(p[t] / cap);
+      }
+      float mb = m[j];
+      {  // the chunk's max, 8 lanes at a time (a scalar max is a 4-cycle dependency chain per token)
+        __m256 mx = _mm256_set1_ps(mb);
+        for (t = 0; t + 8 <= n; t += 8) mx = _mm256_max_ps(mx, _mm256_load_ps(p + t));
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, mx);
+        for (int u = 0; u < 8; ++u) mb = std::max(mb, lanes[u]);
+        for (; t < n; ++t) mb = std::max(mb, p[t]);
+      }
+      const float corr = std::exp(m[j] - mb);
+      const __m256 mv = _mm256_set1_ps(mb);
+      __m256 sumv = _mm256_setzero_ps();
+      t = 0;
+      for (; t + 8 <= n; t += 8) {
+        const __m256 ev = exp256(_mm256_sub_ps(_mm256_load_ps(p + t), mv));
+        _mm256_store_ps(p + t, ev);
+        sumv = _mm256_add_ps(sumv, ev);
+      }
+      float sum = hsum(sumv);
+      for (; t < n; ++t) {
+        p[t] = std::exp(p[t] - mb);
+        sum += p[t];
+      }
+      float* aj = acc + j * D;
+      __m256 av[NV];
+      const __m256 cv = _mm256_set1_ps(corr);
+      for (int v = 0; v < NV; ++v) av[v] = _mm256_mul_ps(_mm256_loadu_ps(aj + 8 * v), cv);
+      for (t = 0; t < n; ++t) {
+        const __m256 pv = _mm256_set1_ps(p[t]);
+        const float* vrow = vr[t];
+        for (int v = 0; v < NV; ++v) av[v] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vrow + 8 * v), av[v]);
+      }
+      for (int v = 0; v < NV; ++v) _mm256_storeu_ps(aj + 8 * v, av[v]);
+      l[j] = l[j] * corr + sum;
+      m[j] = mb;
+    }
+  }
+}
 
 }  // namespace pagedkv_simd
 
