@@ -169,21 +169,26 @@ class QuantBlocks:
     base: int
 
 
-def blocks_as_float(ids: torch.Tensor, full: torch.Tensor, quant: torch.Tensor, scales: torch.Tensor, base: int,
-                    dtype: torch.dtype) -> torch.Tensor:
-    """A mixed pool's blocks ``ids`` (sorted int64) read each in its format into a ``dtype`` cache
+def blocks_as_float(ids: torch.Tensor, full: torch.Tensor | None, quant: torch.Tensor | None,
+                    scales: torch.Tensor | None, base: int, dtype: torch.dtype) -> torch.Tensor:
+    """A pool's blocks ``ids`` (sorted int64) read each in its format into a ``dtype`` cache
     ``[base + num_quant, block_size, kv_heads, head_dim]`` that the plain kernels above read: block
-    ``b < base`` is ``full[b]``, block ``b >= base`` is ``quant[b - base] * scales[b - base]`` per KV
-    head. Only ``ids`` are filled (the other blocks are left unset: the step reads none of them)."""
-    out = torch.empty(base + quant.shape[0], *full.shape[1:], dtype=dtype, device=full.device)
-    ids = ids.to(full.device)
+    ``b < base`` is ``full[b]`` (any float dtype), block ``b >= base`` is ``quant[b - base] *
+    scales[b - base]`` per KV head (8-bit). A mixed pool gives both; an 8-bit pool ``full`` None and
+    ``base`` 0; a float pool ``quant`` None. Only ``ids`` are filled (the step reads no other)."""
+    ref = full if full is not None else quant
+    assert ref is not None  # one of the two storages
+    out = torch.empty(base + (quant.shape[0] if quant is not None else 0), *ref.shape[1:], dtype=dtype,
+                      device=ref.device)
+    ids = ids.to(ref.device)
     cut = int(torch.searchsorted(ids, base))
-    full_ids, quant_ids = ids[:cut], ids[cut:]
-    out.index_copy_(0, full_ids, full.index_select(0, full_ids).to(dtype))
-    local = quant_ids - base
-    raw = quant.view(torch.uint8) if quant.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else quant
-    values = raw.index_select(0, local).view(quant.dtype).float() * scales.index_select(0, local)[:, None, :, None]
-    out.index_copy_(0, quant_ids, values.to(dtype))
+    if full is not None:
+        out.index_copy_(0, ids[:cut], full.index_select(0, ids[:cut]).to(dtype))
+    if quant is not None and scales is not None:
+        local = ids[cut:] - base
+        raw = quant.view(torch.uint8) if quant.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else quant
+        values = raw.index_select(0, local).view(quant.dtype).float() * scales.index_select(0, local)[:, None, :, None]
+        out.index_copy_(0, ids[cut:], values.to(dtype))
     return out
 
 

@@ -102,11 +102,38 @@ class _StepAttention:
             if rotation is not None:
                 assert not inp.prefills  # 8-bit blocks: every row goes through the kernel
                 return out @ rotation  # H H = I: back from the rotated V basis
+        elif k_cache.dtype != q.dtype:  # the plain path over another storage (8-bit, another float dtype)
+            base = 0 if k_scales is not None else cache.num_blocks
+            full, quant = ((k_cache, v_cache), None) if k_scales is None or v_scales is None \
+                else (None, QuantBlocks(k_cache, v_cache, k_scales, v_scales, 0))
+            out = self._plain_staged(q, k, v, inp, window, full, quant, base)
+            return out @ rotation if rotation is not None else out
         elif inp.identity_decode:
             return paged_decode_attention(q, k_cache, v_cache, inp.decode_groups[0].meta, scale, softcap)
         else:
             out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype)  # [T, H, d]
         return self._plain_rows(out, q, k, v, k_cache, v_cache, inp, window)
+
+    def _plain_staged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inp: StepInputs, window: int | None,
+                      full: tuple[torch.Tensor, torch.Tensor] | None, quant: QuantBlocks | None,
+                      base: int) -> torch.Tensor:
+        """The plain path over blocks not stored in q's dtype: the blocks the step reads, each in its
+        format (ids below ``base`` float ``full``, the others 8-bit ``quant``), into q's dtype
+        (``ops/paged_attention.blocks_as_float``), then the plain kernels. With 8-bit blocks a fresh
+        prefill attends to its rows as stored, as the native kernels do."""
+        ids = self._stage_ids.get(id(inp))
+        if ids is None:
+            ids = _step_block_ids(inp, self.cache.block_size, self.config.num_key_value_heads)
+            self._stage_ids[id(inp)] = ids
+        caches = [blocks_as_float(ids, full[i] if full is not None else None,
+                                  None if quant is None else (quant.k_quant, quant.v_quant)[i],
+                                  None if quant is None else (quant.k_scales, quant.v_scales)[i], base, q.dtype)
+                  for i in (0, 1)]
+        if quant is not None:
+            kvh, d = caches[0].shape[-2:]
+            k, v = (c.view(-1, kvh, d).index_select(0, inp.slot_mapping) for c in caches)
+        out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype)
+        return self._plain_rows(out, q, k, v, caches[0], caches[1], inp, window)
 
     def _plain_rows(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, inp: StepInputs, window: int | None) -> torch.Tensor:
@@ -149,18 +176,9 @@ class _StepAttention:
             err = self.write_error[layer_idx]
             write_kv_scaled(blocks.k_quant, blocks.k_scales, k.index_select(0, quant_rows), quant_slots, err[0])
             write_kv_scaled(blocks.v_quant, blocks.v_scales, v.index_select(0, quant_rows), quant_slots, err[1])
+        if inp.native is None:  # the plain path: the step's blocks read in their formats
+            return self._plain_staged(q, k, v, inp, window, (blocks.k, blocks.v), quant, quant.base)
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype)
-        if inp.native is None:  # the plain path: the step's blocks read in their formats into float caches
-            ids = self._stage_ids.get(id(inp))
-            if ids is None:
-                ids = _step_block_ids(inp, self.cache.block_size, self.config.num_key_value_heads)
-                self._stage_ids[id(inp)] = ids
-            k_cache = blocks_as_float(ids, blocks.k, quant.k_quant, quant.k_scales, quant.base, q.dtype)
-            v_cache = blocks_as_float(ids, blocks.v, quant.v_quant, quant.v_scales, quant.base, q.dtype)
-            kvh, d = k_cache.shape[-2:]
-            slots = inp.slot_mapping  # a fresh prefill attends to its rows as stored
-            return self._plain_rows(out, q, k_cache.view(-1, kvh, d).index_select(0, slots),
-                                    v_cache.view(-1, kvh, d).index_select(0, slots), k_cache, v_cache, inp, window)
         if inp.native.num_rows:
             cascade.cascade_attention(out, q, blocks.k, blocks.v, inp.native, inp.cascade, self.scale,
                                       sliding_window=window, softcap=self.softcap, quant=quant)
@@ -291,7 +309,8 @@ class ModelRunner:
     Size the device pool with ``num_blocks`` or ``kv_cache_memory`` (bytes or "2GiB"; exactly one);
     ``num_host_blocks`` sizes the host pool used by swap_out/swap_in. ``kv_cache_dtype`` is the
     block format (:func:`pagedkv.ops.kv_format.kv_format`: "auto" is the model dtype; "int8",
-    "fp8_e4m3", "fp8_e5m2" store 8-bit blocks with per-block scales and need the native kernels).
+    "fp8_e4m3", "fp8_e5m2" store 8-bit blocks with per-block scales; every backend reads every kind,
+    the plain one by converting the step's blocks first).
     ``pack_lm_head`` replaces the model's LM head with a oneDNN-packed copy (float32 CPU only; the
     model is for inference). ``max_loras`` > 0 wraps the model's linears with that many LoRA slots
     of rank ``max_lora_rank`` (``pagedkv/lora/layers.py``; ``set_lora_slot`` fills one, a chunk's
@@ -346,12 +365,6 @@ class ModelRunner:
         # Shared-block attention: runs of blocks several rows hold are attended once for all of
         # them (ops/cascade.py; native and Triton decode kernels). Off: each row alone, as the plain path.
         self.cascade_attention = cascade_attention
-        if fmt.storage != model_dtype and self.backend == "plain" and not kv_full_blocks:
-            why = native.why_unavailable() or "turned off (native_attention=False)"
-            raise ValueError(f"kv_cache_dtype {fmt.name} (model dtype {str(model_dtype).removeprefix('torch.')}) "
-                             f"needs the native CPU kernels, which are unavailable here: {why}. Use "
-                             f"kv_cache_dtype='auto', or install a C++ compiler and run "
-                             f"'python -m pagedkv.ops.native'")
         if (num_blocks is None) == (kv_cache_memory is None):
             raise ValueError("give exactly one of num_blocks and kv_cache_memory")
         if num_blocks is None:
@@ -455,8 +468,8 @@ class ModelRunner:
         if len(groups) > 1 and any(len(c.group_tables) != len(groups) - 1 for c in chunks):
             raise BatchError(f"this model's KV cache has {len(groups)} groups: every chunk needs "
                              f"{len(groups) - 1} group_tables")
-        # the plain path's buffers: a mixed pool's blocks are read into the model dtype
-        plain_dtype = self.cache.full_format.storage if self.cache.is_mixed else self.cache.dtype
+        # the plain path's buffers: blocks of another storage are read into the model dtype
+        plain_dtype = self.cache.full_format.storage
         per_group = [build_step_inputs([c.in_group(g) for c in chunks], block_size=self.block_size,
                                        num_blocks=self.num_blocks, num_heads=cfg.num_attention_heads,
                                        kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,

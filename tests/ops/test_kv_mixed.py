@@ -212,6 +212,30 @@ def test_every_backend_reads_a_mixed_pool(tiny_folder, backend):
     torch.testing.assert_close(other.scales, ref.scales, atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8_e5m2", "bfloat16"])
+def test_plain_backend_reads_single_format_pools(tiny_folder, kind):
+    """The plain backend over an all-8-bit (or another float dtype's) pool: the step's blocks read
+    into the model dtype give the native kernels' logits, and the same stored bytes."""
+    from pagedkv.models.loader import load_model
+    from pagedkv.runner import ModelRunner, SeqChunk
+
+    if not native.available():
+        pytest.skip("the native kernels are the reference here")
+    loaded = load_model(str(tiny_folder))
+    runners = [ModelRunner(loaded, block_size=4, num_blocks=12, kv_cache_dtype=kind, attention_backend=b)
+               for b in ("native", "plain")]
+    steps = [[SeqChunk(list(range(5, 14)), 0, [3, 7, 1], all_logits=True)],
+             [SeqChunk(list(range(20, 26)), 0, [0, 2]), SeqChunk([7, 8], 9, [3, 7, 1])],
+             [SeqChunk([3], 11, [3, 7, 1]), SeqChunk([4], 6, [0, 2])]]
+    for step in steps:
+        expected, got = (r.execute(step) for r in runners)
+        torch.testing.assert_close(got, expected, atol=3e-4, rtol=1e-4)
+    ref, other = (r.cache for r in runners)
+    assert float((other.kv.float() - ref.kv.float()).abs().max()) <= (1 if kind == "int8" else 0.1)
+    if ref.scales is not None:
+        torch.testing.assert_close(other.scales, ref.scales, atol=1e-6, rtol=1e-4)
+
+
 @needs_native
 def test_swap_keeps_each_block_in_its_format(tiny_folder):
     """Device -> host -> device: a block comes back byte for byte (scales too) into a block of its

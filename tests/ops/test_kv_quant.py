@@ -288,17 +288,20 @@ def test_quality_guard_warns_naming_the_layer(tiny_folder, monkeypatch, caplog):
     assert len(messages) == len(llm.engine.kv_guard.warned)  # once per layer
 
 
-def test_kv_cache_dtype_is_validated_and_needs_the_native_kernels(tiny_folder):
+def test_kv_cache_dtype_is_validated_and_the_plain_backend_takes_8bit(tiny_folder):
     from pagedkv.engine import EngineConfig
     from pagedkv.models.loader import load_model
-    from pagedkv.runner import ModelRunner
+    from pagedkv.runner import ModelRunner, SeqChunk
 
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="int4")
     assert kv_format("fp8").name == "fp8_e4m3" and kv_format("auto", torch.bfloat16).name == "bfloat16"
-    with pytest.raises(ValueError, match="native CPU kernels"):
-        ModelRunner(load_model(str(tiny_folder)), block_size=4, num_blocks=8, kv_cache_dtype="int8",
-                    native_attention=False)
+    # the plain path reads 8-bit blocks too (converted per step; test_kv_mixed compares it with native)
+    runner = ModelRunner(load_model(str(tiny_folder)), block_size=4, num_blocks=8, kv_cache_dtype="int8",
+                         native_attention=False)
+    assert runner.backend == "plain" and runner.cache.kv.dtype == torch.int8
+    logits = runner.execute([SeqChunk([5, 6, 7, 8, 9], 0, [2, 4])])
+    assert torch.isfinite(logits).all() and bool(runner.cache.scales.abs().sum() > 0)
 
 
 def _workload(engine, prompts):
