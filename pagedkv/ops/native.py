@@ -40,6 +40,11 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
+def _headers() -> list[Path]:
+    """The headers the sources include (``csrc/*.h``, e.g. ``gemv_common.h``): part of the build key."""
+    return sorted((Path(__file__).parent / "csrc").glob("*.h"))
+
+
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -53,7 +58,7 @@ def _cpu_flags() -> str:
 
 def _build_key() -> str:
     h = hashlib.sha256()
-    for src in _SOURCES:
+    for src in [*_SOURCES, *_headers()]:  # a header change rebuilds too
         h.update(src.read_bytes())
     h.update(" ".join(_FLAGS).encode())
     h.update(torch.__version__.encode())
@@ -92,7 +97,7 @@ def _needs_build(library: Path) -> bool:
         built = library.stat().st_mtime_ns
     except OSError:
         return True
-    return any(src.stat().st_mtime_ns > built for src in _SOURCES)
+    return any(src.stat().st_mtime_ns > built for src in [*_SOURCES, *_headers()])
 
 
 def _load(cpp_extension, name: str, folder: Path, verbose: bool) -> None:

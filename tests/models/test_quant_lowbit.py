@@ -118,14 +118,17 @@ def _random_module(fmt: str, k: int, n: int, offsets: bool, seed: int) -> QuantL
     not LOWBIT_NATIVE, reason="native low-bit kernel unavailable")), False])
 @pytest.mark.parametrize("fmt", sorted(LOWBIT_FORMATS))
 def test_low_bit_linear_matches_pytorch_on_the_dequantized_weight(use_native: bool, fmt: str) -> None:
-    k = 256 if LOWBIT_FORMATS[fmt].group == 16 else 96
-    for offsets in (False, True):
-        layer = _random_module(fmt, k, 37, offsets, seed=len(fmt) + offsets)
+    # 37 weight rows; inputs of 96 (less than a K-quant super-block of 256) and 800 (3 super-blocks and
+    # a run: rows that are no multiple of the super-block); activations of mixed magnitudes, a run of zeros
+    for k, offsets in ((96, False), (96, True), (800, True)):
+        layer = _random_module(fmt, k, 37, offsets, seed=len(fmt) + offsets + k)
         layer.native = use_native
         weight = layer.weight
         assert layer.bias is not None
         for m in (1, 5, 9, 33, 70):  # one group, several, the tiled path (past 32 rows)
-            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            gen = torch.Generator().manual_seed(m)
+            x = torch.randn(m, k, generator=gen) * torch.randn(m, k, generator=gen).exp()
+            x[0, 32:64] = 0.0
             want = (x.double() @ weight.double().t() + layer.bias.double()).float()
             torch.testing.assert_close(layer(x), want, atol=1e-4, rtol=1e-4)
         assert layer(x.to(torch.bfloat16)).dtype == torch.bfloat16

@@ -11,17 +11,20 @@
 // sum_k W x = scale * dot(v, x) + offset * sum(x), the run sums of x taken once per call.
 //
 // Few rows (decode): the weights are streamed once per group of up to 8 rows; a run's 32 codes are
-// widened in registers and converted to four vectors of 8 floats shared by the rows: Q4_0/Q4_1/Q4_K
-// runs zero-extend their 16 bytes to 32-bit lanes and mask / shift the nibbles there (two shuffles
-// a run: fewer than an int8 run's four); IQ4_NL and the 5- and 6-bit runs unpack to bytes first (a
-// byte shuffle looks up IQ4_NL's grid; the bit planes are spread over bytes with a shuffle and a
-// compare; one byte subtraction applies the zero), then sign-extend.
+// widened in registers and converted to floats shared by the rows (gemv_common.h: two vectors of 16 with
+// AVX-512, else four of 8): Q4_0/Q4_1/Q4_K runs zero-extend their 16 bytes to 32-bit lanes and mask /
+// shift the nibbles there (one shuffle a run with AVX-512, two with AVX2, where splitting a byte
+// register takes eight); IQ4_NL and the 5- and 6-bit runs unpack to bytes first (a byte shuffle looks
+// up IQ4_NL's grid; the bit planes are spread over bytes with a shuffle and a compare; one byte
+// subtraction applies the zero), then sign-extend.
 // Many rows (prefill, large batches): tiles of 256 weight rows are dequantized into a float32
 // buffer and multiplied by the BLAS matmul, as for the 8-bit layout.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "gemv_common.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -36,11 +39,11 @@
 
 namespace {
 
-constexpr int64_t QK = 32;
+using namespace pagedkv_gemv;
+
 constexpr int64_t ROWS_PER_THREAD = 16;  // the same split as the 8-bit kernel (quant_matmul.cpp)
 constexpr int64_t ROWS_MAX = 32;
 constexpr int64_t TILE_N = 256;
-constexpr int64_t GEMV_TILE = 16;
 
 struct Lb {
   const float* x;        // [M, K]
@@ -54,15 +57,6 @@ struct Lb {
   int64_t M, K, N;
   int P, G, zero;
 };
-
-void run_sums(const float* x, float* xs, int64_t M, int64_t K) {
-  for (int64_t j = 0; j < M * (K / QK); ++j) {
-    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t i = 0; i < QK; ++i) s += x[j * QK + i];
-    xs[j] = s;
-  }
-}
 
 // the 32 int8 values of run b of row n (portable)
 inline void decode_scalar(const Lb& g, int64_t n, int64_t b, int8_t* v) {
@@ -80,13 +74,6 @@ inline void decode_scalar(const Lb& g, int64_t n, int64_t b, int8_t* v) {
 }
 
 #ifdef PAGEDKV_LB_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // 32 bits (4 bytes, little-endian) -> 32 bytes, 0xFF where the bit is set
 inline __m256i bits_to_bytes(const uint8_t* p) {
   uint32_t x32;
@@ -117,8 +104,8 @@ inline void widen(__m256i v, __m256& w0, __m256& w1, __m256& w2, __m256& w3) {
 }
 
 // A 4-bit run without a lookup (i4, u4) straight to floats: the 16 bytes zero-extended to 32-bit
-// lanes (two shuffles for the 32 values, where splitting a byte register takes eight: the shuffle
-// port bounds this loop at one row), then the low nibbles masked and the high ones shifted down.
+// lanes (two shuffles for the 32 values, where splitting a byte register takes eight), then the low
+// nibbles masked and the high ones shifted down.
 template <bool ZERO>
 inline void widen_nibbles(const uint8_t* qb, __m256i zero, __m256& w0, __m256& w1, __m256& w2, __m256& w3) {
   const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb)));
@@ -144,79 +131,68 @@ inline __m256i lut_vector(const int8_t* lut) {
   return _mm256_set_m128i(l, l);
 }
 
+#ifdef PAGEDKV_GEMV_AVX512
+// a run's 32 values as two vectors of 16 floats (values 0..15, 16..31): 4-bit runs zero-extend their 16
+// bytes to 32-bit lanes (one shuffle) and mask / shift the nibbles there, the others decode to bytes
+template <int P, bool LUT, bool NIB, bool ZERO>
+inline void widen16(const uint8_t* qb, const uint8_t* pb, __m256i lut, __m256i zero, __m512& lo, __m512& hi) {
+  if constexpr (NIB) {
+    const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)));
+    __m512i vl = _mm512_and_si512(a, _mm512_set1_epi32(0x0F)), vh = _mm512_srli_epi32(a, 4);
+    if constexpr (ZERO) {
+      const __m512i z = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(zero));
+      vl = _mm512_sub_epi32(vl, z);
+      vh = _mm512_sub_epi32(vh, z);
+    }
+    lo = _mm512_cvtepi32_ps(vl);
+    hi = _mm512_cvtepi32_ps(vh);
+  } else {
+    const __m256i v = decode32<P, LUT>(qb, pb, lut, zero);
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+  }
+}
+#endif
+
 // out[m, n] for rows m0 .. m0 + MR - 1 and weight rows n0 .. n1 - 1
 template <int MR, int P, bool LUT, bool G16, bool NIB, bool ZERO>
 void gemv_rows(const Lb& g, int64_t m0, int64_t n0, int64_t n1) {
   const int64_t K = g.K, nb = K / QK, qrow = K / 2, prow = K / 8 * P, drow = K / (G16 ? 16 : 32);
   const __m256i lut = lut_vector(g.lut), zero = _mm256_set1_epi8(static_cast<char>(g.zero));
-  const __m256i zero32 = _mm256_set1_epi32(g.zero);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* qn = g.q + n * qrow;
     const uint8_t* pn = P > 0 ? g.pl + n * prow : nullptr;
     const float* dn = g.d + n * drow;
-    __m256 acc[MR];
-    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    Acc acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = acc_zero();
     for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* qb = qn + b * 16;
+      const uint8_t* pb = P > 0 ? pn + b * 4 * P : nullptr;
+      const float* xb = g.x + m0 * K + b * QK;
+#ifdef PAGEDKV_GEMV_AVX512
+      __m512 lo, hi;
+      widen16<P, LUT, NIB, ZERO>(qb, pb, lut, zero, lo, hi);
+      const __m512 d0 = _mm512_set1_ps(dn[G16 ? 2 * b : b]), d1 = G16 ? _mm512_set1_ps(dn[2 * b + 1]) : d0;
+      dot_run<MR, G16>(acc, lo, hi, d0, d1, xb, K);
+#else
       __m256 w0, w1, w2, w3;
-      if constexpr (NIB) widen_nibbles<ZERO>(qn + b * 16, zero32, w0, w1, w2, w3);
-      else widen(decode32<P, LUT>(qn + b * 16, P > 0 ? pn + b * 4 * P : nullptr, lut, zero), w0, w1, w2, w3);
-      if constexpr (G16) {
-        const __m256 d0 = _mm256_broadcast_ss(dn + 2 * b), d1 = _mm256_broadcast_ss(dn + 2 * b + 1);
-        for (int r = 0; r < MR; ++r) {
-          const float* xb = g.x + (m0 + r) * K + b * QK;
-          __m256 s0 = _mm256_mul_ps(w0, _mm256_loadu_ps(xb));
-          s0 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), s0);
-          __m256 s1 = _mm256_mul_ps(w2, _mm256_loadu_ps(xb + 16));
-          s1 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), s1);
-          acc[r] = _mm256_fmadd_ps(s1, d1, _mm256_fmadd_ps(s0, d0, acc[r]));
-        }
-      } else {
-        const __m256 db = _mm256_broadcast_ss(dn + b);
-        for (int r = 0; r < MR; ++r) {
-          const float* xb = g.x + (m0 + r) * K + b * QK;
-          __m256 s = _mm256_mul_ps(w0, _mm256_loadu_ps(xb));
-          s = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), s);
-          s = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), s);
-          s = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), s);
-          acc[r] = _mm256_fmadd_ps(s, db, acc[r]);
-        }
-      }
+      if constexpr (NIB) widen_nibbles<ZERO>(qb, _mm256_set1_epi32(g.zero), w0, w1, w2, w3);
+      else widen(decode32<P, LUT>(qb, pb, lut, zero), w0, w1, w2, w3);
+      const __m256 d0 = _mm256_broadcast_ss(dn + (G16 ? 2 * b : b)), d1 = G16 ? _mm256_broadcast_ss(dn + 2 * b + 1) : d0;
+      dot_run<MR, G16>(acc, w0, w1, w2, w3, d0, d1, xb, K);
+#endif
     }
-    if (g.o != nullptr) {  // + sum_b o[n, b] * xs[m, b], 8 runs at a time into the same lanes
-      const float* on = g.o + n * nb;
-      const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-      for (int64_t b = 0; b < nb; b += 8) {
-        const int left = static_cast<int>(std::min<int64_t>(8, nb - b));
-        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(left), lane);
-        const __m256 ov = _mm256_maskload_ps(on + b, mask);
-        for (int r = 0; r < MR; ++r)
-          acc[r] = _mm256_fmadd_ps(ov, _mm256_maskload_ps(g.xs + (m0 + r) * nb + b, mask), acc[r]);
-      }
-    }
-    for (int r = 0; r < MR; ++r) g.out[(m0 + r) * g.N + n] = hsum(acc[r]);
+    finish_row<MR>(acc, g.o != nullptr ? g.o + n * nb : nullptr, g.xs, nb, m0, g.out, g.N, n);
   }
 }
 
 template <int P, bool LUT, bool G16, bool NIB = false, bool ZERO = false>
 void gemv_kind(const Lb& g, int64_t n0, int64_t n1) {
-  // one group (M <= 8) streams its whole range in one call; more groups share 16-row tiles from cache
-  const int64_t tile = g.M <= 8 ? n1 - n0 : GEMV_TILE;
-  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
-    const int64_t t1 = std::min(n1, t0 + tile);
-    for (int64_t m0 = 0; m0 < g.M; m0 += 8) {
-      switch (std::min<int64_t>(8, g.M - m0)) {
-        case 1: gemv_rows<1, P, LUT, G16, NIB, ZERO>(g, m0, t0, t1); break;
-        case 2: gemv_rows<2, P, LUT, G16, NIB, ZERO>(g, m0, t0, t1); break;
-        case 3: gemv_rows<3, P, LUT, G16, NIB, ZERO>(g, m0, t0, t1); break;
-        case 4: gemv_rows<4, P, LUT, G16, NIB, ZERO>(g, m0, t0, t1); break;
-        case 5: gemv_rows<5, P, LUT, G16, NIB, ZERO>(g, m0, t0, t1); break;
-        case 6: gemv_rows<6, P, LUT, G16, NIB, ZERO>(g, m0, t0, t1); break;
-        case 7: gemv_rows<7, P, LUT, G16, NIB, ZERO>(g, m0, t0, t1); break;
-        default: gemv_rows<8, P, LUT, G16, NIB, ZERO>(g, m0, t0, t1); break;
-      }
-    }
-  }
+  row_groups(g.M, n0, n1, [&](auto mr, int64_t m0, int64_t t0, int64_t t1) {
+    gemv_rows<decltype(mr)::value, P, LUT, G16, NIB, ZERO>(g, m0, t0, t1);
+  });
 }
+
 // buf row = scale * v + offset over rows n0 .. n1 - 1 (the tiles' dequantization, vectorized)
 template <int P, bool LUT, bool G16, bool NIB = false, bool ZERO = false>
 void dequantize_kind(const Lb& g, float* buf, int64_t row0, int64_t n0, int64_t n1) {
@@ -266,19 +242,25 @@ void gemv_portable(const Lb& g, int64_t n0, int64_t n1) {
   }
 }
 
-void gemv(const Lb& g) {
-  at::parallel_for(0, g.N, 16, [&](int64_t n0, int64_t n1) {
+// the streaming path
+void gemv(Lb g) {
+  std::vector<float> xs(g.o != nullptr ? g.M * (g.K / QK) : 0);  // x's run sums, for the offsets
+  if (g.o != nullptr) {
+    run_sums(g.x, xs.data(), g.M, g.K);
+    g.xs = xs.data();
+  }
 #ifdef PAGEDKV_LB_AVX2
+  at::parallel_for(0, g.N, 16, [&](int64_t n0, int64_t n1) {
     if (g.lut != nullptr) gemv_kind<0, true, false>(g, n0, n1);
     else if (g.P == 0 && g.zero == 0) gemv_kind<0, false, false, true, false>(g, n0, n1);
     else if (g.P == 0) gemv_kind<0, false, false, true, true>(g, n0, n1);
     else if (g.P == 1 && g.G == 32) gemv_kind<1, false, false>(g, n0, n1);
     else if (g.P == 2 && g.G == 16) gemv_kind<2, false, true>(g, n0, n1);
     else gemv_portable(g, n0, n1);
-#else
-    gemv_portable(g, n0, n1);
-#endif
   });
+#else
+  at::parallel_for(0, g.N, 16, [&](int64_t n0, int64_t n1) { gemv_portable(g, n0, n1); });
+#endif
 }
 
 // buf [n1 - n0, K] = the float weight rows n0 .. n1 - 1 (scale * v + offset, possibly fused)
@@ -337,11 +319,6 @@ void lowbit_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor&
        scales.data_ptr<float>(), op, nullptr, lut.has_value() ? lut->data_ptr<int8_t>() : nullptr,
        out.data_ptr<float>(), M, K, N, P, G, static_cast<int>(zero)};
   if (M <= std::min<int64_t>(ROWS_MAX, ROWS_PER_THREAD * std::max(1, at::get_num_threads()))) {
-    std::vector<float> xs(op != nullptr ? M * (K / QK) : 0);
-    if (op != nullptr) {
-      run_sums(g.x, xs.data(), M, K);
-      g.xs = xs.data();
-    }
     gemv(g);
     return;
   }

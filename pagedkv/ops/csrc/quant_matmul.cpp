@@ -13,17 +13,19 @@
 // so the block sums of x are taken once per call and the offsets add one multiply-add per block.
 //
 // Few rows (decode: up to 16 per thread, at most 32): the weights are streamed once per group of
-// up to 8 rows and dequantized in registers: 32 int8 values become four vectors of 8 floats,
-// multiplied with the rows' activations and scaled once per block (8 accumulators + 4 weight
-// vectors + the scale fit AVX2's 16 registers; the conversion shared by 8 rows rather than 4 took
-// 20-30% off 5 to 32 rows). The weights take 1.125 bytes per value (1.25 with offsets) against 4
-// for float32, and at batch 1 a linear layer is bound by reading them.
+// up to 8 rows and dequantized in registers: 32 int8 values become four vectors of 8 floats (two of 16
+// with AVX-512, gemv_common.h), multiplied with the rows' activations and scaled once per block (8
+// accumulators + 4 weight vectors + the scale fit AVX2's 16 registers; the conversion shared by 8 rows
+// rather than 4 took 20-30% off 5 to 32 rows). The weights take 1.125 bytes per value (1.25 with
+// offsets) against 4 for float32, and at batch 1 a linear layer is bound by reading them.
 // Many rows (prefill, large batches): tiles of 256 weight rows are dequantized into a float32
 // buffer and multiplied by the BLAS matmul, which is compute-bound there.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "gemv_common.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -37,7 +39,8 @@
 
 namespace {
 
-constexpr int64_t QK = 32;        // values per scale (GGUF Q8_0 block)
+using namespace pagedkv_gemv;
+
 // Up to GEMV_ROWS_PER_THREAD rows per thread (at most GEMV_ROWS_MAX) take the streaming path,
 // more take the BLAS tiles. Measured with 8-row groups on SmolLM2's shapes, alternating builds:
 // on one thread the BLAS tiles win from about 16 rows (an engine at batch 32: +20%), on two the
@@ -57,26 +60,9 @@ struct Gemv {
   int64_t M, K, N;
 };
 
-// xs [M, K / 32] = the sums of x's runs of 32
-void block_sums(const float* x, float* xs, int64_t M, int64_t K) {
-  for (int64_t j = 0; j < M * (K / QK); ++j) {
-    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t i = 0; i < QK; ++i) s += x[j * QK + i];
-    xs[j] = s;
-  }
-}
-
 #ifdef PAGEDKV_Q8_AVX2
 inline __m256 load8_i8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // out[m, n] for rows m0 .. m0 + MR - 1 and weight rows n0 .. n1 - 1
@@ -86,33 +72,22 @@ void gemv_rows(const Gemv& g, int64_t m0, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* qn = g.q + n * K;
     const float* dn = g.d + n * nb;
-    __m256 acc[MR];
-    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    Acc acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = acc_zero();
     for (int64_t b = 0; b < nb; ++b) {
       const int8_t* qb = qn + b * QK;
-      const __m256 w0 = load8_i8(qb), w1 = load8_i8(qb + 8), w2 = load8_i8(qb + 16), w3 = load8_i8(qb + 24);
+#ifdef PAGEDKV_GEMV_AVX512
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb))));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 16))));
+      const __m512 db = _mm512_set1_ps(dn[b]);
+      dot_run<MR, false>(acc, lo, hi, db, db, g.x + m0 * K + b * QK, K);
+#else
       const __m256 db = _mm256_broadcast_ss(dn + b);
-      for (int r = 0; r < MR; ++r) {
-        const float* xb = g.x + (m0 + r) * K + b * QK;
-        __m256 s = _mm256_mul_ps(w0, _mm256_loadu_ps(xb));
-        s = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), s);
-        s = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), s);
-        s = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), s);
-        acc[r] = _mm256_fmadd_ps(s, db, acc[r]);
-      }
+      dot_run<MR, false>(acc, load8_i8(qb), load8_i8(qb + 8), load8_i8(qb + 16), load8_i8(qb + 24), db, db,
+                         g.x + m0 * K + b * QK, K);
+#endif
     }
-    if (g.o != nullptr) {  // + sum_b o[n, b] * xs[m, b], 8 blocks at a time into the same lanes
-      const float* on = g.o + n * nb;
-      const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-      for (int64_t b = 0; b < nb; b += 8) {
-        const int left = static_cast<int>(std::min<int64_t>(8, nb - b));
-        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(left), lane);  // lanes < left
-        const __m256 ov = _mm256_maskload_ps(on + b, mask);
-        for (int r = 0; r < MR; ++r)
-          acc[r] = _mm256_fmadd_ps(ov, _mm256_maskload_ps(g.xs + (m0 + r) * nb + b, mask), acc[r]);
-      }
-    }
-    for (int r = 0; r < MR; ++r) g.out[(m0 + r) * g.N + n] = hsum(acc[r]);
+    finish_row<MR>(acc, g.o != nullptr ? g.o + n * nb : nullptr, g.xs, nb, m0, g.out, g.N, n);
   }
 }
 #endif
@@ -133,37 +108,22 @@ void gemv_portable(const Gemv& g, int64_t n0, int64_t n1) {
   }
 }
 
-// Weight rows per tile: every group of 8 activation rows runs over one tile before the next
-// tile is read, so the tile (16 x K bytes: 9 KiB at K = 576, 56 KiB at 3584) is streamed from
-// memory once and re-read from cache by the other groups (a decode batch, or a decode verifying
-// speculative tokens).
-constexpr int64_t GEMV_TILE = 16;
-
-void gemv(const Gemv& g) {
-  at::parallel_for(0, g.N, 16, [&](int64_t n0, int64_t n1) {
+// the streaming path
+void gemv(Gemv g) {
+  std::vector<float> xs(g.o != nullptr ? g.M * (g.K / QK) : 0);  // block sums of x, for the offsets
+  if (g.o != nullptr) {
+    run_sums(g.x, xs.data(), g.M, g.K);
+    g.xs = xs.data();
+  }
 #ifdef PAGEDKV_Q8_AVX2
-    // One group (M <= 8) streams its whole range in one call: tiles would only cost it (the tile
-    // loop around a single group made the LM head 30% slower at one row).
-    const int64_t tile = g.M <= 8 ? n1 - n0 : GEMV_TILE;
-    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
-      const int64_t t1 = std::min(n1, t0 + tile);
-      for (int64_t m0 = 0; m0 < g.M; m0 += 8) {
-        switch (std::min<int64_t>(8, g.M - m0)) {
-          case 1: gemv_rows<1>(g, m0, t0, t1); break;
-          case 2: gemv_rows<2>(g, m0, t0, t1); break;
-          case 3: gemv_rows<3>(g, m0, t0, t1); break;
-          case 4: gemv_rows<4>(g, m0, t0, t1); break;
-          case 5: gemv_rows<5>(g, m0, t0, t1); break;
-          case 6: gemv_rows<6>(g, m0, t0, t1); break;
-          case 7: gemv_rows<7>(g, m0, t0, t1); break;
-          default: gemv_rows<8>(g, m0, t0, t1); break;
-        }
-      }
-    }
-#else
-    gemv_portable(g, n0, n1);
-#endif
+  at::parallel_for(0, g.N, 16, [&](int64_t n0, int64_t n1) {
+    row_groups(g.M, n0, n1, [&](auto mr, int64_t m0, int64_t t0, int64_t t1) {
+      gemv_rows<decltype(mr)::value>(g, m0, t0, t1);
+    });
   });
+#else
+  at::parallel_for(0, g.N, 16, [&](int64_t n0, int64_t n1) { gemv_portable(g, n0, n1); });
+#endif
 }
 
 // buf [n1 - n0, K] = the float weight rows n0 .. n1 - 1 (o null: no offsets)
@@ -202,9 +162,7 @@ void q8_0_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& q
   const float* dp = scales.data_ptr<float>();
   const float* op = offsets.has_value() ? offsets->data_ptr<float>() : nullptr;
   if (M <= std::min<int64_t>(GEMV_ROWS_MAX, GEMV_ROWS_PER_THREAD * std::max(1, at::get_num_threads()))) {
-    std::vector<float> xs(op != nullptr ? M * (K / QK) : 0);  // block sums of x, for the offsets
-    if (op != nullptr) block_sums(xp, xs.data(), M, K);
-    gemv({xp, qp, dp, op, op != nullptr ? xs.data() : nullptr, out.data_ptr<float>(), M, K, N});
+    gemv({xp, qp, dp, op, nullptr, out.data_ptr<float>(), M, K, N});
     return;
   }
   at::Tensor buf = at::empty({std::min(TILE_N, N), K}, x.options());
