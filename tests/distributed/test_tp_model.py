@@ -5,7 +5,7 @@ q/k norms, KV heads divided), Gemma 3 (hybrid sliding window, softcaps), Phi-3 (
 gate/up checkpoints), DeepSeek-V3 (MLA + routed and shared experts), Qwen3-MoE, plus int8 KV blocks
 (per-block scales of the rank's heads), Q8_0 weights, LoRA adapters (separate and fused parts) and a
 Q8_0 GGUF whose row-parallel blocks do not divide over the ranks (dequantized for sharding), dense
-and with 8-bit experts. Plus
+and with 8-bit experts, and one in low-bit layouts (K-quants, IQ4_NL, Q4_1 split inside a block). Plus
 what is refused by name, and the split rules.
 
 One spawn of N ranks runs every model (the cost is the processes' start-up); the checkpoints are
@@ -114,11 +114,19 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]
     write_gguf(moe_path, {**EXACT, "ffn_gate_exps.weight": Q.Q8_0, "ffn_up_exps.weight": Q.Q4_0,
                           "ffn_down_exps.weight": Q.Q8_0}, tied=True, seed=6, experts=4)
     out["gguf_experts_q8_0"] = dict(folder=str(moe_path), prompts=_prompts(128), steps=STEPS, quantization="auto")
+    # low-bit layouts kept packed ("auto"): K-quants and IQ4_NL split at whole blocks; ffn_down (Q4_1,
+    # 96 inputs) split inside a block, dequantized from its low-bit blocks
+    lowbit = {"attn_q.weight": Q.Q4_K, "attn_k.weight": Q.Q4_1, "attn_v.weight": Q.Q5_0, "attn_output.weight": Q.Q5_K,
+              "ffn_gate.weight": Q.Q6_K, "ffn_up.weight": Q.IQ4_NL, "ffn_down.weight": Q.Q4_1,
+              "token_embd.weight": Q.Q8_0, "output.weight": Q.Q6_K}
+    lowbit_path = root / "lowbit.gguf"
+    write_gguf(lowbit_path, lowbit, tied=False, seed=7, hidden=256, ffn=96)
+    out["gguf_lowbit"] = dict(folder=str(lowbit_path), prompts=_prompts(128), steps=STEPS, quantization="auto")
     return out
 
 
 TP2 = ["llama_kv1", "qwen3", "gemma3", "phi3", "deepseek_v3", "qwen3_moe", "qwen3_int8_kv", "llama_q8_0",
-       "llama_kv1_lora", "phi3_lora", "gguf_q8_0", "gguf_experts_q8_0"]
+       "llama_kv1_lora", "phi3_lora", "gguf_q8_0", "gguf_experts_q8_0", "gguf_lowbit"]
 # the GGUFs' 4 heads do not split over 3
 TP3 = [n for n in TP2 if not n.startswith("gguf")]
 
