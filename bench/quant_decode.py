@@ -25,7 +25,14 @@ the peer venv when present) decodes the same GGUF with its own kernels (``bench/
 peer script: one context, every request a sequence), with ``--threads`` threads.
 
     OMP_NUM_THREADS=1 taskset -c 0 .venv/bin/python bench/quant_decode.py [--threads 1] [--repeat 3]
-        [--files q4_1,mix] [--llamacpp-python /path/to/python]
+        [--files q4_1,mix] [--llamacpp-python /path/to/python] [--profile]
+
+Where a batch-1 step's time goes (``--profile``): one decode step of the ``auto`` layout split into its
+linear layers (per kind: the weight bytes it reads and the time), the rest, and this core's streaming
+read bandwidth (a float32 sum over a tensor of the step's weight bytes): ``<file>_b1_step_ms``,
+``<file>_b1_linear_ms``, ``<file>_b1_weight_mb`` (read per token), ``<file>_b1_linear_gb_s`` and
+``<file>_read_gb_s``. At batch 1 the weights are read once per token, so ``weight_mb / read_gb_s`` is
+the floor of a step's linear time, whatever the kernel.
 
 Last line: one JSON object: ``rss_over_gguf_<file>``, ``<file>_rss_mb``, ``<file>_gguf_mb``,
 ``<file>_<layout>_b<B>_tok_s`` (layout auto, q8_0, llamacpp), ``<file>_b<B>_vs_llamacpp`` and
@@ -170,6 +177,61 @@ def rss_mb(path: Path, layout: str, threads: int) -> tuple[float, float]:
     return round((now - now0) / 1024, 1), round((peak - peak0) / 1024, 1)
 
 
+def profile_step(key: str, path: Path, result: dict, steps: int = 24) -> None:
+    """``--profile``: one batch-1 decode step of the ``auto`` layout split into its linear layers (the
+    module docstring); the fastest of ``steps`` steps after a warm-up."""
+    import time
+
+    from pagedkv.models.quant_linear import QuantLinear
+    from pagedkv.runner import SeqChunk
+
+    loaded = load_model(str(path), quantization="auto")
+    runner = ModelRunner(loaded, block_size=16, kv_cache_memory="64MiB")
+    spent: dict[str, float] = {}
+    nbytes: dict[str, int] = {}
+    for name, mod in loaded.model.named_modules():
+        if not isinstance(mod, (QuantLinear, torch.nn.Linear)):
+            continue
+        kind = f"{name.rsplit('.', 1)[-1]}:{getattr(mod, 'fmt', 'float')}"
+        nbytes[kind] = nbytes.get(kind, 0) + sum(t.numel() * t.element_size() for t in mod.buffers()) + sum(
+            t.numel() * t.element_size() for t in mod.parameters())
+
+        def timed(x: torch.Tensor, forward=mod.forward, kind: str = kind) -> torch.Tensor:
+            t0 = time.perf_counter()
+            out = forward(x)
+            spent[kind] = spent.get(kind, 0.0) + time.perf_counter() - t0
+            return out
+        mod.forward = timed  # type: ignore[method-assign]  # this process's model only
+    table = list(range(8))
+    logits = runner.execute([SeqChunk([200 + i for i in range(16)], 0, table)])
+    best: tuple[float, dict[str, float]] = (float("inf"), {})
+    for pos in range(16, 16 + steps):
+        spent.clear()
+        t0 = time.perf_counter()
+        logits = runner.execute([SeqChunk([int(logits[0].argmax())], pos, table)])
+        step = time.perf_counter() - t0
+        if step < best[0]:
+            best = (step, dict(spent))
+    step, linears = best
+    weights = sum(nbytes.values())
+    block = torch.ones(weights // 4)
+    block.sum()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        block.sum()
+    read_gb_s = weights * 5 / (time.perf_counter() - t0) / 1e9
+    linear_s = sum(linears.values())
+    result[f"{key}_b1_step_ms"] = round(step * 1e3, 2)
+    result[f"{key}_b1_linear_ms"] = round(linear_s * 1e3, 2)
+    result[f"{key}_b1_weight_mb"] = round(weights / 2**20, 1)
+    result[f"{key}_b1_linear_gb_s"] = round(weights / linear_s / 1e9, 2)
+    result[f"{key}_read_gb_s"] = round(read_gb_s, 2)
+    for kind in sorted(linears):
+        print(f"{key} b1 {kind}: {linears[kind] * 1e3:.2f} ms, {nbytes[kind] / 2**20:.1f} MiB, "
+              f"{nbytes[kind] / linears[kind] / 1e9:.2f} GB/s", flush=True)
+    print(key, {k: v for k, v in result.items() if k.startswith(f"{key}_b1_") or k == f"{key}_read_gb_s"}, flush=True)
+
+
 def measure(key: str, path: Path, args: argparse.Namespace, result: dict) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     gguf_mb = path.stat().st_size / 2**20
@@ -180,6 +242,8 @@ def measure(key: str, path: Path, args: argparse.Namespace, result: dict) -> Non
     result[f"{key}_rss_mb"], result[f"{key}_peak_rss_mb"] = rss, peak
     result[f"rss_over_gguf_{key}"] = round(rss / gguf_mb, 3)
     print(key, {k: v for k, v in result.items() if key in k}, flush=True)
+    if args.profile:
+        profile_step(key, path, result)
     engines = {layout: engine_for(path, layout, max(batches)) for layout in LAYOUTS}
     vocab = engines["auto"].runner.config.vocab_size
     loads = [workload(b, args.prompt_tokens, args.new_tokens, vocab, seed=b) for b in batches]
@@ -219,6 +283,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--files", default="q4_1,mix", help="which files to measure: q4_1, mix (comma-separated)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also split a batch-1 step into its linear layers and the read bandwidth (docstring)")
     ap.add_argument("--llamacpp-python", default=str(PEER) if PEER.exists() else None,
                     help="a Python with llama-cpp-python (default: the peer venv when present)")
     args = ap.parse_args()
