@@ -83,16 +83,20 @@ def collective_timeout() -> float:
     return float(envs.TP_TIMEOUT_S.get())
 
 
-STARTUP_S = 300.0  # the longest spawned workers may take to start (a fresh interpreter importing torch)
+# The longest a rank may take to start: a fresh interpreter importing torch, the native kernels'
+# first build (minutes), loading a large model. Start-up waits on the rendezvous store (polled,
+# watching the workers), never in a collective, whose timeout is PAGEDKV_TP_TIMEOUT_S.
+STARTUP_S = 1800.0
 
 
 def init_process_group(rank: int, size: int, *, port: int | None, device_type: str,
-                       watch: RankWatch | None = None) -> Any:
+                       watch: RankWatch | None = None) -> tuple[Any, Any]:
     """Join the ranks' default process group (gloo on CPU, NCCL on CUDA) at ``127.0.0.1:port``
-    (None: torchrun's ``MASTER_ADDR``/``MASTER_PORT``); returns the group the step plans travel on
-    (None: the default group; beside NCCL a gloo group, plans being host bytes). Rank 0 of spawned
-    workers waits for each to check in, and fails at once, naming it, when ``watch`` sees one die.
-    Raises RankFailedError when the ranks do not meet."""
+    (None: torchrun's ``MASTER_ADDR``/``MASTER_PORT``); returns (the group the step plans travel on:
+    None, the default group, or beside NCCL a gloo group, plans being host bytes; the rendezvous
+    store, for start-up's waits: :func:`wait_for_keys`). Rank 0 of spawned workers waits for each
+    to check in, and fails at once, naming it, when ``watch`` sees one die. Raises RankFailedError
+    when the ranks do not meet."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=collective_timeout())
@@ -101,11 +105,14 @@ def init_process_group(rank: int, size: int, *, port: int | None, device_type: s
     try:
         if port is None:
             dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, timeout=timeout)
+            from torch.distributed.distributed_c10d import _get_default_store
+            store = _get_default_store()
+            store.set_timeout(datetime.timedelta(seconds=STARTUP_S))
         else:
             store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0,
                                   timeout=datetime.timedelta(seconds=STARTUP_S), wait_for_workers=False)
             if rank == 0:
-                _wait_for_workers(store, size, watch)
+                wait_for_keys(store, [f"pagedkv-tp-ready-{r}" for r in range(1, size)], watch, "start")
             else:
                 store.set(f"pagedkv-tp-ready-{rank}", "1")
             dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
@@ -115,20 +122,19 @@ def init_process_group(rank: int, size: int, *, port: int | None, device_type: s
         raise RankFailedError(f"tensor-parallel rank {rank} of {size}: the ranks did not meet at {where}: "
                               f"{exc}") from exc
     if backend == "gloo":
-        return None  # the default group
-    return dist.new_group(backend="gloo", timeout=timeout)
+        return None, store  # the default group
+    return dist.new_group(backend="gloo", timeout=timeout), store
 
 
-def _wait_for_workers(store: Any, size: int, watch: RankWatch | None) -> None:
-    """Rank 0: wait until ranks 1..size-1 have checked in at ``store`` (RankFailedError naming a
-    rank that died first, or after STARTUP_S)."""
-    keys = [f"pagedkv-tp-ready-{r}" for r in range(1, size)]
+def wait_for_keys(store: Any, keys: list[str], watch: RankWatch | None, what: str) -> None:
+    """Rank 0: wait until every key is set at ``store`` (the workers' check-ins); RankFailedError
+    naming a rank that died first, or after STARTUP_S."""
     deadline = time.monotonic() + STARTUP_S
     while not store.check(keys):
         if watch is not None and watch.failure is not None:
             raise RankFailedError(watch.failure)
         if time.monotonic() > deadline:
-            raise RankFailedError(f"the tensor-parallel workers did not start within {STARTUP_S:.0f} s")
+            raise RankFailedError(f"the tensor-parallel workers did not {what} within {STARTUP_S:.0f} s")
         time.sleep(0.05)
 
 

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import faulthandler
+import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +37,7 @@ from pagedkv.distributed.launch import (
     pin_threads,
     spawn_workers,
     torchrun_rank,
+    wait_for_keys,
 )
 from pagedkv.engine.config import EngineConfig
 from pagedkv.errors import PagedKVError
@@ -45,15 +49,20 @@ RankBuilder = Callable[..., tuple[Any, Any]]
 logger = logging.getLogger(__name__)
 
 
+# The rendezvous store of this process's ranks (``launch.init_process_group``): start-up's waits go
+# through it, so a rank still loading (or building the native kernels) is never taken for a hung
+# one. One TP engine per process at a time, as torch.distributed's default group is.
+_store: Any = None
+
+
 def agree_pool_sizes(tp: TPGroup, *sizes: int) -> tuple[int, ...]:
     """Rank 0's ``sizes`` (block size, device, host and full-precision blocks) on every rank: block
     ids mean the same everywhere, so every rank holds the same pools (each sized its own from its
-    free memory)."""
-    import torch
-
-    values = torch.tensor(sizes, dtype=torch.long)
-    tp.broadcast(values, src=0)
-    return tuple(int(v) for v in values.tolist())
+    free memory). Through the store: a rank waits for rank 0's sizes however long rank 0 loads."""
+    if tp.rank == 0:
+        _store.set("pagedkv-tp-pool", json.dumps(sizes))
+        return tuple(sizes)
+    return tuple(int(v) for v in json.loads(_store.get("pagedkv-tp-pool")))
 
 
 def _device_of(config: EngineConfig, rank: int) -> EngineConfig:
@@ -84,7 +93,8 @@ def _rank_setup(config: EngineConfig, rank: int, size: int, port: int | None,
     else:
         import torch
         torch.cuda.set_device(config.device)
-    plan_group = init_process_group(rank, size, port=port, device_type=device_type, watch=watch)
+    global _store
+    plan_group, _store = init_process_group(rank, size, port=port, device_type=device_type, watch=watch)
     return config, TPGroup(rank, size), plan_group, restore
 
 
@@ -95,6 +105,7 @@ def worker_main(rank: int, size: int, port: int, config: EngineConfig, parent_pi
     """A spawned rank's process: join the group, load the rank's shard (``build``), apply step
     plans until rank 0 says stop. Any error ends the process (rank 0 names the rank)."""
     die_with_parent(parent_pid)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: the rank's stacks on stderr
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     try:
         _serve(config, rank, size, port, build)
@@ -112,6 +123,7 @@ def _serve(config: EngineConfig, rank: int, size: int, port: int | None, build: 
     config, group, plan_group, _ = _rank_setup(config, rank, size, port)
     parts, _ = build(config, tp=group)
     assert isinstance(parts.runner, ModelRunner)  # (a rank's own shard)
+    _store.set(f"pagedkv-tp-built-{rank}", "1")  # rank 0 sends its first plan once every rank is here
     serve_plans(parts.runner, plan_group, rank, size)
     dist.destroy_process_group()
 
@@ -152,6 +164,7 @@ def build_tp_runner(config: EngineConfig, build: RankBuilder) -> Any:
     try:
         rank_config, group, plan_group, restore = _rank_setup(config, 0, size, port, watch)
         parts, full_config = build(rank_config, tp=group)
+        wait_for_keys(_store, [f"pagedkv-tp-built-{r}" for r in range(1, size)], watch, "load the model")
     except BaseException as exc:
         failure = watch.dead_rank(wait_s=1.0) if not isinstance(exc, PagedKVError) else None
         shutdown(0.0)
