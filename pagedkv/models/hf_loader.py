@@ -84,6 +84,7 @@ class SafetensorsEntry:
     def _bytes(self, offset: int, nbytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty(nbytes, dtype=torch.uint8) if out is None else out
         self.file.seek(self.start + offset)
+        # the file object is typed as IO[bytes], which has no readinto; the raw file has it
         if nbytes and self.file.readinto(out.numpy()) != nbytes:  # type: ignore[attr-defined]
             raise ModelLoadError(f"{self.name}: the safetensors file ends inside the tensor")
         return out

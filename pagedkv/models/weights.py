@@ -368,7 +368,9 @@ def _split_inside_blocks(config: ModelConfig, quantized: dict[str, QuantSpec | b
             out[module] = spec if isinstance(spec, QuantSpec) else QuantSpec("q8_0", bool(spec))
             del quantized[module]
     if out and tp is not None:
-        seg = param_split(config, f"{next(iter(out))}.weight", tp).segments[0]  # type: ignore[union-attr]
+        first = param_split(config, f"{next(iter(out))}.weight", tp)
+        assert first is not None  # every layer in ``out`` was found split above
+        seg = first.segments[0]
         logger.info("tensor parallel rank %d of %d: %d quantized row-parallel layers split inside a block of 32 "
                     "(e.g. %s: input columns %d..%d of %d) are dequantized for this rank's shard",
                     tp.rank, tp.size, len(out), next(iter(out)), seg.rank_start, seg.rank_end, seg.end)
