@@ -81,13 +81,17 @@ def _device_of(config: EngineConfig, rank: int) -> EngineConfig:
     return dataclasses.replace(config, device=f"cuda:{local}")
 
 
+def _as_they_are() -> None:
+    """The threads and cores of a process whose rank pinned none (a GPU rank's): nothing to put back."""
+
+
 def _rank_setup(config: EngineConfig, rank: int, size: int, port: int | None,
                 watch: RankWatch | None = None) -> tuple[EngineConfig, TPGroup, Any, Callable[[], None]]:
     """Join the group as ``rank`` and give the rank its device and threads: (its config, its
     TPGroup, the group step plans travel on, what puts the process's threads back)."""
     config = _device_of(config, rank)
     device_type = "cuda" if config.device.startswith("cuda") else "cpu"
-    restore: Callable[[], None] = lambda: None  # noqa: E731
+    restore: Callable[[], None] = _as_they_are
     if device_type == "cpu":
         restore = pin_threads(rank, size, config.threads)
     else:
@@ -152,7 +156,7 @@ def build_tp_runner(config: EngineConfig, build: RankBuilder) -> Any:
         port = free_port()
         procs = spawn_workers(WORKER_MODULE, size, (port, config, os.getpid()))
     watch = RankWatch(procs)
-    restore: Callable[[], None] = lambda: None  # noqa: E731
+    restore: Callable[[], None] = _as_they_are
 
     def shutdown(grace_s: float = 5.0) -> None:
         watch.end_workers(grace_s)
