@@ -14,9 +14,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "simd_common.h"  // exp256 (shared with the attention kernels)
 
 namespace {
 
@@ -77,27 +75,6 @@ at::Tensor rope_qk(const at::Tensor& qkv, const at::Tensor& cos, const at::Tenso
   return q_out;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// exp(x) of 8 floats, x clamped to [-87, 87]: Cephes' expf polynomial (within 2 ulp). Written with
-// intrinsics: the compiler does not vectorize a scalar form under -ftrapping-math (the clamp's
-// compares count as control flow), and glibc's vector expf needs -ffast-math.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(87.f));
-  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  const __m256 y = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));  // y * 2^n, n in [-126, 126]
-}
-#endif
-
 // silu(gate) * up [T, I] (a new tensor) of gate_up [T, 2 I] (gate first, as the fused projection
 // stores them), float32 contiguous.
 at::Tensor silu_mul(const at::Tensor& gate_up) {
@@ -114,12 +91,15 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
       const float* u = g + n;
       float* o = op + t * n;
       int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-      const __m256 one = _mm256_set1_ps(1.f);
+#ifdef PAGEDKV_SIMD_AVX2
+      // silu(x) = x / (1 + e^-x) from e = e^-|x| <= 1 (exp256 takes x <= 0): x / (1 + e) for x >= 0,
+      // x e / (1 + e) below; no overflow either way.
+      const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.f);
       for (; i + 8 <= n; i += 8) {
         const __m256 x = _mm256_loadu_ps(g + i);
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+        const __m256 e = pagedkv_simd::exp256(_mm256_or_ps(x, sign));  // -|x|
+        const __m256 num = _mm256_blendv_ps(_mm256_mul_ps(x, e), x, _mm256_cmp_ps(x, zero, _CMP_GE_OQ));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
       }
 #endif
       for (; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
