@@ -1,8 +1,8 @@
-// Vector helpers of the attention kernels (csrc/paged_attention.cpp, csrc/cascade_attention.cpp),
-// one copy for both: Vec<S>::load (8 stored values of a block format -> 8 floats), exp256 (and
-// exp512 where the core has AVX-512), reduce8, hsum, and attend_rows (the online-softmax loops over
-// one chunk of K/V rows). Include it at file scope (not inside an anonymous namespace): everything
-// here is inline, in namespace pagedkv_simd.
+// Vector helpers of the attention kernels (csrc/paged_attention.cpp, csrc/cascade_attention.cpp;
+// fused_ops.cpp's SiLU takes exp256), one copy for all: Vec<S>::load (8 stored values of a block
+// format -> 8 floats), exp256 (and exp512 where the core has AVX-512), reduce8, hsum, and
+// attend_rows (the online-softmax loops over one chunk of K/V rows). Include it at file scope (not
+// inside an anonymous namespace): everything here is inline, in namespace pagedkv_simd.
 #pragma once
 
 #include <c10/util/BFloat16.h>
