@@ -144,6 +144,10 @@ TP_TIMEOUT_S: EnvVar[float] = EnvVar(
     "PAGEDKV_TP_TIMEOUT_S", "seconds", 60.0,
     "the longest one tensor-parallel collective (a step plan, an all-reduce) waits for a rank: past it "
     "the rank is taken as hung and the engine stops with an error naming it", _seconds)
+TP_SHM: EnvVar[bool] = EnvVar(
+    "PAGEDKV_TP_SHM", "flag", True,
+    "0: CPU tensor-parallel ranks sum through gloo only, not through shared memory "
+    "(pagedkv/distributed/shm.py)", _not_zero)
 TORCH_RANK: EnvVar[int | None] = EnvVar(
     "RANK", "integer", None,
     "torchrun's rank of this process: with WORLD_SIZE > 1, rank 0 runs the engine and the others the "
@@ -179,7 +183,7 @@ ALLOW_RUNTIME_LORA_UPDATING: EnvVar[bool] = EnvVar(
 ALL: tuple[EnvVar, ...] = (
     CACHE_DIR, XDG_CACHE_HOME, HF_HUB_CACHE, HF_HOME, HF_HUB_OFFLINE, HF_ENDPOINT, NATIVE, ATTENTION,
     TRITON_INTERPRET, FAULT_INJECTION, QUIET, API_KEY, METRICS_API_KEY, LOG_STATS_INTERVAL,
-    ALLOW_LONG_MAX_MODEL_LEN, ALLOW_RUNTIME_LORA_UPDATING, TP_TIMEOUT_S, TORCH_RANK, TORCH_WORLD_SIZE,
+    ALLOW_LONG_MAX_MODEL_LEN, ALLOW_RUNTIME_LORA_UPDATING, TP_TIMEOUT_S, TP_SHM, TORCH_RANK, TORCH_WORLD_SIZE,
     TORCH_LOCAL_RANK,
 )
 

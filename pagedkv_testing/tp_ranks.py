@@ -146,3 +146,30 @@ def sharded_greedy(tp: TPGroup | None, cases: Sequence[dict[str, Any]]) -> list[
                             "bytes_per_block": runner.cache.bytes_per_block
                             if hasattr(runner.cache, "bytes_per_block") else None})
     return results if tp is None or tp.rank == 0 else None
+
+
+SHM_CALLS = 40  # all-reduces each rank of tests/distributed/test_tp_shm.py makes
+
+
+def shm_inputs(rank: int, call: int) -> torch.Tensor:
+    """Rank ``rank``'s tensor for all-reduce number ``call``: the shape and dtype change call to call."""
+    g = torch.Generator().manual_seed(1000 * rank + call)
+    rows = 1 + call % 7
+    dtype = torch.bfloat16 if call % 5 == 4 else torch.float32
+    return torch.randn(rows, 3 + call % 4, 32, generator=g).to(dtype)
+
+
+def shm_rank_main(path: str, rank: int, size: int, out: Any) -> None:
+    """A process of the shared-memory all-reduce test: ``SHM_CALLS`` sums through the file ``path``,
+    the results put on ``out`` as ``(rank, [nested lists])`` (lists: a tensor sent through a queue
+    stays in this process's shared memory, gone once it exits)."""
+    from pagedkv.distributed.shm import ShmAllReduce
+
+    torch.set_num_threads(1)
+    reducer = ShmAllReduce(path, rank, size, timeout_s=60.0)
+    results = []
+    for call in range(SHM_CALLS):
+        x = shm_inputs(rank, call)
+        assert reducer.takes(x)
+        results.append(reducer.all_reduce(x).tolist())
+    out.put((rank, results))

@@ -27,6 +27,8 @@ from pagedkv.errors import PagedKVError
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+    from pagedkv.distributed.shm import ShmAllReduce
+
 
 class ShardingError(PagedKVError, ValueError):
     """A model shape that cannot be split over the asked number of ranks (the message names the
@@ -52,11 +54,13 @@ COLLECTIVES = CollectiveStats()
 class TPGroup:
     """Rank ``rank`` of a tensor-parallel group of ``size`` ranks over ``group`` (None:
     torch.distributed's default group, which the launcher has initialized). ``size == 1`` needs no
-    process group at all: every collective is then a no-op."""
+    process group at all: every collective is then a no-op. ``shm``: CPU ranks on one host sum
+    through shared memory (``distributed/shm.py``) what fits a slot, the rest through ``group``."""
 
     rank: int
     size: int
     group: ProcessGroup | None = None
+    shm: ShmAllReduce | None = None
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -66,7 +70,10 @@ class TPGroup:
         """Sum ``x`` over the ranks, in place; returns ``x``."""
         if self.size > 1:
             start = time.perf_counter()
-            torch.distributed.all_reduce(x, group=self.group)
+            if self.shm is not None and self.shm.takes(x):
+                self.shm.all_reduce(x)
+            else:
+                torch.distributed.all_reduce(x, group=self.group)
             COLLECTIVES.calls += 1
             COLLECTIVES.seconds += time.perf_counter() - start
         return x

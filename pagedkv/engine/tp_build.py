@@ -27,10 +27,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from pagedkv import envs
 from pagedkv.distributed.group import TPGroup
 from pagedkv.distributed.launch import (
     RankFailedError,
     RankWatch,
+    collective_timeout,
     die_with_parent,
     free_port,
     init_process_group,
@@ -39,6 +41,7 @@ from pagedkv.distributed.launch import (
     torchrun_rank,
     wait_for_keys,
 )
+from pagedkv.distributed.shm import ShmAllReduce, shm_supported
 from pagedkv.engine.config import EngineConfig
 from pagedkv.errors import PagedKVError
 
@@ -99,7 +102,31 @@ def _rank_setup(config: EngineConfig, rank: int, size: int, port: int | None,
         torch.cuda.set_device(config.device)
     global _store
     plan_group, _store = init_process_group(rank, size, port=port, device_type=device_type, watch=watch)
-    return config, TPGroup(rank, size), plan_group, restore
+    # spawned CPU ranks share this host: their all-reduces go through shared memory (torchrun's
+    # ranks may sit on several hosts: gloo)
+    shm = None
+    if device_type == "cpu" and port is not None and envs.TP_SHM.get() and shm_supported():
+        shm = _open_shm(rank, size, watch)
+    return config, TPGroup(rank, size, shm=shm), plan_group, restore
+
+
+def _open_shm(rank: int, size: int, watch: RankWatch | None) -> ShmAllReduce:
+    """Every rank maps the one file rank 0 made (named through the rendezvous store); rank 0
+    removes its name once all have it open, so nothing is left behind in /dev/shm."""
+    if rank == 0:
+        path = ShmAllReduce.create_file(size)
+        try:
+            failed = None if watch is None else watch.dead_rank
+            reducer = ShmAllReduce(path, 0, size, collective_timeout(), failed=failed)
+            _store.set("pagedkv-tp-shm", path)
+            wait_for_keys(_store, [f"pagedkv-tp-shm-open-{r}" for r in range(1, size)], watch, "map shared memory")
+        finally:
+            os.unlink(path)
+        return reducer
+    path = _store.get("pagedkv-tp-shm").decode()
+    reducer = ShmAllReduce(path, rank, size, collective_timeout())
+    _store.set(f"pagedkv-tp-shm-open-{rank}", "1")
+    return reducer
 
 
 WORKER_MODULE = "pagedkv.engine.tp_worker"  # what a spawned rank runs: worker_main, below
