@@ -159,6 +159,30 @@ def _attend_tile_mixed(
 
 
 @triton.jit
+def _attend_any_tile(
+    tile, start, n, q, q_dot, m_i, l_i, acc, k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, bt_row, kvh, max_blocks,
+    softcap, base, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3, kq_s0, kq_s1, kq_s2, kq_s3,
+    vq_s0, vq_s1, vq_s2, vq_s3, bt_s1, sc_s0, sc_s1, offs_n, offs_d, d_mask,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIXED: tl.constexpr, SCALED: tl.constexpr,
+    SOFTCAP: tl.constexpr, USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """``_attend_tile_mixed`` for a mixed pool, else ``_attend_tile``: the one call both of the
+    decode kernel's tile loops (interpreted and compiled) make."""
+    if MIXED:
+        m_i, l_i, acc = _attend_tile_mixed(
+            tile, start, n, q, q_dot, m_i, l_i, acc, k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, bt_row,
+            kvh, max_blocks, softcap, base, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3,
+            kq_s0, kq_s1, kq_s2, kq_s3, vq_s0, vq_s1, vq_s2, vq_s3, bt_s1, sc_s0, sc_s1, offs_n, offs_d,
+            d_mask, BLOCK_SIZE, BLOCK_N, SOFTCAP, USE_DOT, DOT_DTYPE, DOT_PREC)
+    else:
+        m_i, l_i, acc = _attend_tile(
+            tile, start, n, q, q_dot, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, kvh, max_blocks,
+            softcap, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3, bt_s1, sc_s0, sc_s1, offs_n, offs_d,
+            d_mask, BLOCK_SIZE, BLOCK_N, SCALED, SOFTCAP, USE_DOT, DOT_DTYPE, DOT_PREC)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _fold_tile(visible, k, v, k_sc, v_sc, q, q_dot, m_i, l_i, acc, softcap, SCALED: tl.constexpr,
                SOFTCAP: tl.constexpr, USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
     """A loaded K/V tile (``[BLOCK_N, BLOCK_D]``; 8-bit with per-token scales ``k_sc`` / ``v_sc``
@@ -246,31 +270,19 @@ def _decode_split_kernel(
     if INTERPRET:  # numpy 2 breaks the interpreter's range() over tensor bounds (1-element arrays)
         tile = s_lo
         while tile < s_hi:
-            if MIXED:
-                m_i, l_i, acc = _attend_tile_mixed(
-                    tile, start, n, q, q_dot, m_i, l_i, acc, k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, bt_row,
-                    kvh64, max_blocks, softcap, base, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3,
-                    kq_s0, kq_s1, kq_s2, kq_s3, vq_s0, vq_s1, vq_s2, vq_s3, bt_s1, sc_s0, sc_s1, offs_n, offs_d,
-                    d_mask, BLOCK_SIZE, BLOCK_N, SOFTCAP, USE_DOT, DOT_DTYPE, DOT_PREC)
-            else:
-                m_i, l_i, acc = _attend_tile(
-                    tile, start, n, q, q_dot, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, kvh64, max_blocks,
-                    softcap, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3, bt_s1, sc_s0, sc_s1, offs_n, offs_d,
-                    d_mask, BLOCK_SIZE, BLOCK_N, SCALED, SOFTCAP, USE_DOT, DOT_DTYPE, DOT_PREC)
+            m_i, l_i, acc = _attend_any_tile(
+                tile, start, n, q, q_dot, m_i, l_i, acc, k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, bt_row,
+                kvh64, max_blocks, softcap, base, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3,
+                kq_s0, kq_s1, kq_s2, kq_s3, vq_s0, vq_s1, vq_s2, vq_s3, bt_s1, sc_s0, sc_s1, offs_n, offs_d,
+                d_mask, BLOCK_SIZE, BLOCK_N, MIXED, SCALED, SOFTCAP, USE_DOT, DOT_DTYPE, DOT_PREC)
             tile += 1
     else:
         for tile in range(s_lo, s_hi):
-            if MIXED:
-                m_i, l_i, acc = _attend_tile_mixed(
-                    tile, start, n, q, q_dot, m_i, l_i, acc, k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, bt_row,
-                    kvh64, max_blocks, softcap, base, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3,
-                    kq_s0, kq_s1, kq_s2, kq_s3, vq_s0, vq_s1, vq_s2, vq_s3, bt_s1, sc_s0, sc_s1, offs_n, offs_d,
-                    d_mask, BLOCK_SIZE, BLOCK_N, SOFTCAP, USE_DOT, DOT_DTYPE, DOT_PREC)
-            else:
-                m_i, l_i, acc = _attend_tile(
-                    tile, start, n, q, q_dot, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, kvh64, max_blocks,
-                    softcap, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3, bt_s1, sc_s0, sc_s1, offs_n, offs_d,
-                    d_mask, BLOCK_SIZE, BLOCK_N, SCALED, SOFTCAP, USE_DOT, DOT_DTYPE, DOT_PREC)
+            m_i, l_i, acc = _attend_any_tile(
+                tile, start, n, q, q_dot, m_i, l_i, acc, k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, bt_row,
+                kvh64, max_blocks, softcap, base, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3,
+                kq_s0, kq_s1, kq_s2, kq_s3, vq_s0, vq_s1, vq_s2, vq_s3, bt_s1, sc_s0, sc_s1, offs_n, offs_d,
+                d_mask, BLOCK_SIZE, BLOCK_N, MIXED, SCALED, SOFTCAP, USE_DOT, DOT_DTYPE, DOT_PREC)
 
     if DIRECT:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
