@@ -34,6 +34,7 @@ from pagedkv.ops.triton.decode import (
     _check,
     _fold_tile,
     _next_pow2,
+    _tile_slots,
     paged_decode_attention,
 )
 
@@ -47,12 +48,8 @@ def _attend_rows_tile(
 ):
     """``decode._attend_tile`` with a visible range per query (``[q_start, q_end)``, within the
     node's ``[lo, hi)``): tile ``tile`` folded into the queries' online softmax state."""
-    t = tile * BLOCK_N + offs_n
-    t_mask = (t >= lo) & (t < hi)
-    idx = t // BLOCK_SIZE
-    blk = tl.load(bt_row + idx * bt_s1, mask=t_mask & (idx < max_blocks), other=0).to(tl.int64)
-    off = (t % BLOCK_SIZE).to(tl.int64)
-    kv_mask = t_mask[:, None] & d_mask[None, :]
+    t, t_mask, blk, off, kv_mask = _tile_slots(tile, lo, hi, bt_row, bt_s1, max_blocks, offs_n, d_mask,
+                                               BLOCK_SIZE, BLOCK_N)
     k = tl.load(k_ptr + blk[:, None] * k_s0 + off[:, None] * k_s1 + kvh * k_s2 + offs_d[None, :] * k_s3,
                 mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + blk[:, None] * v_s0 + off[:, None] * v_s1 + kvh * v_s2 + offs_d[None, :] * v_s3,

@@ -82,6 +82,20 @@ def _tanh(x):
 
 
 @triton.jit
+def _tile_slots(tile, lo, hi, bt_row, bt_s1, max_blocks, offs_n, d_mask,
+                BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Where tile ``tile``'s ``BLOCK_N`` tokens live: their absolute positions ``t``, which are in
+    ``[lo, hi)``, their blocks (from the row's block table) and offsets in them, and the mask of the
+    K/V elements to load."""
+    t = tile * BLOCK_N + offs_n
+    t_mask = (t >= lo) & (t < hi)
+    idx = t // BLOCK_SIZE
+    blk = tl.load(bt_row + idx * bt_s1, mask=t_mask & (idx < max_blocks), other=0).to(tl.int64)
+    off = (t % BLOCK_SIZE).to(tl.int64)
+    return t, t_mask, blk, off, t_mask[:, None] & d_mask[None, :]
+
+
+@triton.jit
 def _attend_tile(
     tile, start, n, q, q_dot, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, kvh, max_blocks, softcap,
     k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3, bt_s1, sc_s0, sc_s1, offs_n, offs_d, d_mask,
@@ -90,12 +104,8 @@ def _attend_tile(
 ):
     """One tile of ``BLOCK_N`` tokens (positions ``tile * BLOCK_N + i``, those in ``[start, n)``
     visible) folded into the online softmax state ``(m_i, l_i, acc)`` of the query group ``q``."""
-    t = tile * BLOCK_N + offs_n  # absolute token positions
-    t_mask = (t >= start) & (t < n)
-    idx = t // BLOCK_SIZE
-    blk = tl.load(bt_row + idx * bt_s1, mask=t_mask & (idx < max_blocks), other=0).to(tl.int64)
-    off = (t % BLOCK_SIZE).to(tl.int64)
-    kv_mask = t_mask[:, None] & d_mask[None, :]
+    _, t_mask, blk, off, kv_mask = _tile_slots(tile, start, n, bt_row, bt_s1, max_blocks, offs_n, d_mask,
+                                               BLOCK_SIZE, BLOCK_N)
     k = tl.load(k_ptr + blk[:, None] * k_s0 + off[:, None] * k_s1 + kvh * k_s2 + offs_d[None, :] * k_s3,
                 mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D], stored dtype
     v = tl.load(v_ptr + blk[:, None] * v_s0 + off[:, None] * v_s1 + kvh * v_s2 + offs_d[None, :] * v_s3,
@@ -144,12 +154,8 @@ def _attend_tile_mixed(
 ):
     """``_attend_tile`` over a mixed pool: each token's K and V read in its block's format
     (``_load_mixed``), scales applied before the dots."""
-    t = tile * BLOCK_N + offs_n
-    t_mask = (t >= start) & (t < n)
-    idx = t // BLOCK_SIZE
-    blk = tl.load(bt_row + idx * bt_s1, mask=t_mask & (idx < max_blocks), other=0).to(tl.int64)
-    off = (t % BLOCK_SIZE).to(tl.int64)
-    kv_mask = t_mask[:, None] & d_mask[None, :]
+    _, t_mask, blk, off, kv_mask = _tile_slots(tile, start, n, bt_row, bt_s1, max_blocks, offs_n, d_mask,
+                                               BLOCK_SIZE, BLOCK_N)
     k = _load_mixed(k_ptr, kq_ptr, ks_ptr, blk, off, kvh, offs_d, kv_mask, base, k_s0, k_s1, k_s2, k_s3,
                     kq_s0, kq_s1, kq_s2, kq_s3, sc_s0, sc_s1, False)
     v = _load_mixed(v_ptr, vq_ptr, vs_ptr, blk, off, kvh, offs_d, kv_mask, base, v_s0, v_s1, v_s2, v_s3,
