@@ -210,7 +210,11 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
         info = torch.finfo(logits.dtype)
         factor = torch.tensor(rep, dtype=torch.float64).clamp_(info.tiny, info.max).to(logits.dtype)
         factor = torch.where(seen, factor[:, None], 1.0)
-        logits = torch.where(logits > 0, logits / factor, logits * factor)
+        penalized = torch.where(logits > 0, logits / factor, logits * factor)
+        # An extreme penalty overflows a finite logit to +-inf; a grammar that allows only seen
+        # tokens would then have no finite candidate left. A finite logit stays finite (the dtype's
+        # largest magnitude); only what was already -inf (a masked token) stays -inf.
+        logits = torch.where(torch.isfinite(logits), penalized.clamp(info.min, info.max), penalized)
     if use_counts:
         logits -= torch.tensor(freq, dtype=logits.dtype)[:, None] * counts
         logits -= torch.tensor(pres, dtype=logits.dtype)[:, None] * (counts > 0)

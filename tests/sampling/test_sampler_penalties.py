@@ -139,6 +139,20 @@ def test_tiny_repetition_penalty_cannot_break_the_sampler() -> None:
         assert Sampler().sample(logits, [row])[0].token in (0, 1)
 
 
+def test_huge_repetition_penalty_keeps_a_masked_rows_seen_tokens_candidates() -> None:
+    # A grammar allows only tokens 1 and 2 (the rest -inf), both seen and negative: times 1e38 they
+    # overflowed to -inf and the request failed with "no finite logits" (a fuzzed server case).
+    inf = float("inf")
+    logits = torch.tensor([[-inf, -2.0, -1.0, -inf], [-inf, -2.0, -1.0, -inf]])
+    rows = [SampleRow(0, SamplingParams(temperature=0.0, repetition_penalty=1.17e38), None, [1, 2], 1),
+            SampleRow(1, SamplingParams(temperature=0.7, repetition_penalty=3e38, seed=2), make_generator(2),
+                      [1, 2], 1)]
+    out = apply_penalties(logits.clone(), rows)
+    assert torch.isfinite(out[:, 1:3]).all() and torch.isneginf(out[:, [0, 3]]).all()
+    sampled = Sampler().sample(logits, rows)
+    assert sampled[0].token in (1, 2) and sampled[1].token in (1, 2)
+
+
 def test_validation_names_the_field() -> None:
     cases = [({"repetition_penalty": 0}, "repetition_penalty"), ({"repetition_penalty": -1.0}, "repetition_penalty"),
              ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": float("nan")},
@@ -269,6 +283,19 @@ def server(tmp_path_factory):
     engine = tiny_engine(folder, block_size=16, num_kv_blocks=128, max_model_len=256, seed=0)
     with ServerThread(engine, served_model_names=["tiny"]) as s:
         yield s
+
+
+def test_huge_repetition_penalty_with_a_regex_is_served(tmp_path: Path) -> None:
+    # The fuzzed body that failed CI with a 500: an empty prompt, a regex, repetition_penalty 1.17e38.
+    # (Not the module's server: its generation config makes "!" the EOS, which would end the text.)
+    engine = tiny_engine(write_tiny_model(tmp_path), block_size=8, num_kv_blocks=64, seed=0)
+    body = {"model": "tiny", "prompt": "", "repetition_penalty": 1.1673975398007479e+38,
+            "guided_regex": "1\\u00cc1", "max_tokens": 8}
+    with ServerThread(engine, served_model_names=["tiny"]) as server:
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == ("1\u00cc1", "stop")
 
 
 def test_server_accepts_the_fields_and_applies_the_defaults(server: ServerThread) -> None:
