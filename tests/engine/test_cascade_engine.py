@@ -35,8 +35,12 @@ def folder(request, tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def every_shared_run(monkeypatch):
-    """Tiny prompts share fewer tokens than the default threshold pays for: attend every run."""
+    """Tiny prompts share fewer tokens than the default thresholds pay for: attend every run, and
+    every chunk of two or more rows (a prompt's later chunk, a speculative proposal) over the
+    blocks before it as a node of its own."""
     monkeypatch.setattr(cascade, "MIN_SAVED_TOKENS", 0)
+    monkeypatch.setattr(cascade, "CHUNK_MIN_ROWS", 2)
+    monkeypatch.setattr(cascade, "CHUNK_MIN_TOKENS", 1)
 
 
 @pytest.fixture
@@ -129,3 +133,15 @@ def test_greedy_with_sharing_equals_transformers(folder):
                 got[out.request_id] = out.outputs[0].token_ids
     for i, p in enumerate(prompts):
         assert got[f"r{i}"] == hf_greedy(ref, p, 8)
+
+
+def test_long_prompts_in_chunks_with_sharing_on_and_off(folder, planned):
+    """Prompts longer than the step's 64 tokens: each later chunk attends the blocks before it as
+    one node of its rows (and a second prompt the first one's prefix as a shared node first);
+    greedy outputs on and off the same, and transformers'."""
+    prompts = _prompts(3, 150, [60, 9])
+    on = _run(folder, prompts, True, beam=False)
+    assert any(planned)
+    _assert_same(on, _run(folder, prompts, False, beam=False))
+    ref = load_hf_reference(folder)
+    assert on["r0"][0][0] == hf_greedy(ref, prompts[0], 12)

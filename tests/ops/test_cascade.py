@@ -124,7 +124,9 @@ def _stored(fmt: str, k: torch.Tensor, v: torch.Tensor, gen: torch.Generator):
 def _check(seed: int, block_size: int, fmt: str, heads: int, kvh: int, d: int, window: int | None,
            softcap: float | None, num_seqs: int = 7) -> None:
     case = sharing_case(seed, block_size, heads, kvh, d, num_seqs=num_seqs)
-    plan = find_shared_runs(case.tables, case.row_seq, case.row_len, block_size, min_saved_tokens=0)
+    # every run a node, an extend chunk's context too (its rows' node of one sequence)
+    plan = find_shared_runs(case.tables, case.row_seq, case.row_len, block_size, min_saved_tokens=0,
+                            chunk_min_rows=2, chunk_min_tokens=1)
     assert plan is not None  # every tree shares its root
     meta = NativeMetadata.build(case.tables, case.row_seq, case.row_len)
     k, v, kernel_kw, ref_kw = _stored(fmt, case.k_cache, case.v_cache, torch.Generator().manual_seed(seed))
@@ -211,3 +213,68 @@ def test_random_trees_cover_forks_of_forks():
         for r in range(len(case.row_seq)):
             depths.add(sum(1 for _, _, rows in _nodes(plan) if r in rows))
     assert max(depths) >= 2
+
+
+# -- an extend chunk's rows: a node of one sequence ----------------------------------------------------
+
+def test_an_extend_chunk_attends_the_blocks_before_it_as_a_node():
+    """The rows of one sequence's chunk see its blocks before the chunk whole: a node of that
+    sequence alone, after the nodes it shares with others; its rows' own blocks start there."""
+    chunk = list(range(300, 340))  # 40 rows at positions 300..339 of a 40-block sequence
+    table = list(range(100, 140))
+    plan = find_shared_runs([table], [0] * 40, [p + 1 for p in chunk], block_size=16)
+    assert plan is not None and sorted(_nodes(plan)) == [(0, 288, list(range(40)))]
+    assert plan.row_own_start.tolist() == [288] * 40
+    # after a prefix shared with another sequence's decode row (blocks 0-63), from there on
+    tables = [list(range(64)) + list(range(200, 220)), list(range(64)) + [300]]
+    lens = [1300 + i for i in range(20)] + [1030]
+    plan = find_shared_runs(tables, [0] * 20 + [1], lens, block_size=16)
+    assert plan is not None and sorted(_nodes(plan)) == [(0, 1024, list(range(21))), (1024, 1296, list(range(20)))]
+    assert plan.row_own_start.tolist() == [1296] * 20 + [1024]
+
+
+def test_small_chunks_stay_with_the_per_row_kernel():
+    """Under CHUNK_MIN_ROWS rows or CHUNK_MIN_TOKENS tokens before them the per-row kernel is as fast."""
+    assert cascade.CHUNK_MIN_ROWS == 16 and cascade.CHUNK_MIN_TOKENS == 256
+    table = list(range(60))
+    assert find_shared_runs([table], [0] * 15, list(range(901, 916)), block_size=16) is None
+    assert find_shared_runs([table], [0] * 16, list(range(241, 257)), block_size=16) is None
+    assert find_shared_runs([table], [0] * 16, list(range(257, 273)), block_size=16) is not None
+    # released blocks (-1) of a sliding group are skipped: no row's window reaches them
+    plan = find_shared_runs([[-1] * 30 + table], [0] * 16, list(range(1001, 1017)), block_size=16)
+    assert plan is not None and [(s, e) for s, e, _ in _nodes(plan)] == [(480, 992)]
+
+
+def test_random_trees_make_chunk_nodes():
+    """The kernel tests' cases (every chunk a node) hold nodes of one sequence's extend rows."""
+    found = 0
+    for seed in range(20):
+        case = sharing_case(seed, 16, 4, 2, 32, num_seqs=random.Random(seed).randint(4, 9))
+        plan = find_shared_runs(case.tables, case.row_seq, case.row_len, 16, min_saved_tokens=0,
+                                chunk_min_rows=2, chunk_min_tokens=1)
+        if plan is None:
+            continue
+        found += sum(1 for _, _, rows in _nodes(plan) if len({case.row_seq[r] for r in rows}) == 1)
+    assert found >= 5
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["float32", "int8"])
+def test_a_long_chunk_over_its_context_equals_the_per_row_kernel(fmt):
+    """A prompt's later chunk (48 rows over 700 tokens, a window cutting into them for one case)
+    through its own node: the per-row kernel's result and the reference's."""
+    gen = torch.Generator().manual_seed(5)
+    k, v = torch.randn(64, 16, 3, 64, generator=gen), torch.randn(64, 16, 3, 64, generator=gen)
+    k, v, kernel_kw, ref_kw = _stored(fmt, k, v, gen)
+    table = list(range(63, 16, -1))  # 47 blocks, reversed ids
+    row_len = list(range(701, 749))
+    q = torch.randn(48, 9, 64, generator=gen)
+    meta = NativeMetadata.build([table], [0] * 48, row_len)
+    plan = find_shared_runs([table], [0] * 48, row_len, 16)
+    assert plan is not None and plan.num_nodes == 1
+    for window in (None, 600):
+        out = cascade.cascade_attention(torch.zeros_like(q), q, k, v, meta, plan, sliding_window=window, **kernel_kw)
+        alone = native_paged_attention(torch.zeros_like(q), q, k, v, meta, sliding_window=window, **kernel_kw)
+        expected = reference_paged_attention(q, k, v, [table], [0] * 48, row_len, sliding_window=window, **ref_kw)
+        assert (out - alone).abs().max().item() <= 1e-5
+        assert (out - expected).abs().max().item() <= ATOL
