@@ -25,9 +25,9 @@ step-time estimate of ``engine/step_cost.py`` (fitted to measured steps): attent
 context a chunk attends to, so a long prompt is prefilled in chunks that shrink as it grows and
 the streams beside it keep their inter-token gaps near the budget (plus the batch's decodes,
 which always run). Running prefills leave a share to the first waiting request (unless it sorts
-after them) so a newcomer's prefill starts within a step or two. A chunk that completes a
-prompt counts its rows: the n forks sampled at once, and the penalties or logit_bias they
-process.
+after them, or waits for a prefix one of them computes) so a newcomer's prefill starts within a
+step or two. A chunk that completes a prompt counts its rows: the n forks sampled at once, and
+the penalties or logit_bias they process.
 
 Fan-out: a step computes at most ``max_num_seqs`` rows. A request with more live sequences than
 its share of them takes turns among them (the least advanced first), and it holds at most half
@@ -129,9 +129,13 @@ class Scheduler:
         seconds = self.costs.budget()
         caps = self._row_caps()
         # running prefills leave a share of the step to the first waiting request, when it may join
+        # (not when it waits for a prefix a running prompt computes: that prompt then takes the
+        # whole step, and the requests behind the waiting one wait for it too)
         newcomer = self.waiting[0] if self.waiting and (
             not self.running or self.num_running_seats + self._seats(self.waiting[0].width)
             <= self.config.max_num_seqs) else None
+        if newcomer is not None and self.running and self._waits_for_prefix(newcomer):
+            newcomer = None
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -327,6 +331,13 @@ class Scheduler:
             fallback = fallback or victim
         return fallback
 
+    def _waits_for_prefix(self, group: SequenceGroup) -> bool:
+        """Whether ``group`` (waiting) is held back from admission this step because the next
+        uncached block of its prompt is being computed by a running request (see
+        ``_admit_in_order``)."""
+        seq = group.live_seqs[0]
+        return self.kv.prefix_in_flight(seq.token_ids, salt=group.salt, adapter_id=group.lora_key)
+
     def _only_running_of_its_tenant(self, group: SequenceGroup) -> bool:
         return not any(g is not group and g.tenant == group.tenant for g in self.running)
 
@@ -408,7 +419,7 @@ class Scheduler:
             seq = group.live_seqs[0]
             if self.kv.prefetch(seq.seq_id, seq.token_ids, salt=group.salt, adapter_id=group.lora_key):
                 break  # its prefix is being read from disk; running requests go on meanwhile
-            if self.kv.prefix_in_flight(seq.token_ids, salt=group.salt, adapter_id=group.lora_key):
+            if self._waits_for_prefix(group):
                 break  # its prefix is being computed for another request: admitted next, it hits
             # the chunk's seconds from position 0: a cached prefix only makes its tokens dearer
             wanted = min(seq.num_tokens, budget)

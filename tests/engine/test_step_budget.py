@@ -192,6 +192,27 @@ def test_a_newcomer_is_admitted_beside_a_long_prefill() -> None:
         assert budget * 0.98 <= sched.costs.estimate(out.work) <= budget + 0.01
 
 
+def test_requests_waiting_for_the_prefix_being_computed_leave_the_prompt_the_whole_step() -> None:
+    """Case d's shape: requests that share a long prompt's prefix wait for it (then hit it), so the
+    share a newcomer would get is no one's: the prompt takes the whole budget each step, and once
+    its prefix is computed the followers are admitted on it, only their own tokens computed."""
+    budget = 0.5
+    sched = _scheduler(budget)
+    prefix = [7 + i % 50 for i in range(2048)]
+    sched.add(_group("first", prefix + list(range(100, 132)), 0))
+    _step(sched)
+    for i in range(3):
+        sched.add(_group(f"f{i}", prefix + list(range(200 + 32 * i, 232 + 32 * i)), 1 + i))
+    while sched.kv.num_computed("first#0") < 2080:
+        out = _step(sched)
+        assert not any(_chunk_of(out, f"f{i}") for i in range(3))
+        if sched.kv.num_computed("first#0") < 2048:  # (the last chunk may be short: the prompt ends)
+            assert sched.costs.estimate(out.work) >= 0.98 * budget
+    out = _step(sched)
+    assert [_chunk_of(out, f"f{i}") for i in range(3)] == [32, 32, 32]
+    assert all(s.start == 2048 for s in out.scheduled if s.group.request_id != "first")
+
+
 def test_decodes_do_not_spend_the_prefill_budget() -> None:
     """30 streams whose decodes alone exceed the budget: a long prompt beside them still gets the
     whole budget (a stream waits for every stream's decode anyway; charging them would only slow
