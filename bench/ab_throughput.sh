@@ -11,7 +11,9 @@
 # bench/throughput.py; each runs its own bench/throughput.py with PYTHONPATH=<tree> (so its pagedkv
 # wins over the editable install) from HEAD_DIR's venv. HEAD_DIR is the working tree: commit first
 # (the script warns when pagedkv/ or bench/ has uncommitted changes). Options per run: --skip-hf
-# (pagedkv only) --threads 1 --cases $CASES, the bundled default model (SmolLM2-135M, float32).
+# (pagedkv only) --threads 1 --cases $CASES, the bundled default model (SmolLM2-135M), and
+# $EXTRA_ARGS (e.g. EXTRA_ARGS="--quantization none": float32 weights, as the vLLM gate runs).
+# Pin the whole comparison to one core with taskset -c 1 bash bench/ab_throughput.sh (runs inherit it).
 # Logs and JSON lines go to $LOG_DIR (default $TMPDIR/pagedkv_ab_<time>).
 # Time on a quiet 2-core machine: ~60 s a run of case_a,case_b, so 5 repeats x 2 trees ~10-11 min.
 # The last line is one JSON object: the median per-pair ratio head/base per case, and the loads.
@@ -22,6 +24,7 @@ HEAD_DIR=${HEAD_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 PY=${PY:-$HEAD_DIR/.venv/bin/python}
 REPEATS=${REPEATS:-5}
 CASES=${CASES:-case_a,case_b}
+EXTRA_ARGS=${EXTRA_ARGS:-}
 LOG_DIR=${LOG_DIR:-${TMPDIR:-/tmp}/pagedkv_ab_$(date -u +%H%M%S)}
 mkdir -p "$LOG_DIR"
 
@@ -29,7 +32,7 @@ if [ -n "$(git -C "$HEAD_DIR" status --porcelain -- pagedkv bench 2>/dev/null)" 
     echo "WARNING: $HEAD_DIR has uncommitted changes in pagedkv/ or bench/: HEAD is measured as the working tree" >&2
 fi
 echo "base: $BASE_DIR ($(git -C "$BASE_DIR" rev-parse --short HEAD 2>/dev/null || echo '?'))  head: $HEAD_DIR ($(git -C "$HEAD_DIR" rev-parse --short HEAD 2>/dev/null || echo '?'))"
-echo "cases $CASES, $REPEATS repeats, alternating base/head; logs in $LOG_DIR"
+echo "cases $CASES, $REPEATS repeats, alternating base/head, extra args '$EXTRA_ARGS'; logs in $LOG_DIR"
 
 run_one() {  # $1 = base|head, $2 = repeat index
     local which=$1 rep=$2 dir load start end
@@ -37,7 +40,7 @@ run_one() {  # $1 = base|head, $2 = repeat index
     load=$(cut -d' ' -f1 /proc/loadavg)
     start=$(date +%s.%N)
     (cd "$dir" && env PYTHONPATH="$dir" OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 "$PY" bench/throughput.py \
-        --skip-hf --threads 1 --cases "$CASES") > "$LOG_DIR/$which.$rep.log" 2>&1 \
+        --skip-hf --threads 1 --cases "$CASES" $EXTRA_ARGS) > "$LOG_DIR/$which.$rep.log" 2>&1 \
         || { echo "run $which $rep failed: see $LOG_DIR/$which.$rep.log" >&2; tail -5 "$LOG_DIR/$which.$rep.log" >&2; exit 1; }
     end=$(date +%s.%N)
     tail -1 "$LOG_DIR/$which.$rep.log" \
@@ -64,6 +67,7 @@ head = {r["rep"]: r for r in runs if r["which"] == "head"}
 reps = sorted(set(base) & set(head))
 print(f"\n{'case':<8} {'base tok/s':>11} {'head tok/s':>11} {'ratio head/base (median of pairs)':>34}  per-pair ratios")
 summary = {}
+parts = {}  # median seconds before decoding / decoding per case and tree
 for c in cases:
     key = c + "_tok_s"
     b = statistics.median(base[i][key] for i in reps)
@@ -71,7 +75,15 @@ for c in cases:
     ratios = [head[i][key] / base[i][key] for i in reps]
     summary[c] = round(statistics.median(ratios), 4)
     print(f"{c:<8} {b:11.1f} {h:11.1f} {summary[c]:34.3f}  {[round(x, 3) for x in ratios]}")
+    for part in ("prefill", "decode"):  # seconds before decoding / decoding (bench/throughput.py)
+        key = f"{c}_{part}_s"
+        if all(key in base[i] and key in head[i] for i in reps):
+            bs, hs = [base[i][key] for i in reps], [head[i][key] for i in reps]
+            parts[key] = {"base": statistics.median(bs), "head": statistics.median(hs)}
+            print(f"  {part + '_s':<6} {statistics.median(bs):11.2f} {statistics.median(hs):11.2f} "
+                  f"{statistics.median(h_ / b_ for h_, b_ in zip(hs, bs)):34.3f}  base {bs} head {hs}")
 loads = [r["load_before"] for r in runs]
 print(f"load average (1 min) before each run: {loads}; median {statistics.median(loads):.2f}")
-print(json.dumps({"median_ratio_head_over_base": summary, "repeats": len(reps), "loads": loads}))
+print(json.dumps({"median_ratio_head_over_base": summary, "repeats": len(reps), "loads": loads,
+                  "median_seconds": parts}))
 EOF
