@@ -32,7 +32,8 @@ context, decoded together in one batch per step, K/V in f32, greedy argmax.
 ``--quantization`` and ``--kv-cache-dtype`` go to pagedkv's engine only (the peers load the float32
 checkpoint): ``--quantization none`` compares at equal float32 weights. ``--profile`` prints, per
 case, where one decode step's time goes (``profile_decode``: layer matmuls, LM head, attention,
-other model ops, runner, scheduler, sampler, the rest of the engine). Each pagedkv run also
+other model ops, runner, scheduler, sampler, the rest of the engine), and the same parts of the
+steps before decoding per prompt token computed (``profile_prompts``). Each pagedkv run also
 splits its time into the steps before decoding (prompts, shared prefixes, first tokens) and the
 decode steps (``decode_split``: the last ``new tokens - 1`` steps, where every request of a case
 decodes): the peers compute the same prompts, so only the decode part can widen a ratio.
@@ -42,7 +43,8 @@ alternating; last line ``tpN_vs_tp1_case_b`` and the step's split (plan broadcas
 
 Last line: one JSON object (pagedkv_tok_s, hf_tok_s, ratio, kv_waste, case_a_tok_s, case_b_tok_s,
 ratio_vs_vllm_case_a .. _case_d for the cases run when vLLM ran, ratio_vs_llamacpp_* when llama.cpp
-ran, the loads, the formats, profile_ms per case, prefill_s / decode_s per case, and more).
+ran, the loads, the formats, profile_ms and profile_prompt_ms_per_token per case, prefill_s /
+decode_s per case, and more).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -253,19 +256,51 @@ def profile_decode(engine: LLMEngine, workload: Workload, steps: int = 12) -> di
     differences. The timers cost about 1 us per wrapped call (~120 per step for the default
     model); a mixture-of-experts layer's expert matmuls count as other model ops.
     """
-    from torch import nn
-
-    from pagedkv.benchmark import SamplingParams
-    from pagedkv.runner import model_runner
-    from pagedkv.sampling.sampler import SampleBatch
-
-    for i, (p, n) in enumerate(zip(workload.prompts, workload.new_tokens)):
-        engine.add_request(f"prof-{i}", p, SamplingParams(temperature=0, max_tokens=n + steps + 4,
-                                                          ignore_eos=True))
+    _add_requests(engine, workload, "prof", extra=steps + 4)
     kv = engine.kv
     while engine.stats().num_waiting or any(kv.num_computed(s.seq_id) < s.num_tokens - 1
                                              for g in engine.scheduler.running for s in g.live_seqs):
         engine.step()
+    parts, _ = _timed_steps(engine, lambda done: done < steps)
+    for rid in list(engine.scheduler.groups):
+        engine.abort_request(rid)
+    return {name: value / steps * 1000 for name, value in zip(PROFILE_PARTS, parts)}
+
+
+def profile_prompts(engine: LLMEngine, workload: Workload) -> dict[str, float]:
+    """Where the steps before decoding go (the prompts, a shared prefix, the first tokens), in ms
+    per prompt token computed (``PROFILE_PARTS``; "total step" over those steps), plus
+    ``steps`` and ``prompt tokens``: ``workload``'s requests run from admission until every one
+    of them has its first token, timed as :func:`profile_decode` times decode steps."""
+    engine.reset_prefix_cache()  # as a timed run starts: only what the workload shares within itself hits
+    _add_requests(engine, workload, "prompt", extra=0)
+    groups = [engine.scheduler.groups[f"prompt-{i}"] for i in range(len(workload.prompts))]
+    cached0 = engine.stats().kv.prefix_hit_tokens
+    parts, steps = _timed_steps(engine, lambda done: any(not g.seqs[0].output_token_ids for g in groups))
+    computed = sum(len(p) for p in workload.prompts) - (engine.stats().kv.prefix_hit_tokens - cached0)
+    for rid in list(engine.scheduler.groups):
+        engine.abort_request(rid)
+    out = {name: value / computed * 1000 for name, value in zip(PROFILE_PARTS, parts)}
+    out.update({"steps": steps, "prompt tokens": computed})
+    return out
+
+
+def _add_requests(engine: LLMEngine, workload: Workload, tag: str, extra: int) -> None:
+    from pagedkv.benchmark import SamplingParams
+
+    for i, (p, n) in enumerate(zip(workload.prompts, workload.new_tokens)):
+        engine.add_request(f"{tag}-{i}", p, SamplingParams(temperature=0, max_tokens=n + extra, ignore_eos=True))
+
+
+def _timed_steps(engine: LLMEngine, go_on: Callable[[int], bool]) -> tuple[tuple[float, ...], int]:
+    """Run steps while ``go_on(steps done)``, with every part's callables timed (see
+    :func:`profile_decode`): the seconds of each of ``PROFILE_PARTS`` over those steps, and
+    their count."""
+    from torch import nn
+
+    from pagedkv.runner import model_runner
+    from pagedkv.sampling.sampler import SampleBatch
+
     acc: dict[str, float] = dict.fromkeys(("matmul", "head", "attention", "model", "runner", "scheduler",
                                            "sampler", "update", "outputs"), 0.0)
     undo: list[tuple[object, str, object, bool]] = []  # (owner, name, original, was an instance attribute)
@@ -304,10 +339,12 @@ def profile_decode(engine: LLMEngine, workload: Workload, steps: int = 12) -> di
     wrap(SampleBatch, "sample", "sampler")  # class attributes: instances are made per step
     wrap(model_runner._StepAttention, "__call__", "attention")
     wrap(engine, "_outputs", "outputs")
+    done = 0
     try:
         t0 = time.perf_counter()
-        for _ in range(steps):
+        while go_on(done):
             engine.step()
+            done += 1
         total = time.perf_counter() - t0
     finally:
         for owner, name, original, own in reversed(undo):
@@ -315,13 +352,10 @@ def profile_decode(engine: LLMEngine, workload: Workload, steps: int = 12) -> di
                 setattr(owner, name, original)
             else:
                 delattr(owner, name)  # the class's method shows through again
-    for rid in list(engine.scheduler.groups):
-        engine.abort_request(rid)
     a = acc
-    parts = (a["matmul"], a["head"], a["attention"], a["model"] - a["matmul"] - a["head"] - a["attention"],
-             a["runner"] - a["model"], a["scheduler"], a["sampler"], a["update"] - a["sampler"], a["outputs"],
-             total - a["runner"] - a["scheduler"] - a["update"] - a["outputs"], total)
-    return {name: value / steps * 1000 for name, value in zip(PROFILE_PARTS, parts)}
+    return (a["matmul"], a["head"], a["attention"], a["model"] - a["matmul"] - a["head"] - a["attention"],
+            a["runner"] - a["model"], a["scheduler"], a["sampler"], a["update"] - a["sampler"], a["outputs"],
+            total - a["runner"] - a["scheduler"] - a["update"] - a["outputs"], total), done
 
 
 def _model_folder(model: str | None) -> Path:
@@ -455,9 +489,19 @@ def main() -> None:
               f"{vllm_tok_s.get(k) or nan:8.1f} {vs_vllm.get(k) or nan:7.2f}"
               + (f"   llama.cpp {llamacpp_tok_s[k]:7.1f} ({vs_llamacpp[k]:.2f})" if k in llamacpp_tok_s else ""))
     profile: dict[str, dict[str, float]] = {}
+    prompt_profile: dict[str, dict[str, float]] = {}
     if args.profile:  # another seed: the prefix cache holds none of it
         for w in workloads:
-            profile[w.name] = profile_decode(engine, build_workload(w.name, vocab, args.seed + 1))
+            other = build_workload(w.name, vocab, args.seed + 1)
+            prompt_profile[w.name] = profile_prompts(engine, other)
+            profile[w.name] = profile_decode(engine, other)
+        print(f"\nwhere the steps before decoding go, pagedkv (ms per prompt token computed, prefix-cache "
+              f"hits not counted; load {os.getloadavg()[0]:.2f}):")
+        print(f"  {'':<60}" + "".join(f"{w.name:>10}" for w in workloads))
+        for part in ("steps", "prompt tokens"):
+            print(f"  {part:<60}" + "".join(f"{prompt_profile[w.name][part]:10.0f}" for w in workloads))
+        for part in PROFILE_PARTS:
+            print(f"  {part:<60}" + "".join(f"{prompt_profile[w.name][part]:10.3f}" for w in workloads))
         print(f"\nwhere one decode step goes, pagedkv (ms per step, every request of the case decoding; "
               f"load {os.getloadavg()[0]:.2f}):")
         print(f"  {'':<60}" + "".join(f"{w.name:>10}" for w in workloads))
@@ -483,6 +527,8 @@ def main() -> None:
            for w in workloads if w.name != "sharegpt" for i, part in enumerate(("prefill", "decode"))},
         **({"profile_ms": {c: {k: round(v, 2) for k, v in p.items()} for c, p in profile.items()}}
            if profile else {}),
+        **({"profile_prompt_ms_per_token": {c: {k: round(v, 3) for k, v in p.items()}
+                                            for c, p in prompt_profile.items()}} if prompt_profile else {}),
     }
     print(json.dumps(summary))
 
