@@ -1,4 +1,5 @@
-"""bench/throughput.py's decode-step profile: every part measured, nothing of the engine changed."""
+"""bench/throughput.py's step profiles (decode steps, the steps before decoding): every part measured,
+nothing of the engine changed."""
 
 from __future__ import annotations
 
@@ -38,6 +39,12 @@ def test_profile_measures_every_part_and_leaves_the_engine_as_it_was(tmp_path: P
     before = run_pagedkv(engine, work)
     call, sample = model_runner._StepAttention.__call__, SampleBatch.sample
 
+    prompts = bench.profile_prompts(engine, work)  # the steps before decoding, per prompt token computed
+    assert list(prompts) == [*bench.PROFILE_PARTS, "steps", "prompt tokens"]
+    # the shared prefix is computed once: the first prompt whole, the others past the prefix
+    assert prompts["prompt tokens"] == sum(len(p) for p in work.prompts) - 2 * 16 and prompts["steps"] >= 1
+    assert prompts["model: layer matmuls"] > 0 and prompts["total step"] >= prompts["model: layer matmuls"]
+    assert not engine.has_unfinished_requests()
     profile = bench.profile_decode(engine, work, steps=3)
 
     assert list(profile) == list(bench.PROFILE_PARTS)
