@@ -6,13 +6,15 @@ layers of intermediate 4096, 16 query and 4 KV heads) is written to a temporary 
 safetensors; N gloo ranks (``pagedkv_testing/tp_ranks.py``) each ``load_model(..., tp=)`` it, build a
 ``ModelRunner`` with a small KV pool, run one forward pass, and report their peak RSS
 (``VmHWM``: the whole process, Python and torch included) and the RSS they had before loading.
+Each rank loads as the engine does on a CPU (``load_model(cpu_layout=True)``: the LM head packed
+and the fused projections laid out as they are read: docs/tensor_parallel.md, "Memory per rank").
 
 ``python bench/tp_memory.py [--tensor-parallel-size 2] [--keep DIR]``; the last line is JSON, per
 rank where a list: ``weights_mb``, ``tp``, ``peak_rss_mb`` (the whole run's peak), ``load_peak_rss_mb``
 (the peak while ``load_model`` ran), ``rss_loaded_mb`` (after it), ``rss_running_mb`` (after the
 forward pass), ``rss_before_load_mb``, ``limit_mb`` (``weights / N + 300``), ``within_limit`` (the
-run's peak), ``load_within_limit``. The run's peak is the runner packing the LM head for oneDNN
-(``models/packed_linear.py``): the shard's head and its packed copy live together for a moment.
+run's peak), ``load_within_limit``. ``--no-pack-lm-head``: the head stays unpacked
+(``cpu_layout=False``, ``ModelRunner(pack_lm_head=False)``).
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def rank_memory(tp: Any, folder: str, pack_lm_head: bool = True) -> dict[str, fl
     from pagedkv.runner import ModelRunner, SeqChunk
 
     before = _status_mb("VmRSS")
-    loaded = load_model(folder, quantization="none", tp=tp)
+    loaded = load_model(folder, quantization="none", tp=tp, cpu_layout=pack_lm_head)  # as the engine
     # VmHWM, not getrusage's ru_maxrss: that one keeps the peak of the parent the spawned process was
     # forked from (exec does not reset it), VmHWM is this program's own
     load_peak, loaded_rss = _status_mb("VmHWM"), _status_mb("VmRSS")
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor-parallel-size", type=int, default=2)
     parser.add_argument("--keep", type=Path, default=None, help="write (or reuse) the model in this folder")
     parser.add_argument("--no-pack-lm-head", action="store_true",
-                        help="the runner keeps the LM head unpacked (ModelRunner(pack_lm_head=False))")
+                        help="the LM head stays unpacked (cpu_layout=False, ModelRunner(pack_lm_head=False))")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from pagedkv_testing.tp_ranks import run_ranks

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -52,11 +53,22 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+# The LM head's and the embedding's tensors are read first (from whichever file holds them): the
+# loader packs the head as soon as it is in (``build_model(cpu_layout=)``), while little else is.
+_HEAD_FIRST = re.compile(r"(^|\.)(lm_head|embed_tokens)\.weight$")
+
+
+def _head_first(names: Iterable[str], first: bool) -> list[str]:
+    """The names of one pass: the head's and embedding's (``first``) or all the others."""
+    return [n for n in names if n != "__metadata__" and bool(_HEAD_FIRST.search(n)) == first]
+
+
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+    for first in (True, False):
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                for name in _head_first(f.keys(), first):
+                    yield name, f.get_tensor(name)
 
 
 # safetensors dtype names -> torch dtypes (read by SafetensorsEntry without the safetensors library)
@@ -65,7 +77,7 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, 
               "BOOL": torch.bool}
 
 
-_READ_BLOCK = 16 << 20  # bytes read at once when a rank's columns are picked out of whole rows
+_READ_BLOCK = 4 << 20  # bytes read at once when a rank's columns are picked out of whole rows
 
 
 class SafetensorsEntry:
@@ -127,19 +139,20 @@ class SafetensorsEntry:
 
 def iter_safetensors_entries(files: list[Path]) -> Iterator[tuple[str, SafetensorsEntry | torch.Tensor]]:
     """Every tensor of ``files`` as a :class:`SafetensorsEntry` (valid while the iteration runs; a
-    dtype it does not know is read whole by the safetensors library)."""
-    for path in files:
-        with open(path, "rb") as f:
-            size = struct.unpack("<Q", f.read(8))[0]
-            header = json.loads(f.read(size))
-            for name, info in header.items():
-                if name == "__metadata__":
-                    continue
-                if info.get("dtype") in _ST_DTYPES:
-                    yield name, SafetensorsEntry(f, 8 + size, name, info)
-                else:
-                    with safe_open(str(path), framework="pt") as st:
-                        yield name, st.get_tensor(name)
+    dtype it does not know is read whole by the safetensors library). The head's and the embedding's
+    come first."""
+    for first in (True, False):
+        for path in files:
+            with open(path, "rb") as f:
+                size = struct.unpack("<Q", f.read(8))[0]
+                header = json.loads(f.read(size))
+                for name in _head_first(header, first):
+                    info = header[name]
+                    if info.get("dtype") in _ST_DTYPES:
+                        yield name, SafetensorsEntry(f, 8 + size, name, info)
+                    else:
+                        with safe_open(str(path), framework="pt") as st:
+                            yield name, st.get_tensor(name)
 
 
 def safetensors_names(files: list[Path]) -> list[str]:
@@ -206,13 +219,13 @@ def read_generation_defaults(folder: Path) -> dict[str, Any]:
     return {name: gen[key] for key, name in GENERATION_DEFAULT_KEYS.items() if gen.get(key) is not None}
 
 
-def load_hf_folder(folder: Path, dtype: torch.dtype = torch.float32, tp: TPGroup | None = None
-                   ) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer | None]:
+def load_hf_folder(folder: Path, dtype: torch.dtype = torch.float32, tp: TPGroup | None = None,
+                   cpu_layout: bool = False) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer | None]:
     """Model, config and tokenizer (None when the folder has no tokenizer.json) of an HF folder.
     Weights the folder holds in Q8_0 (a GGUF converted with quantization "q8_0") load as Q8_0
     modules (``models/quant_linear.py``). With ``tp`` of several ranks the model is this rank's
     shard, read tensor by tensor as slices (``models/sharding.py``); the config returned is the
-    whole model's (the shard's own is ``model.config``)."""
+    whole model's (the shard's own is ``model.config``). ``cpu_layout``: see :func:`build_model`."""
     config_path = folder / "config.json"
     if not config_path.exists():
         raise ModelLoadError(f"{folder} is not a model folder: no config.json")
@@ -231,6 +244,7 @@ def load_hf_folder(folder: Path, dtype: torch.dtype = torch.float32, tp: TPGroup
     loading = phase(f"loading {size / (1 << 30):.1f} GiB of weights from {folder}", done="loaded",
                     ticker=False) if size >= LOUD_WEIGHT_BYTES else nullcontext()
     with loading:
-        model = build_model(config, tensors, dtype=dtype, quantized=quantized_modules(config, names), tp=tp)
+        model = build_model(config, tensors, dtype=dtype, quantized=quantized_modules(config, names), tp=tp,
+                            cpu_layout=cpu_layout)
     tokenizer = load_hf_tokenizer(folder, config_json) if (folder / "tokenizer.json").exists() else None
     return model, config, tokenizer

@@ -117,7 +117,7 @@ def load_tokenizer(source: str | Path) -> Tokenizer:
 def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float32,
                quantization: str = "auto", tokenizer: str | Path | None = None, *,
                revision: str | None = None, download_dir: str | Path | None = None,
-               tp: TPGroup | None = None) -> LoadedModel:
+               tp: TPGroup | None = None, cpu_layout: bool = False) -> LoadedModel:
     """Load ``model`` (see :func:`resolve_model_path`) with weights in ``dtype``, the linear ones
     in Q8_0 where ``quantization`` (:func:`resolve_quantization`) says so.
 
@@ -132,6 +132,11 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
     the whole vocabulary's on every rank. Raises ShardingError (``distributed/group.py``) for a
     model whose heads or intermediate sizes do not split over ``tp.size`` ranks, naming the sizes
     that would.
+
+    ``cpu_layout``: the float32 weights the CPU runner lays out its own way (the LM head packed, the
+    fused projections input-major) are laid out so as they are read (the runner would do it later,
+    at a higher peak: see ``build_model``); not with quantization "q8_0", which quantizes them
+    after loading.
     """
     check_quantization(quantization)
     path, name = resolve_model_path(model, revision, download_dir)
@@ -143,7 +148,8 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
     if path.is_file() and tp is not None and tp.size > 1 and tp.rank == 0:
         tp.barrier()
     with torch.inference_mode(False):
-        net, config, own_tokenizer = load_hf_folder(folder, dtype=dtype, tp=tp)
+        net, config, own_tokenizer = load_hf_folder(folder, dtype=dtype, tp=tp,
+                                                     cpu_layout=cpu_layout and quant != "q8_0")
         if quant == "q8_0":
             quantize_model(net)  # float linear layers left (an HF folder); none after a GGUF conversion
     if chosen is None:

@@ -138,8 +138,15 @@ def transpose_wide_linears(model: nn.Module) -> int:
     converted = 0
     for layer in getattr(model, "layers", ()):
         for parent, name in ((layer.self_attn, "qkv_proj"), (layer.mlp, "gate_up_proj")):
-            lin = getattr(parent, name, None)  # None: a mixture-of-experts layer (models/moe.py)
-            if type(lin) is nn.Linear:
-                setattr(parent, name, InputMajorLinear(lin.weight, lin.bias))
-                converted += 1
+            converted += input_major(parent, name)
     return converted
+
+
+def input_major(parent: nn.Module, name: str) -> bool:
+    """Replace ``parent``'s float linear ``name`` with an :class:`InputMajorLinear` (True), or leave
+    anything else (a quantized layer; None: a mixture-of-experts layer, models/moe.py) as it is."""
+    lin = getattr(parent, name, None)
+    if type(lin) is not nn.Linear:
+        return False
+    setattr(parent, name, InputMajorLinear(lin.weight, lin.bias))
+    return True

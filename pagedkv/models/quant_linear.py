@@ -392,7 +392,8 @@ def tie_quantized_head(model: nn.Module) -> None:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer of ``model``, shared tensors counted once."""
+    """Bytes of every parameter and buffer of ``model``, shared tensors counted once, and of every
+    oneDNN-packed weight (a ``PackedLinear``'s ``packed``: opaque, neither parameter nor buffer)."""
     seen: set[int] = set()
     total = 0
     for t in [*model.parameters(), *model.buffers()]:
@@ -400,6 +401,10 @@ def weight_bytes(model: nn.Module) -> int:
         if ptr not in seen:
             seen.add(ptr)
             total += t.untyped_storage().nbytes()
+    for m in model.modules():
+        packed = getattr(m, "packed", None)
+        if isinstance(packed, torch.Tensor) and packed.is_mkldnn:
+            total += packed.numel() * packed.element_size()
     return total
 
 

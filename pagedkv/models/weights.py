@@ -27,12 +27,14 @@ from pagedkv.distributed.group import TPGroup
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.errors import MissingTensorError, ModelLoadError
 from pagedkv.models.llama import LlamaForCausalLM
+from pagedkv.models.packed_linear import input_major, pack_lm_head
 from pagedkv.models.quant_linear import QuantEmbedding, QuantExperts, QuantLinear, tie_quantized_head
 from pagedkv.models.sharding import LazyTensor, Split, column_bounds, param_split, read, shard_copies
 from pagedkv.weight_quant import LOWBIT_FORMATS
 
 logger = logging.getLogger(__name__)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_WIDE = re.compile(r"^layers\.(\d+)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight$")  # input-major on CPU
 # checkpoint suffix inside a layer -> (module suffix, shard name or None)
 _LAYER_MAP: dict[str, tuple[str, str | None]] = {
     "input_layernorm.weight": ("input_layernorm.weight", None),
@@ -246,7 +248,7 @@ def _put_quantized(model: LlamaForCausalLM, module: str, dtype: torch.dtype, off
 def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor | LazyTensor]],
                 dtype: torch.dtype = torch.float32,
                 quantized: Mapping[str, QuantSpec | bool] | None = None,
-                tp: TPGroup | None = None) -> LlamaForCausalLM:
+                tp: TPGroup | None = None, cpu_layout: bool = False) -> LlamaForCausalLM:
     """Build the model without random init and fill every parameter from ``tensors``.
 
     ``quantized`` maps the modules built quantized to their :class:`QuantSpec` (:func:`quantized_modules`
@@ -260,6 +262,14 @@ def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor |
     a whole tensor read first would cost the memory sharding saves). A quantized tensor split inside
     a block of 32 (a row-parallel layer whose input does not divide into whole blocks per rank) is
     dequantized for this rank, with one log line; its module is float.
+
+    ``cpu_layout``: each float32 weight the CPU runner lays out its own way is laid out so as soon as
+    its last element is read, and its first tensor freed then: the LM head packed for oneDNN
+    (:func:`~pagedkv.models.packed_linear.pack_lm_head`), each layer's fused q/k/v and gate/up stored
+    input-major (:func:`~pagedkv.models.packed_linear.input_major`). Done later, once every weight is
+    in, two copies of the largest such tensor would sit beside all of them for a moment: that moment
+    was a tensor-parallel rank's peak. (Give the head's tensor first, as the safetensors readers
+    do, and its moment comes when little else is loaded.)
     """
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp)
@@ -267,9 +277,6 @@ def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor |
     tp = model.tp
     quantized = dict(quantized or {})
     dequantized = _split_inside_blocks(config, quantized, tp)
-    if tp is not None:  # the vocabulary's padding rows and the row-parallel biases of ranks > 0 stay 0
-        for t in [*model.parameters(), *model.buffers()]:
-            t.data.zero_()
     for module, spec in sorted(quantized.items()):
         spec = spec if isinstance(spec, QuantSpec) else QuantSpec("q8_0", bool(spec))
         _put_quantized(model, module, dtype, spec.offsets, spec.fmt)
@@ -278,12 +285,31 @@ def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor |
                   if isinstance(m, (QuantLinear, QuantEmbedding, QuantExperts))
                   for b in ("qweight", "planes", "scales", "offsets") if getattr(m, b) is not None)
     filled: dict[str, int] = {name: 0 for name in params}  # elements written per parameter
-    if tp is not None:
-        for name in params:  # the vocabulary's padding rows: 0, and no tensor's
+    if tp is not None:  # zeros, and no tensor's: the vocabulary's padding rows, ranks > 0's row-parallel biases
+        # (only these are zeroed: the memory of the others becomes resident as they are read)
+        for name in params:
             split = param_split(config, name, tp)
             if split is not None and split.dim == 0 and name.startswith(("embed_tokens.", "lm_head.")):
-                p = params[name]
-                filled[name] += (p.shape[0] - split.local_size) * (p.numel() // p.shape[0])
+                # (no local may hold the head: it is freed when it is packed)
+                filled[name] += params[name].data[split.local_size:].zero_().numel()
+            elif split is not None and split.rank0_only and tp.rank > 0:
+                params[name].data.zero_()  # (_fill_shard counts it as filled when its tensor comes)
+    head = "lm_head.weight" if getattr(model, "lm_head", None) is not None else "embed_tokens.weight"
+
+    def note(param: str, written: int) -> None:
+        """``written`` more elements of ``param`` are in; laid out for the CPU once it is whole."""
+        filled[param] += written
+        if not cpu_layout or filled[param] < params[param].numel():
+            return
+        if param == head:
+            done = pack_lm_head(model) and head == "lm_head.weight"  # a tied head keeps its embedding
+        elif (m := _WIDE.match(param)) is not None:
+            parent, _, child = m.group(2).rpartition(".")
+            done = input_major(getattr(model.layers[int(m.group(1))], parent), child)
+        else:
+            return
+        if done:  # nothing else may hold the first tensor (no local either): it is freed now
+            del params[param], filled[param]
     stash: dict[str, dict[str, torch.Tensor]] = {}  # dequantized for sharding: float weight name -> buffers
     unknown: list[str] = []
     extra_layers: set[int] = set()  # layers past num_hidden_layers: DeepSeek-V3's multi-token prediction
@@ -305,7 +331,7 @@ def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor |
             raise ModelLoadError(f"checkpoint tensor {name!r} has no place in this config ({target.param})")
         split = param_split(config, target.param, tp)
         if split is not None and tp is not None:
-            filled[target.param] += _fill_shard(name, target, tensor, params[target.param].data, split, tp)
+            note(target.param, _fill_shard(name, target, tensor, params[target.param].data, split, tp))
             continue
         tensor = read(tensor)
         dest = params[target.param].data
@@ -323,7 +349,7 @@ def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor |
         if config.is_gemma and target.param.endswith("norm.weight"):
             tensor = tensor.float() + 1.0  # gemma scales by (1 + w): stored as one weight
         dest.copy_(tensor)
-        filled[target.param] += dest.numel()
+        note(target.param, dest.numel())
     for name, buffers in stash.items():
         target = map_name(config, name)
         assert target is not None and tp is not None  # stashed above by its quantized names

@@ -189,6 +189,60 @@ def test_packed_lm_head_matches_plain(tmp_path: Any, tied: bool) -> None:
     assert plain.model.lm_head is None if tied else isinstance(plain.model.lm_head, torch.nn.Linear)
 
 
+@pytest.mark.parametrize("name,tied", [("llama", False), ("qwen2", True)])
+def test_cpu_layout_at_load_matches_the_runners_and_frees_the_first_copies(
+        tmp_path: Any, name: str, tied: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """load_model(cpu_layout=True) lays out the head and the fused projections as they are read
+    (qwen2: q/k/v with a bias); the logits equal a plain load laid out by the runner, and no
+    unpacked head or [out, in] projection is left alive once the loader is done with it."""
+    import weakref
+
+    from torch import nn
+
+    import pagedkv.models.weights as weights
+    from pagedkv.models.hf_loader import iter_safetensors, iter_safetensors_entries, safetensors_files
+    from pagedkv.models.packed_linear import InputMajorLinear, PackedLinear, packing_available
+
+    # two shards, the head in the last one: the readers still give the head and embedding first
+    folder = make_hf_checkpoint(tmp_path, name, tie_word_embeddings=tied, max_shard_size="100KB")
+    files = safetensors_files(folder)
+    assert len(files) > 1
+    for reader in (iter_safetensors, iter_safetensors_entries):
+        names = [n for n, _ in reader(files)]
+        firsts = 1 if tied else 2
+        assert all(n.endswith(("lm_head.weight", "embed_tokens.weight")) for n in names[:firsts])
+        assert not any(n.endswith(("lm_head.weight", "embed_tokens.weight")) for n in names[firsts:])
+    replaced: list[weakref.ref[torch.Tensor]] = []
+    real_input_major = weights.input_major
+
+    alive_at_next: list[int] = []  # first copies still alive each time the next one is replaced
+
+    def watched(parent: nn.Module, child: str) -> bool:
+        alive_at_next.append(sum(r() is not None for r in replaced))
+        replaced.append(weakref.ref(getattr(parent, child).weight))
+        return real_input_major(parent, child)
+
+    monkeypatch.setattr(weights, "input_major", watched)
+    laid = load_model(str(folder), quantization="none", cpu_layout=True)
+    layers = laid.model.layers
+    assert len(replaced) == 2 * len(layers) and alive_at_next == [0] * len(replaced)  # freed as it goes
+    assert all(isinstance(m, InputMajorLinear) for layer in layers
+               for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj))
+    if packing_available():
+        assert isinstance(laid.model.lm_head, PackedLinear)
+        assert (laid.model.lm_head.weight is not None) == tied  # an untied head's first copy is gone
+    plain = load_model(str(folder), quantization="none")
+    ids = _prompt(30, plain.config.vocab_size, 5)
+    a = ModelRunner(plain, block_size=8, num_blocks=8).execute([SeqChunk(ids, 0, [0, 1, 2, 3])],
+                                                               return_all_logits=True)
+    b = ModelRunner(laid, block_size=8, num_blocks=8).execute([SeqChunk(ids, 0, [0, 1, 2, 3])],
+                                                              return_all_logits=True)
+    assert torch.equal(a, b)
+    q8 = load_model(str(folder), quantization="q8_0", cpu_layout=True).model  # quantized after: no layout
+    assert not isinstance(q8.lm_head, PackedLinear) and not isinstance(q8.layers[0].mlp.gate_up_proj,
+                                                                        InputMajorLinear)
+
+
 @pytest.mark.parametrize("rows", [1, 5, 9, 13, 33, 100, 257])
 def test_packed_linear_pads_rows_to_buckets_without_changing_the_result(rows: int) -> None:
     from pagedkv.models.packed_linear import PackedLinear, packing_available, padded_rows
