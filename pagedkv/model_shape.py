@@ -309,27 +309,53 @@ def kv_heads_per_rank(shape: ModelShape, tp: int = 1) -> int:
     return 1
 
 
-def kv_bytes_per_token(shape: ModelShape, kv_dtype: str, tp: int = 1) -> int:
+KV_QUANT_PARTS = ("kv", "v")  # kv_quant_parts: K and V 8-bit, or V 8-bit with K at the model dtype
+
+
+def check_kv_quant_parts(parts: object, kv_dtype: str, name: str = "kv_quant_parts") -> str:
+    """``parts`` if it is one of :data:`KV_QUANT_PARTS` that fits ``kv_dtype``: "kv" (K and V in
+    ``kv_dtype``) always, "v" (V 8-bit, K at the model dtype) only with an 8-bit ``kv_dtype``, since
+    it says which part the 8 bits hold. ValueError naming ``name`` and the accepted values otherwise
+    ("k", K 8-bit with V at full precision, is not offered: K's error dominates, measured in
+    docs/kv_quantization.md)."""
+    if parts not in KV_QUANT_PARTS:
+        raise ValueError(f"{name} must be one of {', '.join(KV_QUANT_PARTS)} (kv: K and V 8-bit; v: V 8-bit, K at "
+                         f"the model dtype), got {parts!r}")
+    if parts == "v" and KV_DTYPE_ALIASES.get(kv_dtype, kv_dtype) not in SCALED_KV_DTYPES:
+        raise ValueError(f"{name} 'v' keeps K at the model dtype and stores V 8-bit: it needs an 8-bit kv cache "
+                         f"dtype ({', '.join(sorted(SCALED_KV_DTYPES))}), got {kv_dtype!r}")
+    return str(parts)
+
+
+def kv_bytes_per_token(shape: ModelShape, kv_dtype: str, tp: int = 1, k_dtype: str | None = None) -> int:
     """KV bytes one token takes in one block on one rank, K and V of every layer the block holds
-    (all of them, or a hybrid model's group size: :func:`kv_layer_slots`; see the module diagram)."""
-    per_layer = ((shape.kv_lora_rank or 0) + (shape.qk_rope_head_dim or 0) if shape.is_mla
-                 else 2 * kv_heads_per_rank(shape, tp) * shape.head_dim)
-    return kv_layer_slots(shape) * per_layer * kv_dtype_bytes(kv_dtype)
+    (all of them, or a hybrid model's group size: :func:`kv_layer_slots`; see the module diagram).
+    ``k_dtype``: K's kind where it differs from V's (``kv_quant_parts`` "v": K at the model dtype)."""
+    if shape.is_mla:
+        per_layer = ((shape.kv_lora_rank or 0) + (shape.qk_rope_head_dim or 0)) * kv_dtype_bytes(kv_dtype)
+    else:
+        part = kv_heads_per_rank(shape, tp) * shape.head_dim
+        per_layer = part * (kv_dtype_bytes(k_dtype or kv_dtype) + kv_dtype_bytes(kv_dtype))
+    return kv_layer_slots(shape) * per_layer
 
 
-def scale_bytes_per_block(shape: ModelShape, kv_dtype: str, tp: int = 1) -> int:
+def scale_bytes_per_block(shape: ModelShape, kv_dtype: str, tp: int = 1, k_dtype: str | None = None) -> int:
     """Per-block scale bytes: the 8-bit kinds keep one fp32 scale per layer, K/V and KV head (MLA:
-    per layer); the float kinds none."""
+    per layer); the float kinds none (nor K at a float ``k_dtype``)."""
     if kv_dtype_name(kv_dtype) not in SCALED_KV_DTYPES:
         return 0
-    per_layer = 1 if shape.is_mla else 2 * kv_heads_per_rank(shape, tp)
+    parts = 1 if k_dtype is not None and kv_dtype_name(k_dtype) not in SCALED_KV_DTYPES else 2
+    per_layer = 1 if shape.is_mla else parts * kv_heads_per_rank(shape, tp)
     return kv_layer_slots(shape) * per_layer * SCALE_BYTES
 
 
-def kv_bytes_per_block(shape: ModelShape, block_size: int, kv_dtype: str, tp: int = 1) -> int:
-    """Bytes one KV block takes on one rank: ``block_size`` tokens plus the scale bytes."""
+def kv_bytes_per_block(shape: ModelShape, block_size: int, kv_dtype: str, tp: int = 1,
+                       k_dtype: str | None = None) -> int:
+    """Bytes one KV block takes on one rank: ``block_size`` tokens plus the scale bytes (``k_dtype``:
+    K's kind where it differs from V's, see :func:`kv_bytes_per_token`)."""
     check_block_size(block_size)
-    return block_size * kv_bytes_per_token(shape, kv_dtype, tp) + scale_bytes_per_block(shape, kv_dtype, tp)
+    return (block_size * kv_bytes_per_token(shape, kv_dtype, tp, k_dtype)
+            + scale_bytes_per_block(shape, kv_dtype, tp, k_dtype))
 
 
 def full_block_fraction(sink_blocks: int, max_model_len: int, block_size: int) -> float:

@@ -69,6 +69,8 @@ def build_rank_runner(config: EngineConfig, tp: TPGroup | None = None) -> tuple[
     path, _ = resolve_model_path(config.model, config.revision, config.download_dir)
     dtype = getattr(torch, resolve_dtype(config.dtype, path))
     kv_dtype = kv_format(config.kv_cache_dtype, dtype).name
+    model_dtype = str(dtype).removeprefix("torch.")
+    k_dtype = model_dtype if config.kv_quant_parts == "v" else None  # K's kind where it is not kv_dtype
     quantization = config.quantization
     if device.type == "cuda":  # the 8-bit weight kernel is a CPU one: dequantize on the GPU
         if quantization == "q8_0":
@@ -80,20 +82,20 @@ def build_rank_runner(config: EngineConfig, tp: TPGroup | None = None) -> tuple[
     block_size = resolve_block_size(config.block_size, loaded.config,
                                     config.max_model_len or loaded.config.max_position_embeddings, device,
                                     seq_len=config.block_size_seq_len)
-    per_block = bytes_per_block(loaded.config, block_size, kv_dtype)  # scales included (a rank's heads)
+    per_block = bytes_per_block(loaded.config, block_size, kv_dtype, k_dtype)  # scales included (a rank's heads)
     sizing = kv_sizing(config, loaded, block_size, per_block, device.type,  # the defaults, from free memory
                        ranks=tp.size if tp else 1)
     logger.info("%s", sizing.reason)
     device_blocks = config.num_kv_blocks or num_blocks_for_memory(
-        loaded.config, block_size, config.kv_cache_memory or sizing.kv_bytes, kv_dtype)
+        loaded.config, block_size, config.kv_cache_memory or sizing.kv_bytes, kv_dtype, k_dtype)
     full_blocks = 0
     if config.kv_sink_blocks:  # a mixed pool: sink blocks (and full-precision requests) at the model dtype
         full_blocks, device_blocks = mixed_pool_blocks(config, loaded.config, block_size, kv_dtype,
-                                                       str(dtype).removeprefix("torch."), device_blocks,
-                                                       config.kv_cache_memory or sizing.kv_bytes)
+                                                       model_dtype, device_blocks,
+                                                       config.kv_cache_memory or sizing.kv_bytes, k_dtype)
     # More host blocks than 4x the device pool buy nothing.
     host_bytes = int(config.kv_offloading_size * (1 << 30)) if sizing.host_bytes is None else sizing.host_bytes
-    host_per_block = (host_bytes_per_block(loaded.config, block_size, kv_dtype, str(dtype).removeprefix("torch."))
+    host_per_block = (host_bytes_per_block(loaded.config, block_size, kv_dtype, model_dtype, k_dtype)
                       if full_blocks else per_block)  # a mixed pool's host blocks hold either format
     host_blocks = min(host_bytes // host_per_block, 4 * device_blocks)
     if tp is not None:  # every rank holds the same blocks: rank 0's sizes
@@ -104,7 +106,7 @@ def build_rank_runner(config: EngineConfig, tp: TPGroup | None = None) -> tuple[
                          num_host_blocks=host_blocks, kv_cache_dtype=kv_dtype, device=device,
                          max_loras=config.max_loras if config.enable_lora else 0,
                          max_lora_rank=config.max_lora_rank, kv_full_blocks=full_blocks,
-                         cascade_attention=not config.disable_cascade_attn)
+                         cascade_attention=not config.disable_cascade_attn, kv_quant_parts=config.kv_quant_parts)
     head = runner.model.lm_head
     if isinstance(head, PackedLinear):  # every batch size's LM-head kernel built now: flat RSS later
         head.warm_up(config.max_num_seqs)
@@ -169,11 +171,12 @@ def kv_sizing(config: EngineConfig, loaded: Any, block_size: int, block_bytes: i
 
 
 def mixed_pool_blocks(config: EngineConfig, shape: Any, block_size: int, kv_dtype: str, model_dtype: str,
-                      device_blocks: int, memory: str | int) -> tuple[int, int]:
+                      device_blocks: int, memory: str | int, k_dtype: str | None = None) -> tuple[int, int]:
     """(full-precision blocks, all blocks) of a mixed pool for ``kv_sink_blocks``: the share
     ``ops/kv_format.full_block_fraction`` gives, raised to hold one full-precision request of
     ``max_model_len`` where that is at most half the pool, in ``num_kv_blocks`` blocks or in
-    ``memory`` (the full-precision blocks take their own bytes, so fewer blocks fit)."""
+    ``memory`` (the full-precision blocks take their own bytes, so fewer blocks fit; ``k_dtype``:
+    the other blocks' K kind, ``kv_quant_parts`` "v")."""
     from pagedkv.ops.kv_format import full_block_fraction
     from pagedkv.runner.kv_cache import mixed_split
 
@@ -185,10 +188,10 @@ def mixed_pool_blocks(config: EngineConfig, shape: Any, block_size: int, kv_dtyp
             raise ValueError("kv_sink_blocks needs num_kv_blocks >= 2 (a full-precision and an 8-bit block)")
         full = max(1, round(fraction * device_blocks), min(per_seq, device_blocks // 2))
         return min(device_blocks - 1, full), device_blocks
-    full, quant = mixed_split(shape, block_size, memory, kv_dtype, model_dtype, fraction)
+    full, quant = mixed_split(shape, block_size, memory, kv_dtype, model_dtype, fraction, k_dtype)
     if full < per_seq:
         full, quant = mixed_split(shape, block_size, memory, kv_dtype, model_dtype,
-                                  min(0.5, max(fraction, per_seq / (full + quant))))
+                                  min(0.5, max(fraction, per_seq / (full + quant))), k_dtype)
     logger.info("mixed KV pool: %d full-precision (%s) blocks for %d sink block(s) a sequence, %d %s blocks",
                 full, model_dtype, config.kv_sink_blocks, quant, kv_dtype)
     return full, full + quant

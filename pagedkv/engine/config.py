@@ -13,7 +13,7 @@ from pagedkv.memory import EVICTION_POLICIES
 from pagedkv.memory.prefix_index import PREFIX_INDEXES
 from pagedkv.memory.tenant_ledger import check_fraction, parse_quotas
 from pagedkv.memory.tiers.remote_store import check_url, require_client
-from pagedkv.model_shape import KV_CACHE_DTYPES, SCALED_KV_DTYPES
+from pagedkv.model_shape import KV_CACHE_DTYPES, SCALED_KV_DTYPES, check_kv_quant_parts
 from pagedkv.speculative.config import SpeculativeConfig
 from pagedkv.units import parse_bytes
 from pagedkv.weight_quant import QUANTIZATIONS
@@ -126,6 +126,10 @@ class EngineConfig:
         "model dtype in a mixed pool, the rest 8-bit; the pool gives full-precision blocks a share sized from "
         "this and max_model_len, and requests may ask for full-precision KV (kv_cache_dtype in the request); "
         "every attention backend reads it (docs/kv_quantization.md)")})
+    kv_quant_parts: str = field(default="kv", metadata={"help": (
+        "with an 8-bit kv_cache_dtype: which parts of a block are 8-bit: kv (K and V), or v (V 8-bit, K at "
+        "the model dtype: K's rounding costs more top-1 agreement than V's; a float32 model's blocks then hold "
+        "1.6x float32 blocks' tokens, not 4x); with kv_sink_blocks or without (docs/kv_quantization.md)")})
     quantization: str = field(default="auto", metadata={"help": (
         "linear weights: none (the model dtype), q8_0 (int8 + a scale and offset per 32 values; GGUF "
         "types it cannot hold exactly are requantized), auto: a GGUF's weights kept 8-bit where exact "
@@ -303,6 +307,7 @@ class EngineConfig:
             if self.kv_cache_dtype not in SCALED_KV_DTYPES and self.kv_cache_dtype != "fp8":
                 raise ValueError(f"kv_sink_blocks keeps sink blocks at the model dtype beside 8-bit ones: it needs an "
                                  f"8-bit kv_cache_dtype (int8, fp8, fp8_e5m2), got {self.kv_cache_dtype!r}")
+        check_kv_quant_parts(self.kv_quant_parts, self.kv_cache_dtype)
         _one_of("quantization", self.quantization, QUANTIZATIONS)
         if self.fault_injection:
             FaultSpec.parse(self.fault_injection)

@@ -19,7 +19,7 @@ from pagedkv.block_size import parse_block_size
 from pagedkv.engine.config import DEVICES, DTYPES, PREEMPTION_MODES, EngineConfig
 from pagedkv.memory import EVICTION_POLICIES
 from pagedkv.memory.prefix_index import PREFIX_INDEXES
-from pagedkv.model_shape import KV_CACHE_DTYPES
+from pagedkv.model_shape import KV_CACHE_DTYPES, KV_QUANT_PARTS
 from pagedkv.weight_quant import QUANTIZATIONS
 
 
@@ -57,6 +57,7 @@ _ARGPARSE: dict[str, dict[str, Any]] = {
     "dtype": {"choices": DTYPES},
     "kv_cache_dtype": {"choices": KV_CACHE_DTYPES},
     "kv_sink_blocks": {"type": int},
+    "kv_quant_parts": {"choices": KV_QUANT_PARTS},
     "quantization": {"choices": QUANTIZATIONS},
     "seed": {"type": int},
     "debug_integrity": _SWITCH,

@@ -59,6 +59,8 @@ def tier_fingerprint(runner: Runner, model_name: str, identity: dict[str, str] |
         **({"weights": quantization} if quantization else {}),  # other weights, other K/V
         "block_size": str(runner.block_size),
         "kv_cache_dtype": runner.kv_format.name,
+        # K at the model dtype beside 8-bit V: other bytes (the key absent for "kv": its files stay valid)
+        **({"kv_quant_parts": runner.kv_quant_parts} if runner.kv_quant_parts != "kv" else {}),
         "shape": f"layers={cfg.num_hidden_layers} kv_heads={cfg.num_key_value_heads} head_dim={cfg.head_dim}" + layout,
         "payload": PAYLOAD_LAYOUT,
         **({"tensor_parallel_size": str(tensor_parallel_size)} if tensor_parallel_size > 1 else {}),

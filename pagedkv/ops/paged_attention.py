@@ -160,13 +160,21 @@ def _capped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 @dataclass(frozen=True, slots=True)
 class QuantBlocks:
     """A mixed pool's 8-bit blocks of one layer: block ``b >= base`` is ``k_quant[b - base] *
-    k_scales[b - base, kv_head]`` (V alike); ids below ``base`` are the float caches'."""
+    k_scales[b - base, kv_head]`` (V alike); ids below ``base`` are the float caches'. ``k_base``:
+    K's own base where it differs from V's (``kv_quant_parts`` "v": every block's K in the float
+    ``k_cache``, ``k_quant`` and ``k_scales`` with 0 blocks)."""
 
-    k_quant: torch.Tensor  # [num_quant, block_size, kv_heads, head_dim] int8 / fp8
-    v_quant: torch.Tensor
-    k_scales: torch.Tensor  # [num_quant, kv_heads] float32
+    k_quant: torch.Tensor  # [num_blocks - key_base, block_size, kv_heads, head_dim] int8 / fp8
+    v_quant: torch.Tensor  # [num_blocks - base, ...]
+    k_scales: torch.Tensor  # [num_blocks - key_base, kv_heads] float32
     v_scales: torch.Tensor
     base: int
+    k_base: int | None = None
+
+    @property
+    def key_base(self) -> int:
+        """Block ids below it hold K at full precision (the float ``k_cache``)."""
+        return self.base if self.k_base is None else self.k_base
 
 
 def blocks_as_float(ids: torch.Tensor, full: torch.Tensor | None, quant: torch.Tensor | None,
@@ -228,8 +236,8 @@ def native_paged_attention(
     needs ``pagedkv.ops.native.available()``). Caches: float32, float16, bfloat16, or int8 /
     fp8 (e4m3, e5m2) with their per-block scales, dequantized inside the kernel; or, with
     ``quant``, a mixed pool: block ids below ``quant.base`` in the float ``k_cache``/``v_cache``,
-    the others 8-bit in ``quant`` (the format of a block is its id's range). Accumulates in
-    float32; returns ``out``."""
+    the others 8-bit in ``quant`` (the format of a block is its id's range; K's range ends at
+    ``quant.key_base``, the length of ``k_cache``). Accumulates in float32; returns ``out``."""
     if not native.available():  # loads (or builds) the kernel on first use; a dict lookup after
         raise RuntimeError(f"the native paged-attention kernel is unavailable: {native.why_unavailable()}")
     d = q.shape[-1]
@@ -240,6 +248,9 @@ def native_paged_attention(
         if not hasattr(torch.ops.pagedkv, "paged_attention_mixed"):
             raise RuntimeError("the native kernels were built without paged_attention_mixed (an older build): "
                                "rebuild them with 'python -m pagedkv.ops.native'")
+        if k_cache.shape[0] != quant.key_base or v_cache.shape[0] != quant.base:  # (the kernel reads them so)
+            raise ValueError(f"a mixed pool's float caches hold the ids below its bases: k_cache {k_cache.shape[0]} "
+                             f"blocks for key_base {quant.key_base}, v_cache {v_cache.shape[0]} for base {quant.base}")
         torch.ops.pagedkv.paged_attention_mixed(target, qf, k_cache, v_cache, quant.k_quant, quant.v_quant,
                                                 quant.k_scales, quant.v_scales, meta.block_tables, meta.row_seq,
                                                 meta.row_len, alpha, sliding_window or 0, softcap or 0.0)

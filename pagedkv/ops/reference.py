@@ -42,13 +42,14 @@ def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               k_scales: torch.Tensor | None = None,
                               v_scales: torch.Tensor | None = None, softcap: float | None = None,
                               k_quant: torch.Tensor | None = None, v_quant: torch.Tensor | None = None,
-                              base: int = 0) -> torch.Tensor:
+                              base: int = 0, k_base: int | None = None) -> torch.Tensor:
     """What ``native_paged_attention`` computes, one row at a time: row r's sequence's first
     ``row_len[r]`` cached tokens gathered contiguously (8-bit blocks dequantized with their
     ``[num_blocks, kv_heads]`` scales) and attended by ``reference_attention`` (rows of length 0
     stay zero); returns float32 ``[rows, heads, d]``. A mixed pool (``k_quant``/``v_quant``):
     block ``b < base`` is read from the float ``k_cache``/``v_cache`` as stored, block ``b >=
-    base`` is ``k_quant[b - base] * k_scales[b - base]``, block by block."""
+    base`` is ``k_quant[b - base] * k_scales[b - base]``, block by block; ``k_base``: K's own base
+    where it differs from V's (K full precision below it, 8-bit from it)."""
     rows, heads, d = q.shape
     kvh = k_cache.shape[2]
     out = torch.zeros(rows, heads, d, dtype=torch.float32)
@@ -60,7 +61,7 @@ def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         return blocks.reshape(-1, kvh, d)[:n]
 
     def gather_mixed(cache: torch.Tensor, quant: torch.Tensor, scales: torch.Tensor | None, table: torch.Tensor,
-                     n: int) -> torch.Tensor:
+                     n: int, base: int) -> torch.Tensor:
         parts = []
         for b in table.tolist():
             if b < base:
@@ -75,8 +76,8 @@ def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             continue
         table = torch.tensor(block_tables[row_seq[r]], dtype=torch.long)
         if k_quant is not None and v_quant is not None:
-            keys = gather_mixed(k_cache, k_quant, k_scales, table, n)
-            values = gather_mixed(v_cache, v_quant, v_scales, table, n)
+            keys = gather_mixed(k_cache, k_quant, k_scales, table, n, base if k_base is None else k_base)
+            values = gather_mixed(v_cache, v_quant, v_scales, table, n, base)
         else:
             keys = gather(k_cache, k_scales, table, n)
             values = gather(v_cache, v_scales, table, n)

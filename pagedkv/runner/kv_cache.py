@@ -23,17 +23,40 @@ at model precision beside 8-bit blocks) holds two storages, and a block's format
 so one block table mixes formats and every kernel picks a block's from its id (``quant_base`` = F;
 :class:`LayerBlocks`). Each storage keeps today's layout, and an all-float or all-8-bit pool is
 exactly today's (``quant_base`` = num_blocks or 0).
+
+``quant_parts="v"`` (``kv_quant_parts``: V 8-bit, K at the model dtype) splits K from V: K of every
+block lies in one model-dtype tensor, and V is a mixed pool of its own (F >= 0 full-precision
+blocks, the sink blocks and full-precision requests'; the rest 8-bit)::
+
+    all ids           keys      [num_layers, 1, F + Q, block_size, kv_heads, head_dim]  model dtype
+    ids [0, F)        kv        [num_layers, 1, F, ...]  V, model dtype
+    ids [F, F + Q)    quant_kv  [num_layers, 1, Q, ...]  V 8-bit, scales [num_layers, 1, Q, kv_heads]
+
+so a block's K is read in place, its V by its id's range (:class:`LayerBlocks` ``k_base`` = F + Q,
+``base`` = F), and a block move is a plain copy of K plus the mixed move of V (:meth:`KVCache.copy`,
+:meth:`KVCache.swap`, :meth:`KVCache.payloads`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from pagedkv.model_shape import check_block_size, kv_bytes_per_block, kv_groups, mixed_block_split
+from pagedkv.model_shape import check_block_size, check_kv_quant_parts, kv_bytes_per_block, kv_groups, mixed_block_split
 from pagedkv.models.config import ModelConfig
-from pagedkv.ops.cache_ops import MixedBlocks
+from pagedkv.ops.cache_ops import (
+    MixedBlocks,
+    block_payloads,
+    copy_blocks,
+    copy_blocks_mixed,
+    load_block_payloads,
+    load_mixed_payloads,
+    mixed_payloads,
+    move_blocks_mixed,
+    swap_blocks,
+)
 from pagedkv.ops.kv_format import KVFormat, kv_format
 from pagedkv.units import parse_bytes
 
@@ -48,17 +71,20 @@ def parse_memory_size(value: str | int) -> int:
     return size
 
 
-def bytes_per_block(config: ModelConfig, block_size: int, kv_dtype: str | torch.dtype = torch.float32) -> int:
+def bytes_per_block(config: ModelConfig, block_size: int, kv_dtype: str | torch.dtype = torch.float32,
+                    k_dtype: str | torch.dtype | None = None) -> int:
     """Bytes one block of :class:`KVCache` takes across all layers, K and V, scales included
     (:func:`pagedkv.model_shape.kv_bytes_per_block`). ``kv_dtype``: a KV kind or torch dtype
-    (:func:`pagedkv.ops.kv_format.kv_format`). Raises ValueError for a bad ``block_size`` or kind."""
-    return kv_bytes_per_block(config, block_size, kv_format(kv_dtype).name)
+    (:func:`pagedkv.ops.kv_format.kv_format`); ``k_dtype``: K's kind where it differs (``quant_parts``
+    "v": the model dtype). Raises ValueError for a bad ``block_size`` or kind."""
+    k_name = kv_format(k_dtype).name if k_dtype is not None else None
+    return kv_bytes_per_block(config, block_size, kv_format(kv_dtype).name, k_dtype=k_name)
 
 
 def num_blocks_for_memory(config: ModelConfig, block_size: int, memory: str | int,
-                          kv_dtype: str | torch.dtype = torch.float32) -> int:
+                          kv_dtype: str | torch.dtype = torch.float32, k_dtype: str | torch.dtype | None = None) -> int:
     """How many blocks fit in ``memory`` (a size string or bytes); at least 1 or ValueError."""
-    per_block = bytes_per_block(config, block_size, kv_dtype)
+    per_block = bytes_per_block(config, block_size, kv_dtype, k_dtype)
     n = parse_memory_size(memory) // per_block
     if n < 1:
         raise ValueError(
@@ -68,18 +94,24 @@ def num_blocks_for_memory(config: ModelConfig, block_size: int, memory: str | in
     return n
 
 
-def host_bytes_per_block(config: ModelConfig, block_size: int, kv_dtype: str, full_dtype: str | None) -> int:
-    """Bytes one host block takes: a mixed pool's (``full_dtype`` given) hold both formats."""
-    own = bytes_per_block(config, block_size, kv_dtype)
-    return own + bytes_per_block(config, block_size, full_dtype) if full_dtype is not None else own
+def host_bytes_per_block(config: ModelConfig, block_size: int, kv_dtype: str, full_dtype: str | None,
+                         k_dtype: str | None = None) -> int:
+    """Bytes one host block takes: a mixed pool's (``full_dtype`` given) hold both formats (with
+    ``k_dtype``, K at the model dtype, only V has two: K's bytes once)."""
+    own = bytes_per_block(config, block_size, kv_dtype, k_dtype)
+    if full_dtype is None:
+        return own
+    full = bytes_per_block(config, block_size, full_dtype)
+    return own + (full // 2 if k_dtype is not None else full)  # (K and V of a full block: equal halves)
 
 
 def mixed_split(config: ModelConfig, block_size: int, memory: str | int, kv_dtype: str, full_dtype: str,
-                full_fraction: float) -> tuple[int, int]:
+                full_fraction: float, k_dtype: str | None = None) -> tuple[int, int]:
     """(full-precision blocks, 8-bit blocks) of a mixed pool in ``memory``: a ``full_fraction``
-    share of the blocks (at least 1) at ``full_dtype``, the rest at ``kv_dtype``. ValueError when
-    not even one block of each fits."""
-    full, quant = bytes_per_block(config, block_size, full_dtype), bytes_per_block(config, block_size, kv_dtype)
+    share of the blocks (at least 1) at ``full_dtype``, the rest at ``kv_dtype`` (K at ``k_dtype``
+    where given). ValueError when not even one block of each fits."""
+    full = bytes_per_block(config, block_size, full_dtype)
+    quant = bytes_per_block(config, block_size, kv_dtype, k_dtype)
     num_full, num_quant = mixed_block_split(parse_memory_size(memory), full, quant, full_fraction)
     if num_quant < 1:
         raise ValueError(f"kv_cache_memory {memory!r} holds no 8-bit block beside {num_full} full-precision ones "
@@ -93,7 +125,8 @@ class LayerBlocks:
     """Where one layer's blocks lie (views). A single-format pool: ``k``/``v`` ``[num_blocks,
     block_size, kv_heads, head_dim]`` (with ``k_scales``/``v_scales`` ``[num_blocks, kv_heads]``
     for the 8-bit kinds), ``k_quant`` None. A mixed pool: block ``b < base`` is ``k[b]``, block
-    ``b >= base`` is ``k_quant[b - base] * k_scales[b - base, kv_head]`` (V alike)."""
+    ``b >= base`` is ``k_quant[b - base] * k_scales[b - base, kv_head]`` (V alike). ``k_base``: K's
+    own base where it differs (``quant_parts`` "v": every block's K in ``k``, ``k_quant`` empty)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -102,10 +135,16 @@ class LayerBlocks:
     k_quant: torch.Tensor | None = None
     v_quant: torch.Tensor | None = None
     base: int = 0
+    k_base: int | None = None
 
     @property
     def mixed(self) -> bool:
         return self.k_quant is not None
+
+    @property
+    def key_base(self) -> int:
+        """Block ids below it hold K at full precision in ``k``."""
+        return self.base if self.k_base is None else self.k_base
 
 
 class KVCache:
@@ -116,11 +155,17 @@ class KVCache:
     ``[0, full_blocks)`` at ``full_dtype`` (the model dtype), the other ``num_blocks - full_blocks``
     8-bit (``quant_kv``; ``scales`` indexed by id - ``quant_base``). Its host pool holds both
     storages for every host block (``host_kv``, ``host_quant_kv``, ``host_scales``) and
-    ``host_full[h]``: a swapped block keeps its format there (``ops/cache_ops.MixedBlocks``)."""
+    ``host_full[h]``: a swapped block keeps its format there (``ops/cache_ops.MixedBlocks``).
+
+    ``quant_parts="v"`` (an 8-bit ``dtype``): V 8-bit, K of every block at ``full_dtype`` in
+    ``keys`` (host: ``host_keys``); ``kv``/``quant_kv``/``scales`` then hold V alone (one part, not
+    two) as a mixed pool with ``full_blocks`` >= 0 (module docstring). ValueError for a bad value,
+    or on an MLA model (its one latent is K and V at once)."""
 
     def __init__(self, config: ModelConfig, *, block_size: int, num_blocks: int, num_host_blocks: int = 0,
                  dtype: str | torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 full_blocks: int = 0, full_dtype: str | torch.dtype = torch.float32) -> None:
+                 full_blocks: int = 0, full_dtype: str | torch.dtype = torch.float32,
+                 quant_parts: str = "kv") -> None:
         check_block_size(block_size)
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -136,7 +181,20 @@ class KVCache:
         self.quant_kv: torch.Tensor | None = None  # a mixed pool's 8-bit storage
         self.host_quant_kv: torch.Tensor | None = None  # and its host pool's
         self.host_full: list[bool] = []  # a mixed pool's host blocks: which storage holds each
-        if full_blocks:
+        self.quant_parts = check_kv_quant_parts(quant_parts, self.format.name, "quant_parts")
+        self.keys: torch.Tensor | None = None  # quant_parts "v": K of every block, model dtype
+        self.host_keys: torch.Tensor | None = None
+        if self.quant_parts == "v":
+            if getattr(config, "is_mla", False):
+                raise ValueError("kv_quant_parts 'v' splits K from V; an MLA model's one latent is both: use "
+                                 "kv_quant_parts kv")
+            if self.full_format.scaled:
+                raise ValueError(f"kv_quant_parts 'v' keeps K at the model dtype: it needs a float model dtype, "
+                                 f"got {self.full_format.name}")
+            if not 0 <= full_blocks < num_blocks:
+                raise ValueError(f"full_blocks must be in [0, num_blocks - 1] = [0, {num_blocks - 1}] with "
+                                 f"quant_parts 'v', got {full_blocks}")
+        elif full_blocks:
             if not self.format.scaled or self.full_format.scaled:
                 raise ValueError(f"a mixed KV pool needs an 8-bit kv_cache_dtype and a float model dtype, got "
                                  f"{self.format.name} and {self.full_format.name}")
@@ -156,6 +214,9 @@ class KVCache:
         shape = (layers, pairs, block_size, kvh, config.head_dim)
         self.scales: torch.Tensor | None = None
         self.host_scales: torch.Tensor | None = None
+        if self.quant_parts == "v":
+            self._init_v_parts(config, shape, full_blocks, device)
+            return
         if full_blocks:
             full_bytes = bytes_per_block(config, block_size, self.full_format.name)
             self.bytes_per_full_block, self.bytes_per_quant_block = full_bytes, self.bytes_per_block
@@ -182,9 +243,40 @@ class KVCache:
             self.scales = torch.zeros(layers, pairs, num_blocks, kvh, dtype=torch.float32, device=device)
             self.host_scales = torch.zeros(layers, pairs, num_host_blocks, kvh, dtype=torch.float32)
 
+    def _init_v_parts(self, config: ModelConfig, shape: tuple[int, ...], full_blocks: int,
+                      device: torch.device | str) -> None:
+        """``quant_parts`` "v": K of every block in ``keys``, V as a mixed pool of one part."""
+        layers, _, block_size, kvh, d = shape
+        num_quant, num_host = self.num_blocks - full_blocks, self.num_host_blocks
+        part = (layers, 1)
+        full_dtype = self.full_format.storage
+        full_bytes = bytes_per_block(config, block_size, self.full_format.name)
+        self.bytes_per_full_block = full_bytes
+        self.bytes_per_quant_block = bytes_per_block(config, block_size, self.format.name, self.full_format.name)
+        # the mean, so that blocks * bytes_per_block is the pool's bytes
+        self.bytes_per_block = -(-(full_blocks * full_bytes + num_quant * self.bytes_per_quant_block)
+                                 // self.num_blocks)
+        self.keys = torch.zeros(part + (self.num_blocks, block_size, kvh, d), dtype=full_dtype, device=device)
+        self.kv = torch.zeros(part + (full_blocks, block_size, kvh, d), dtype=full_dtype, device=device)
+        self.quant_kv = torch.zeros(part + (num_quant, block_size, kvh, d), dtype=self.dtype, device=device)
+        self.scales = torch.zeros(part + (num_quant, kvh), dtype=torch.float32, device=device)
+        # K's 0 8-bit blocks: the kernels' K storage past k_base (never read)
+        self._no_k_quant = torch.zeros(0, block_size, kvh, d, dtype=self.dtype, device=device)
+        self._no_k_scales = torch.zeros(0, kvh, dtype=torch.float32, device=device)
+        pin = torch.device(device).type == "cuda"
+        host = (num_host, block_size, kvh, d)
+        self.host_keys = torch.zeros(part + host, dtype=full_dtype, pin_memory=pin)
+        # V's host blocks hold either format (host_full says which); no full-precision V without F
+        self.host_kv = torch.zeros(part + ((num_host if full_blocks else 0),) + host[1:], dtype=full_dtype,
+                                   pin_memory=pin)
+        self.host_quant_kv = torch.zeros(part + host, dtype=self.dtype, pin_memory=pin)
+        self.host_scales = torch.zeros(part + (num_host, kvh), dtype=torch.float32)
+        self.host_full = [False] * num_host
+
     @property
     def is_mixed(self) -> bool:
-        """Whether the pool mixes full-precision and 8-bit blocks (``quant_kv`` is set)."""
+        """Whether the pool mixes formats (``quant_kv`` is set): full-precision and 8-bit blocks, or
+        ``quant_parts`` "v"."""
         return self.quant_kv is not None
 
     def block_format(self, block_id: int) -> KVFormat:
@@ -195,6 +287,10 @@ class KVCache:
         """Where one layer's blocks lie, whatever the pool (:class:`LayerBlocks`)."""
         slot = self.slot_of[layer_idx]
         k_scales, v_scales = self.layer_scales(layer_idx)
+        if self.keys is not None:  # quant_parts "v": K of every block in keys, V mixed
+            assert self.quant_kv is not None
+            return LayerBlocks(self.keys[slot, 0], self.kv[slot, 0], self._no_k_scales, v_scales, self._no_k_quant,
+                               self.quant_kv[slot, 0], self.quant_base, self.num_blocks)
         if self.quant_kv is None:
             return LayerBlocks(self.kv[slot, 0], self.kv[slot, -1], k_scales, v_scales, base=self.quant_base)
         return LayerBlocks(self.kv[slot, 0], self.kv[slot, -1], k_scales, v_scales, self.quant_kv[slot, 0],
@@ -221,19 +317,88 @@ class KVCache:
         slot = self.slot_of[layer_idx]
         return self.scales[slot, 0], self.scales[slot, -1]
 
+    def copy(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write in a mixed pool: block ``src`` -> ``dst`` for each pair, every layer, each
+        block keeping its destination's format (``ops/cache_ops.copy_blocks_mixed``; ``quant_parts``
+        "v": K copied as it is)."""
+        assert self.quant_kv is not None and self.scales is not None  # a mixed pool
+        if self.keys is not None:
+            copy_blocks(self.keys, pairs)
+        copy_blocks_mixed(self.kv, self.quant_kv, self.scales, self.format, pairs)
+
+    def swap(self, pairs: Sequence[tuple[int, int]], to_host: bool) -> None:
+        """A mixed pool's swap: (device, host) pairs out to the host pool, or (host, device) pairs
+        back in; each block keeps its format on the host, and comes back in its device block's
+        (``ops/cache_ops.move_blocks_mixed``)."""
+        if self.keys is not None:
+            assert self.host_keys is not None
+            swap_blocks(*((self.keys, self.host_keys) if to_host else (self.host_keys, self.keys)), pairs)
+        move_blocks_mixed(self.mixed_blocks(host=not to_host), self.mixed_blocks(host=to_host), pairs, self.format)
+
+    def payloads(self, block_ids: Sequence[int], host: bool = False) -> list[bytes]:
+        """A mixed pool's blocks (device or host) as disk-tier payloads, all one size: the mixed
+        layout of ``ops/cache_ops.mixed_payloads`` (format byte 1 full precision, 0 8-bit). With
+        ``quant_parts`` "v": format byte 2 (V full precision) or 3 (V 8-bit), K's bytes, then V's
+        (scales after 8-bit V), zero-padded to the larger V; the other bytes than "kv"'s, so a
+        payload of one pool is refused by the other's :meth:`load_host_payloads`."""
+        pool = self.mixed_blocks(host)
+        if self.keys is None:
+            return mixed_payloads(pool, block_ids)
+        keys = self.host_keys if host else self.keys
+        assert keys is not None
+        v_size = self._v_payload_size()
+        return [bytes([_V_FULL if v[0] else _V_QUANT]) + k + v[1:v_size]
+                for k, v in zip(block_payloads(keys, block_ids), mixed_payloads(pool, block_ids))]
+
+    def load_host_payloads(self, pairs: Sequence[tuple[int, bytes]]) -> None:
+        """Write ``(host block, payload)`` pairs made by :meth:`payloads` into a mixed pool's host
+        blocks, each in the format its payload names; ValueError, writing nothing, for a payload of
+        another size or format byte (another pool's)."""
+        if self.keys is None:
+            load_mixed_payloads(self.mixed_blocks(host=True), pairs, self.format)
+            return
+        assert self.host_keys is not None
+        assert self.keys is not None
+        k_size = self.keys[:, :, 0].numel() * self.keys.element_size()  # one block's K, every layer
+        v_size, padded = self._v_payload_size(), self._v_payload_size(padded=True)
+        allowed = (_V_FULL, _V_QUANT) if self.quant_base else (_V_QUANT,)
+        for _, payload in pairs:
+            if len(payload) != k_size + v_size or payload[0] not in allowed:
+                raise ValueError(f"a KV block payload (kv_quant_parts v) has {len(payload)} bytes (format byte "
+                                 f"{payload[:1]!r}); this pool's take {k_size + v_size}, format byte "
+                                 f"{' or '.join(map(str, allowed))}")
+        keys = [(h, p[1:1 + k_size]) for h, p in pairs]
+        values = [(h, bytes([p[0] == _V_FULL]) + p[1 + k_size:] + bytes(padded - v_size)) for h, p in pairs]
+        load_block_payloads(self.host_keys, keys)
+        load_mixed_payloads(self.mixed_blocks(host=True), values, self.format)
+
+    def _v_payload_size(self, padded: bool = False) -> int:
+        """``quant_parts`` "v": bytes of V's part of a payload (format byte included): as
+        ``mixed_payloads`` pads it, or (not ``padded``) to the 8-bit size where the pool holds no
+        full-precision V."""
+        assert self.quant_kv is not None and self.scales is not None
+        per_block = (self.quant_kv[:, :, :1].numel() * self.quant_kv.element_size()
+                     + self.scales[:, :, :1].numel() * self.scales.element_size())
+        full = self.quant_kv[:, :, :1].numel() * self.full_format.storage.itemsize
+        return 1 + (max(per_block, full) if padded or self.quant_base else per_block)
+
     @property
     def device_bytes(self) -> int:
-        return _bytes(self.kv) + _bytes(self.quant_kv) + _bytes(self.scales)
+        return _bytes(self.kv) + _bytes(self.quant_kv) + _bytes(self.scales) + _bytes(self.keys)
 
     @property
     def host_bytes(self) -> int:
-        return _bytes(self.host_kv) + _bytes(self.host_quant_kv) + _bytes(self.host_scales)
+        return _bytes(self.host_kv) + _bytes(self.host_quant_kv) + _bytes(self.host_scales) + _bytes(self.host_keys)
 
     def __repr__(self) -> str:
         return (f"KVCache(block_size={self.block_size}, num_blocks={self.num_blocks}, "
                 f"num_host_blocks={self.num_host_blocks}, kv_dtype={self.format.name}, "
-                + (f"full_blocks={self.quant_base} ({self.full_format.name}), " if self.is_mixed else "") +
+                + (f"full_blocks={self.quant_base} ({self.full_format.name}), " if self.is_mixed else "")
+                + ("quant_parts=v, " if self.keys is not None else "") +
                 f"device_bytes={self.device_bytes})")
+
+
+_V_FULL, _V_QUANT = 2, 3  # quant_parts "v" payloads' format bytes ("kv" pools: 1 and 0)
 
 
 def _bytes(t: torch.Tensor | None) -> int:

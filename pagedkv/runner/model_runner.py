@@ -28,11 +28,7 @@ from pagedkv.ops import cascade, native
 from pagedkv.ops.cache_ops import (
     block_payloads,
     copy_blocks,
-    copy_blocks_mixed,
     load_block_payloads,
-    load_mixed_payloads,
-    mixed_payloads,
-    move_blocks_mixed,
     swap_blocks,
     write_kv,
     write_kv_scaled,
@@ -127,7 +123,8 @@ class _StepAttention:
             self._stage_ids[id(inp)] = ids
         caches = [blocks_as_float(ids, full[i] if full is not None else None,
                                   None if quant is None else (quant.k_quant, quant.v_quant)[i],
-                                  None if quant is None else (quant.k_scales, quant.v_scales)[i], base, q.dtype)
+                                  None if quant is None else (quant.k_scales, quant.v_scales)[i],
+                                  quant.key_base if quant is not None and i == 0 else base, q.dtype)
                   for i in (0, 1)]
         if quant is not None:
             kvh, d = caches[0].shape[-2:]
@@ -154,11 +151,14 @@ class _StepAttention:
                window: int | None) -> torch.Tensor:
         """Cache write and attention over a mixed pool: new rows whose slot lies in a full-precision
         block are stored as they are, the others quantized into their 8-bit block; the kernel reads
-        each block in its own format (every row goes through it)."""
+        each block in its own format (every row goes through it). ``kv_quant_parts`` "v": every
+        row's K is stored as it is (``blocks.k`` holds every block's), V as above."""
         blocks = self.cache.layer_blocks(layer_idx)
         assert blocks.k_quant is not None and blocks.v_quant is not None and self.write_error is not None
         assert blocks.k_scales is not None and blocks.v_scales is not None
-        quant = QuantBlocks(blocks.k_quant, blocks.v_quant, blocks.k_scales, blocks.v_scales, blocks.base)
+        quant = QuantBlocks(blocks.k_quant, blocks.v_quant, blocks.k_scales, blocks.v_scales, blocks.base,
+                            blocks.k_base)
+        k_full = blocks.k_base is not None  # (K of every block at full precision)
         if inp.triton is not None:
             return self._triton(layer_idx, q, k, v, blocks.k, blocks.v, None, None, inp, window, quant)
         split = self._splits.get(id(inp))
@@ -170,18 +170,24 @@ class _StepAttention:
                      slots.index_select(0, quant_rows) - blocks.base * self.cache.block_size)
             self._splits[id(inp)] = split
         full_rows, full_slots, quant_rows, quant_slots = split
-        if len(full_rows):
+        if k_full:
+            kvh, d = blocks.k.shape[-2:]
+            blocks.k.view(-1, kvh, d).index_copy_(0, inp.slot_mapping, k.to(blocks.k.dtype))
+            if len(full_rows):
+                blocks.v.view(-1, kvh, d).index_copy_(0, full_slots, v.index_select(0, full_rows).to(blocks.v.dtype))
+        elif len(full_rows):
             write_kv(blocks.k, blocks.v, k.index_select(0, full_rows), v.index_select(0, full_rows), full_slots)
         if len(quant_rows):
             err = self.write_error[layer_idx]
-            write_kv_scaled(blocks.k_quant, blocks.k_scales, k.index_select(0, quant_rows), quant_slots, err[0])
+            if not k_full:
+                write_kv_scaled(blocks.k_quant, blocks.k_scales, k.index_select(0, quant_rows), quant_slots, err[0])
             write_kv_scaled(blocks.v_quant, blocks.v_scales, v.index_select(0, quant_rows), quant_slots, err[1])
         if inp.native is None:  # the plain path: the step's blocks read in their formats
             return self._plain_staged(q, k, v, inp, window, (blocks.k, blocks.v), quant, quant.base)
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype)
-        if inp.native.num_rows:
-            cascade.cascade_attention(out, q, blocks.k, blocks.v, inp.native, inp.cascade, self.scale,
-                                      sliding_window=window, softcap=self.softcap, quant=quant)
+        if inp.native.num_rows:  # (shared-block attention reads K and V by one base: not for kv_quant_parts v)
+            cascade.cascade_attention(out, q, blocks.k, blocks.v, inp.native, None if k_full else inp.cascade,
+                                      self.scale, sliding_window=window, softcap=self.softcap, quant=quant)
         return out
 
     def _triton(self, layer_idx: int, q, k, v, k_cache, v_cache, k_scales, v_scales, inp: StepInputs,
@@ -205,8 +211,12 @@ class _StepAttention:
                 full = inp.slot_mapping < edge
                 split = self._slot_splits[id(inp)] = (torch.where(full, inp.slot_mapping, -1),
                                                       torch.where(full, -1, inp.slot_mapping - edge))
-            tc.write_kv(k_cache, v_cache, k, v, split[0])
-            tc.write_kv_scaled(quant.k_quant, quant.k_scales, k, split[1], err[0])
+            if quant.k_base is not None:  # kv_quant_parts "v": every row's K as it is (one cache: given twice)
+                tc.write_kv(k_cache, k_cache, k, k, inp.slot_mapping)
+                tc.write_kv(v_cache, v_cache, v, v, split[0])
+            else:
+                tc.write_kv(k_cache, v_cache, k, v, split[0])
+                tc.write_kv_scaled(quant.k_quant, quant.k_scales, k, split[1], err[0])
             tc.write_kv_scaled(quant.v_quant, quant.v_scales, v, split[1], err[1])
         elif k_scales is not None:
             assert self.write_error is not None
@@ -336,6 +346,7 @@ class ModelRunner:
         max_lora_rank: int = 16,
         kv_full_blocks: int = 0,
         cascade_attention: bool = True,
+        kv_quant_parts: str = "kv",
     ) -> None:
         net = model.model if isinstance(model, LoadedModel) else model
         self.device = resolve_device(device)
@@ -369,10 +380,11 @@ class ModelRunner:
             raise ValueError("give exactly one of num_blocks and kv_cache_memory")
         if num_blocks is None:
             assert kv_cache_memory is not None
-            num_blocks = num_blocks_for_memory(self.config, block_size, kv_cache_memory, fmt.name)
+            num_blocks = num_blocks_for_memory(self.config, block_size, kv_cache_memory, fmt.name,
+                                               model_dtype if kv_quant_parts == "v" else None)
         self.cache = KVCache(self.config, block_size=block_size, num_blocks=num_blocks,
                              num_host_blocks=num_host_blocks, dtype=fmt.name, device=self.device,
-                             full_blocks=kv_full_blocks, full_dtype=model_dtype)
+                             full_blocks=kv_full_blocks, full_dtype=model_dtype, quant_parts=kv_quant_parts)
         # Quantization error of what the 8-bit formats store: sum((dequantized - x)^2), sum(x^2)
         # per layer and K/V, accumulated by the write kernel (kv_quant_error reads it).
         self.write_error = (torch.zeros(self.config.num_hidden_layers, 2, 2, dtype=torch.float64,
@@ -409,6 +421,11 @@ class ModelRunner:
     def kv_full_blocks(self) -> int:
         """A mixed pool's full-precision blocks (ids below it); 0 for a single-format pool."""
         return self.cache.quant_base if self.cache.is_mixed else 0
+
+    @property
+    def kv_quant_parts(self) -> str:
+        """Which parts an 8-bit pool's blocks hold 8-bit: "kv", or "v" (K at the model dtype)."""
+        return self.cache.quant_parts
 
     def kv_quant_error(self) -> list[tuple[float, float]] | None:
         """Relative RMS error (K, V) per layer of every row stored so far in an 8-bit format
@@ -515,8 +532,7 @@ class ModelRunner:
         """Copy-on-write: device block src -> device block dst, all layers."""
         self._check(pairs, self.num_blocks, self.num_blocks, "copy_blocks")
         if self.cache.is_mixed:
-            assert self.cache.quant_kv is not None and self.cache.scales is not None
-            copy_blocks_mixed(self.cache.kv, self.cache.quant_kv, self.cache.scales, self.cache.format, pairs)
+            self.cache.copy(pairs)
         elif self.backend == "triton":
             from pagedkv.ops.triton.cache_ops import copy_blocks as triton_copy_blocks
             triton_copy_blocks(self.cache.kv, pairs, self.cache.scales)
@@ -528,7 +544,7 @@ class ModelRunner:
         """Device block -> host block for each (device_id, host_id) pair."""
         self._check(pairs, self.num_blocks, self.num_host_blocks, "swap_out")
         if self.cache.is_mixed:  # each block keeps its format on the host
-            move_blocks_mixed(self.cache.mixed_blocks(), self.cache.mixed_blocks(host=True), pairs, self.cache.format)
+            self.cache.swap(pairs, to_host=True)
             return
         swap_blocks(self.cache.kv, self.cache.host_kv, pairs, self.cache.scales, self.cache.host_scales)
 
@@ -537,7 +553,7 @@ class ModelRunner:
         """Host block -> device block for each (host_id, device_id) pair."""
         self._check(pairs, self.num_host_blocks, self.num_blocks, "swap_in")
         if self.cache.is_mixed:  # into the device block's format (converted where it differs)
-            move_blocks_mixed(self.cache.mixed_blocks(host=True), self.cache.mixed_blocks(), pairs, self.cache.format)
+            self.cache.swap(pairs, to_host=False)
             return
         swap_blocks(self.cache.host_kv, self.cache.kv, pairs, self.cache.host_scales, self.cache.scales)
 
@@ -545,8 +561,8 @@ class ModelRunner:
     def block_payloads(self, block_ids: Sequence[int]) -> list[bytes]:
         """Device blocks' K/V (and scales) as bytes, one ``bytes`` per block (the disk tier's payload)."""
         self._check([(b, 0) for b in block_ids], self.num_blocks, 1, "block_payloads")
-        if self.cache.is_mixed:  # a format byte, then that format's bytes (ops/cache_ops.py)
-            return mixed_payloads(self.cache.mixed_blocks(), block_ids)
+        if self.cache.is_mixed:  # a format byte, then that format's bytes (KVCache.payloads)
+            return self.cache.payloads(block_ids)
         return block_payloads(self.cache.kv, block_ids, self.cache.scales)
 
     @torch.inference_mode()
@@ -554,7 +570,7 @@ class ModelRunner:
         """Host blocks' K/V (and scales) as bytes (see :meth:`block_payloads`)."""
         self._check([(b, 0) for b in block_ids], self.num_host_blocks, 1, "host_block_payloads")
         if self.cache.is_mixed:
-            return mixed_payloads(self.cache.mixed_blocks(host=True), block_ids)
+            return self.cache.payloads(block_ids, host=True)
         return block_payloads(self.cache.host_kv, block_ids, self.cache.host_scales)
 
     @torch.inference_mode()
@@ -562,7 +578,7 @@ class ModelRunner:
         """Write ``(host block, payload)`` pairs read from the disk tier into the host pool."""
         self._check([(0, b) for b, _ in pairs], 1, self.num_host_blocks, "load_host_blocks")
         if self.cache.is_mixed:  # each block back in the format its payload names
-            load_mixed_payloads(self.cache.mixed_blocks(host=True), pairs, self.cache.format)
+            self.cache.load_host_payloads(pairs)
             return
         load_block_payloads(self.cache.host_kv, pairs, self.cache.host_scales)
 

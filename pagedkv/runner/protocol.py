@@ -6,7 +6,7 @@ tensor-parallel ranks, or a test double, implements the same members.
 
     sizes        block_size, num_blocks, num_host_blocks          -> the memory core's pools
     model        config (ModelConfig: vocab, shape for the step-time prior), set_context_length
-    KV layout    kv_format, kv_full_blocks, bytes_per_block, kv_groups, payload_bytes,
+    KV layout    kv_format, kv_full_blocks, kv_quant_parts, bytes_per_block, kv_groups, payload_bytes,
                  model_dtype, weights_quantization                -> the disk tier's fingerprint
     a step       execute(chunks) -> logits
     block moves  copy_blocks (copy-on-write), swap_out / swap_in (device <-> host),
@@ -69,6 +69,12 @@ class Runner(Protocol):
     def kv_full_blocks(self) -> int:
         """A mixed pool's full-precision blocks (device ids below it; ``runner/kv_cache.py``); 0
         for a single-format pool."""
+        ...
+
+    @property
+    def kv_quant_parts(self) -> str:
+        """Which parts of an 8-bit block are 8-bit: "kv" (K and V), or "v" (K at the model dtype;
+        ``EngineConfig.kv_quant_parts``)."""
         ...
 
     @property

@@ -304,6 +304,10 @@ class TPRunner:
         return self.local.kv_full_blocks
 
     @property
+    def kv_quant_parts(self) -> str:
+        return self.local.kv_quant_parts
+
+    @property
     def kv_groups(self) -> tuple[KVGroup, ...]:
         return self.local.kv_groups
 

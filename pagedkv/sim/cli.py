@@ -106,7 +106,7 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
 def add_size_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``size`` on an ``argparse`` subparsers object; returns the new parser."""
     from pagedkv.block_size import AUTO, DEVICE_KINDS, parse_block_size
-    from pagedkv.model_shape import KV_DTYPE_BYTES, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
+    from pagedkv.model_shape import KV_DTYPE_BYTES, KV_QUANT_PARTS, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
     from pagedkv.sim.presets import PRESETS
 
     p = subparsers.add_parser(
@@ -125,6 +125,9 @@ def add_size_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="with an 8-bit --kv-dtype: blocks a sequence kept at --sink-dtype in a mixed pool, "
                         "split as the engine's kv_sink_blocks splits it (docs/kv_quantization.md)")
     p.add_argument("--sink-dtype", default="bf16", help="the full precision of those blocks (the model dtype)")
+    p.add_argument("--kv-quant-parts", default="kv", choices=KV_QUANT_PARTS,
+                   help="with an 8-bit --kv-dtype: kv (K and V 8-bit), or v (V 8-bit, K at --sink-dtype), as the "
+                        "engine's kv_quant_parts")
     p.add_argument("--block-size", type=parse_block_size, default=AUTO,
                    help=f"tokens per KV block, {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE} (the engine's bounds), or auto "
                         f"(default): the size `pagedkv serve` picks for this model, --max-len and --device")
@@ -159,7 +162,7 @@ def _sizing_inputs(args: argparse.Namespace, block_size: int) -> Any:
         reserved_fraction=args.reserved_fraction, kv_dtype=args.kv_dtype, block_size=block_size,
         max_len=getattr(args, "max_len", None), tp=args.tp,
         max_waste=getattr(args, "max_waste", 0.02), kv_sink_blocks=getattr(args, "kv_sink_blocks", 0),
-        sink_dtype=getattr(args, "sink_dtype", "bf16"))
+        sink_dtype=getattr(args, "sink_dtype", "bf16"), kv_quant_parts=getattr(args, "kv_quant_parts", "kv"))
 
 
 def run_size(args: argparse.Namespace) -> int:

@@ -64,7 +64,8 @@ def size_table(result: SizingResult) -> str:
     r = result
     pairs = [
         ("model", r.model),
-        ("KV dtype / block size / TP", f"{r.kv_dtype} / {r.block_size} / {r.tp}"),
+        ("KV dtype / block size / TP", r.kv_dtype + (" (V; K at the sink dtype)" if r.kv_quant_parts == "v" else "")
+         + f" / {r.block_size} / {r.tp}"),
         *([("block size", r.block_size_choice)] if r.block_size_choice else []),
         ("KV heads per rank", str(r.kv_heads_per_rank)),
         ("KV bytes per token" + (" in one group" if r.kv_groups else ""),

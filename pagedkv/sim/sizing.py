@@ -44,6 +44,7 @@ from pagedkv.model_shape import (
     SCALED_KV_DTYPES,
     ModelShape,
     check_block_size,
+    check_kv_quant_parts,
     full_block_fraction,
     kv_blocks_per_sequence,
     kv_bytes_per_block,
@@ -103,6 +104,12 @@ class SizingInputs:
     max_waste: float = 0.02
     kv_sink_blocks: int = 0  # a mixed pool (kv_sink_blocks): that many blocks a sequence at sink_dtype
     sink_dtype: str = "bf16"
+    kv_quant_parts: str = "kv"  # "v": an 8-bit kv_dtype holds V alone, K at sink_dtype (the model dtype)
+
+    @property
+    def k_dtype(self) -> str | None:
+        """K's kind where it is not ``kv_dtype`` (``kv_quant_parts`` "v": ``sink_dtype``)."""
+        return self.sink_dtype if self.kv_quant_parts == "v" else None
 
     def validate(self) -> None:
         try:
@@ -115,6 +122,7 @@ class SizingInputs:
         if self.device_memory is None and self.kv_memory is None:
             raise ValueError("--device-memory or --kv-memory is required")
         check_block_size(self.block_size, "--block-size")
+        check_kv_quant_parts(self.kv_quant_parts, self.kv_dtype, "--kv-quant-parts")
         if self.kv_sink_blocks and kv_dtype_name(self.kv_dtype) not in SCALED_KV_DTYPES:
             raise ValueError(f"--kv-sink-blocks: needs an 8-bit --kv-dtype (int8, fp8, fp8_e5m2), "
                              f"got {self.kv_dtype!r}")
@@ -171,6 +179,7 @@ class SizingResult:
     block_size_choice: str = ""
     # a mixed pool (--kv-sink-blocks): of num_blocks, these hold the sink dtype (block_bytes: the 8-bit ones)
     full_precision_blocks: int = 0
+    kv_quant_parts: str = "kv"  # "v": kv_dtype is V's, K at the sink dtype
     full_precision_block_bytes: int = 0
 
     def as_dict(self) -> dict[str, object]:
@@ -197,9 +206,9 @@ def size_kv_cache(spec: ModelShape, inputs: SizingInputs, shape: WorkloadShape) 
     inputs.validate()
     B, tp = inputs.block_size, inputs.tp
     max_len = inputs.max_len or spec.max_position_embeddings
-    per_token = kv_bytes_per_token(spec, inputs.kv_dtype, tp)
-    scales = scale_bytes_per_block(spec, inputs.kv_dtype, tp)
-    block_bytes = kv_bytes_per_block(spec, B, inputs.kv_dtype, tp)
+    per_token = kv_bytes_per_token(spec, inputs.kv_dtype, tp, inputs.k_dtype)
+    scales = scale_bytes_per_block(spec, inputs.kv_dtype, tp, inputs.k_dtype)
+    block_bytes = kv_bytes_per_block(spec, B, inputs.kv_dtype, tp, inputs.k_dtype)
     if inputs.weight_memory is not None:
         weights = inputs.weight_memory
     elif spec.weight_bytes is not None:
@@ -230,7 +239,8 @@ def size_kv_cache(spec: ModelShape, inputs: SizingInputs, shape: WorkloadShape) 
     footprint, waste = steady_footprint(spec, B, mean_live)
     full_cache_block = block_bytes // kv_layer_slots(spec) * spec.num_hidden_layers
     return SizingResult(
-        model=spec.name, kv_dtype=inputs.kv_dtype, block_size=B, tp=tp, max_len=max_len,
+        model=spec.name, kv_dtype=inputs.kv_dtype, kv_quant_parts=inputs.kv_quant_parts, block_size=B, tp=tp,
+        max_len=max_len,
         kv_heads_per_rank=kv_heads_per_rank(spec, tp),
         kv_bytes_per_token=per_token, scale_bytes_per_block=scales, block_bytes=block_bytes,
         device_memory=inputs.device_memory, weight_memory=weights_per_rank,
@@ -258,7 +268,7 @@ def _does_not_fit(spec: ModelShape, inputs: SizingInputs, weights: int, reserved
     def room(tp: int, weight_bytes: int) -> bool:
         try:
             seq = kv_blocks_per_sequence(spec, max_len, inputs.block_size) * kv_bytes_per_block(
-                spec, inputs.block_size, inputs.kv_dtype, tp)
+                spec, inputs.block_size, inputs.kv_dtype, tp, inputs.k_dtype)
         except ValueError:  # a --tp that does not divide the model's heads
             return False
         return budget - weight_bytes // tp >= seq
@@ -310,7 +320,7 @@ def describe_groups(spec: ModelShape) -> str:
 
 def _block_size_row(b: int, spec: ModelShape, inputs: SizingInputs, kv_memory: int,
                     mean_live: float) -> dict[str, float | int]:
-    block_bytes = kv_bytes_per_block(spec, b, inputs.kv_dtype, inputs.tp)
+    block_bytes = kv_bytes_per_block(spec, b, inputs.kv_dtype, inputs.tp, inputs.k_dtype)
     blocks = kv_memory // block_bytes
     footprint, waste = steady_footprint(spec, b, mean_live)
     return {"block_size": b, "block_bytes": block_bytes, "num_blocks": blocks,

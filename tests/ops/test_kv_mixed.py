@@ -8,6 +8,9 @@ ones (ids from ``base``, with their scales), one block table mixing both.
   write kernel's whole-block rule);
 - the runner over a mixed pool: blocks in the full range give the float32 pool's logits, blocks in
   the 8-bit range the int8 pool's.
+- ``kv_quant_parts`` "v" (K at the model dtype, V 8-bit): the kernel over tables mixing full,
+  K-full/V-8-bit and 8-bit blocks; the runner's write, plain path, swap and payloads; the engine's
+  outputs across swap, recompute, forks and a disk-tier restart (parametrized beside "kv").
 """
 
 from __future__ import annotations
@@ -43,8 +46,25 @@ def _check(q, kc, vc, quant: QuantBlocks, tables, row_seq, row_len, **kw):
     out = native_paged_attention(torch.empty_like(q), q, kc, vc, meta, quant=quant, **kw)
     expected = reference_paged_attention(q, kc, vc, tables, row_seq, row_len, k_scales=quant.k_scales,
                                          v_scales=quant.v_scales, k_quant=quant.k_quant, v_quant=quant.v_quant,
-                                         base=quant.base, **kw)
+                                         base=quant.base, k_base=quant.k_base, **kw)
     torch.testing.assert_close(out, expected, atol=5e-5, rtol=1e-4)
+
+
+@needs_native
+@pytest.mark.parametrize("parts", ["v", "three"])
+@pytest.mark.parametrize("full_dtype,kind,d,block_size,heads,kvh", [
+    (torch.float32, "int8", 64, 16, 8, 2), (torch.bfloat16, "fp8_e4m3", 24, 3, 9, 3),
+    (torch.float16, "fp8_e5m2", 128, 1, 4, 4), (torch.float32, "int8", 40, 64, 8, 1)])
+def test_k_at_full_precision_beside_8bit_v(parts, full_dtype, kind, d, block_size, heads, kvh):
+    """K and V with a base each (``kv_quant_parts`` "v": every K full precision; "three": one table
+    holding full blocks, K-full/V-8-bit blocks and 8-bit ones), vector and portable paths, with
+    and without a sliding window."""
+    case = mixed_case(kind, full_dtype, d + block_size, block_size, heads, kvh, d, [1, 37, 150, 90], [1, 5, 1, 20],
+                      parts)
+    quant = case[3]
+    assert quant.base < quant.key_base <= quant.base + quant.v_quant.shape[0]
+    _check(*case)
+    _check(*case, sliding_window=33)
 
 
 @needs_native
@@ -182,11 +202,14 @@ def test_runner_reads_each_block_in_its_format(tiny_folder):
     assert mixed.payload_bytes == 1 + mixed.cache.bytes_per_full_block  # the larger format, and its byte
 
 
-@pytest.mark.parametrize("backend", ["plain", pytest.param("triton", marks=pytest.mark.slow)])  # interpreter: ~10 s
-def test_every_backend_reads_a_mixed_pool(tiny_folder, backend):
+@pytest.mark.parametrize("backend,parts", [("plain", "kv"), ("plain", "v"),
+                                           pytest.param("triton", "kv", marks=pytest.mark.slow),  # interpreter: ~10 s
+                                           pytest.param("triton", "v", marks=pytest.mark.slow)])
+def test_every_backend_reads_a_mixed_pool(tiny_folder, backend, parts):
     """The plain and Triton backends over a mixed pool (writes into each block's storage, each
     block read in its format): a prefill, an extend and decodes of two sequences whose tables mix
-    both formats give the native kernels' logits and store the same bytes."""
+    both formats give the native kernels' logits and store the same bytes (``kv_quant_parts``
+    "v": K of every block stored as it is)."""
     from pagedkv.models.loader import load_model
     from pagedkv.ops.triton import usable_on
     from pagedkv.runner import ModelRunner, SeqChunk
@@ -197,7 +220,7 @@ def test_every_backend_reads_a_mixed_pool(tiny_folder, backend):
         pytest.skip("the native kernels are the reference here")
     loaded = load_model(str(tiny_folder))
     runners = [ModelRunner(loaded, block_size=4, num_blocks=24, kv_cache_dtype="int8", kv_full_blocks=6,
-                           attention_backend=b) for b in ("native", backend)]
+                           attention_backend=b, kv_quant_parts=parts) for b in ("native", backend)]
     tables = [[0, 9, 10, 11, 12], [1, 2, 13, 14, 15]]
     steps = [[SeqChunk(list(range(5, 14)), 0, tables[0], all_logits=True)],
              [SeqChunk(list(range(20, 26)), 0, tables[1]), SeqChunk([7, 8, 9], 9, tables[0])],
@@ -210,6 +233,30 @@ def test_every_backend_reads_a_mixed_pool(tiny_folder, backend):
     torch.testing.assert_close(other.kv, ref.kv, atol=1e-5, rtol=1e-5)
     assert float((other.quant_kv.float() - ref.quant_kv.float()).abs().max()) <= 1  # a rounding step at most
     torch.testing.assert_close(other.scales, ref.scales, atol=1e-6, rtol=1e-4)
+    if parts == "v":
+        assert ref.keys is not None and other.keys is not None and ref.keys.dtype == torch.float32
+        torch.testing.assert_close(other.keys, ref.keys, atol=1e-5, rtol=1e-5)
+        assert bool(ref.keys[:, :, 9:16].abs().sum() > 0)  # K of the 8-bit-V blocks, at full precision
+
+
+@needs_native
+def test_v_only_8bit_lies_between_float32_and_int8(tiny_folder):
+    """``kv_quant_parts`` "v" over one table of 8-bit-V blocks: its K is the float32 pool's, so its
+    logits lie nearer the float32 pool's than an all-int8 pool's do; its K error sums stay 0."""
+    from pagedkv.models.loader import load_model
+    from pagedkv.runner import ModelRunner, SeqChunk
+
+    loaded = load_model(str(tiny_folder))
+    runners = {name: ModelRunner(loaded, block_size=4, num_blocks=24, kv_cache_dtype=kind, kv_quant_parts=parts)
+               for name, kind, parts in (("f32", "float32", "kv"), ("i8", "int8", "kv"), ("v", "int8", "v"))}
+    assert runners["v"].cache.is_mixed and runners["v"].kv_full_blocks == 0
+    table, prompt = [3, 9, 12, 20, 1, 7], list(range(7, 30))
+    logits = {name: r.execute([SeqChunk(prompt, 0, table, all_logits=True)]) for name, r in runners.items()}
+    ref = logits["f32"]
+    err_v, err_i8 = (float((logits[n] - ref).norm() / ref.norm()) for n in ("v", "i8"))
+    assert 0 < err_v < err_i8, (err_v, err_i8)
+    sums = runners["v"].write_error
+    assert sums is not None and float(sums[:, 0].abs().sum()) == 0 and float(sums[:, 1, 1].sum()) > 0
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8_e5m2", "bfloat16"])
@@ -237,18 +284,22 @@ def test_plain_backend_reads_single_format_pools(tiny_folder, kind):
 
 
 @needs_native
-def test_swap_keeps_each_block_in_its_format(tiny_folder):
+@pytest.mark.parametrize("parts", ["kv", "v"])
+def test_swap_keeps_each_block_in_its_format(tiny_folder, parts):
     """Device -> host -> device: a block comes back byte for byte (scales too) into a block of its
     format; an 8-bit block swapped into a full-precision block is dequantized exactly, a
-    full-precision one into an 8-bit block quantized by the whole-block rule."""
+    full-precision one into an 8-bit block quantized by the whole-block rule (``kv_quant_parts``
+    "v": the same for V, K comes back as it was); the host blocks' payloads load back alike."""
     from pagedkv.models.loader import load_model
     from pagedkv.ops.kv_format import dequantize
     from pagedkv.runner import ModelRunner, SeqChunk
 
     runner = ModelRunner(load_model(str(tiny_folder)), block_size=4, num_blocks=24, num_host_blocks=6,
-                         kv_cache_dtype="int8", kv_full_blocks=8)
+                         kv_cache_dtype="int8", kv_full_blocks=8, kv_quant_parts=parts)
     cache, fmt = runner.cache, runner.cache.format
     runner.execute([SeqChunk(list(range(5, 16)), 0, [2, 9, 12])])  # 11 tokens: a full block, then two 8-bit
+    keys = cache.keys if cache.keys is not None else torch.zeros(1, 1, 24)  # ("kv": K is in kv / quant_kv)
+    keys_before = keys[:, :, [2, 9, 12]].clone()
     full_before = cache.kv[:, :, 2].clone()
     quant_before = cache.quant_kv[:, :, [1, 4]].clone()  # ids 9 and 12: base 8
     scales_before = cache.scales[:, :, [1, 4]].clone()
@@ -257,11 +308,18 @@ def test_swap_keeps_each_block_in_its_format(tiny_folder):
     cache.kv.zero_()
     cache.quant_kv.zero_()
     cache.scales.zero_()
+    keys.zero_()
+    payloads = runner.host_block_payloads([0, 1, 5])
+    assert [p[0] for p in payloads] == ([1, 0, 0] if parts == "kv" else [2, 3, 3])  # the format byte
+    runner.load_host_blocks([(2, payloads[0]), (3, payloads[1]), (4, payloads[2])])  # copies of 0, 1, 5
+    assert runner.host_block_payloads([2, 3, 4]) == payloads
     runner.swap_in([(0, 3), (1, 10), (5, 20)])  # each back into a block of its own format
+    assert torch.equal(keys[:, :, [3, 10, 20]], keys_before)
     assert torch.equal(cache.kv[:, :, 3], full_before)
     assert torch.equal(cache.quant_kv[:, :, [2, 12]].view(torch.uint8), quant_before.view(torch.uint8))
     assert torch.equal(cache.scales[:, :, [2, 12]], scales_before)
-    runner.swap_in([(1, 4), (0, 15)])  # across: 8-bit -> full exactly, full -> 8-bit by the block rule
+    runner.swap_in([(3, 4), (2, 15)])  # across: 8-bit -> full exactly, full -> 8-bit by the block rule
+    assert torch.equal(keys[:, :, [4, 15]], keys_before[:, :, [1, 0]])
     exact = dequantize(quant_before[:, :, 0], fmt, scales_before[:, :, 0][:, :, None, :, None])
     assert torch.equal(cache.kv[:, :, 4], exact)
     back = dequantize(cache.quant_kv[:, :, 7], fmt, cache.scales[:, :, 7][:, :, None, :, None])
@@ -283,6 +341,40 @@ def test_mixed_pool_sizing_and_refusals(tiny_folder):
     assert with_host.host_bytes == 2 * (bytes_per_block(config, 16, "int8") + bytes_per_block(config, 16, "float32"))
     with pytest.raises(ValueError, match="8-bit kv_cache_dtype"):
         KVCache(config, block_size=16, num_blocks=8, dtype="float32", full_blocks=2)
+
+
+def test_v_only_8bit_sizing_and_refusals(tiny_folder):
+    """``kv_quant_parts`` "v": a block's bytes count K at the model dtype, V 8-bit and V's scales
+    alone; the tensors take what the formula says (device and host); "k" or "v" with a float
+    kind are refused naming the accepted values or why."""
+    from pagedkv.engine.config import EngineConfig
+    from pagedkv.model_shape import kv_bytes_per_block
+    from pagedkv.models.loader import load_model
+    from pagedkv.runner.kv_cache import KVCache, bytes_per_block, host_bytes_per_block, mixed_split
+
+    config = load_model(str(tiny_folder)).config
+    layers, kvh, d = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    v_block = bytes_per_block(config, 16, "int8", "float32")
+    assert v_block == layers * kvh * (16 * d * (4 + 1) + 4)  # K float32, V int8, one scale per V head
+    assert v_block == kv_bytes_per_block(config, 16, "int8", k_dtype="float32")
+    for full in (0, 3):
+        cache = KVCache(config, block_size=16, num_blocks=8, num_host_blocks=2, dtype="int8", full_blocks=full,
+                        quant_parts="v")
+        f32 = bytes_per_block(config, 16, "float32")
+        assert cache.device_bytes == full * f32 + (8 - full) * v_block
+        assert cache.host_bytes == 2 * host_bytes_per_block(config, 16, "int8", "float32" if full else None,
+                                                            "float32")
+    full, quant = mixed_split(config, 16, "4MiB", "int8", "float32", 1 / 16, "float32")
+    assert (4 << 20) - v_block < full * f32 + quant * v_block <= 4 << 20
+    with pytest.raises(ValueError, match="must be one of kv, v"):
+        EngineConfig(kv_cache_dtype="int8", kv_quant_parts="k")
+    with pytest.raises(ValueError, match="needs an 8-bit kv cache dtype"):
+        EngineConfig(kv_cache_dtype="bfloat16", kv_quant_parts="v")
+    with pytest.raises(ValueError, match="needs an 8-bit kv cache dtype"):
+        EngineConfig(kv_quant_parts="v")  # auto: the model dtype
+    with pytest.raises(ValueError, match="8-bit kv cache dtype"):
+        KVCache(config, block_size=16, num_blocks=8, dtype="float32", quant_parts="v")
+    EngineConfig(kv_cache_dtype="fp8", kv_quant_parts="v")  # (an alias of an 8-bit kind)
 
 
 def _run(engine, prompts, params_of):
@@ -349,8 +441,10 @@ def test_engine_mixed_pool_host_tier_reload(tiny_folder):
 
 
 @needs_native
-@pytest.mark.parametrize("mode,kinds", [("swap", "swap+evict+alloc"), ("recompute", "recompute+evict+alloc")])
-def test_engine_mixed_pool_under_faults_and_forks(tiny_folder, mode, kinds):
+@pytest.mark.parametrize("mode,kinds,parts", [("swap", "swap+evict+alloc", "kv"),
+                                              ("recompute", "recompute+evict+alloc", "kv"),
+                                              ("swap", "swap+evict+alloc", "v")])
+def test_engine_mixed_pool_under_faults_and_forks(tiny_folder, mode, kinds, parts):
     """Seeded faults (swap or recompute preemption, evictions, allocation failures) on a small mixed
     pool with a host tier, forked (n=3) requests sharing blocks copy-on-write: every request
     finishes with all its tokens, integrity holds after every step, no block leaks; the undisturbed
@@ -368,7 +462,8 @@ def test_engine_mixed_pool_under_faults_and_forks(tiny_folder, mode, kinds):
         return SamplingParams(temperature=0, n=3 if i % 3 == 2 else 1, max_tokens=12 + i, ignore_eos=True)
 
     options = dict(block_size=4, num_kv_blocks=48, max_num_batched_tokens=40, kv_offloading_size=0.001,
-                   preemption_mode=mode, debug_integrity=True, kv_cache_dtype="int8", kv_sink_blocks=1)
+                   preemption_mode=mode, debug_integrity=True, kv_cache_dtype="int8", kv_sink_blocks=1,
+                   kv_quant_parts=parts)
     expected = _run(LLMEngine.from_options(str(tiny_folder), **{**options, "num_kv_blocks": 400}), prompts, params)
     same = total = preemptions = 0
     for seed in range(2):
@@ -415,28 +510,40 @@ def test_default_model_one_sink_block_greedy_matches_float32():
 
 
 @needs_native
-def test_disk_tier_restart_serves_a_mixed_pool(tiny_folder, tmp_path):
+@pytest.mark.parametrize("parts", ["kv", "v"])
+def test_disk_tier_restart_serves_a_mixed_pool(tiny_folder, tmp_path, parts):
     """The disk tier under a mixed pool: block files carry each block's format; after a restart
     the prompt's blocks are read back (disk hits) and the output equals the first run's. A
-    payload of another format byte or size is refused, writing nothing."""
+    payload of another format byte or size is refused, writing nothing. The other
+    ``kv_quant_parts``' pool (payloads of the same size) finds none of these blocks: its own run."""
     from pagedkv import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompt = list(range(3, 43))
     options = dict(block_size=4, num_kv_blocks=40, kv_offloading_size=0.002, kv_cache_dtype="int8", kv_sink_blocks=1,
-                   debug_integrity=True, max_model_len=64, kv_offload_dir=str(tmp_path / "kv"))
+                   debug_integrity=True, max_model_len=64, kv_offload_dir=str(tmp_path / "kv"), kv_quant_parts=parts)
+    full_byte, quant_byte = (1, 0) if parts == "kv" else (2, 3)
     with LLM(str(tiny_folder), **options) as llm:
         first = llm.generate([prompt], params)[0].outputs[0].token_ids
         runner = llm.engine.runner
         payloads = runner.block_payloads([0, runner.kv_full_blocks])  # a full-precision and an 8-bit block
-        assert payloads[0][0] == 1 and payloads[1][0] == 0 and len(payloads[0]) == len(payloads[1])
+        assert payloads[0][0] == full_byte and payloads[1][0] == quant_byte and len(payloads[0]) == len(payloads[1])
         with pytest.raises(ValueError, match="format byte"):
             runner.load_host_blocks([(0, b"\x07" + payloads[0][1:])])
+        with pytest.raises(ValueError, match="format byte"):  # the other parts' bytes (same size: see below)
+            runner.load_host_blocks([(0, bytes([3 if parts == "kv" else 1]) + payloads[0][1:])])
     assert list((tmp_path / "kv" / "blocks").glob("*/*.kvb"))
     with LLM(str(tiny_folder), **options) as llm:
         again = llm.generate([prompt], params)[0]
         assert llm.engine.kv.stats().disk_hit_tokens > 0
     assert again.outputs[0].token_ids == first
+    other = {**options, "kv_quant_parts": "v" if parts == "kv" else "kv"}
+    with LLM(str(tiny_folder), **{**other, "kv_offload_dir": None}) as llm:
+        own = llm.generate([prompt], params)[0].outputs[0].token_ids
+        assert llm.engine.runner.payload_bytes == len(payloads[0])  # only the fingerprint tells them apart
+    with LLM(str(tiny_folder), **other) as llm:
+        assert llm.generate([prompt], params)[0].outputs[0].token_ids == own
+        assert llm.engine.kv.stats().disk_hit_tokens == 0
 
 
 @needs_native

@@ -15,7 +15,8 @@
 // (value = stored * scale). Scales are constant over a block, so they are folded into the scores
 // (K) and the softmax weights (V): a quantized block is never expanded to full precision.
 // A mixed pool (paged_attention_mixed) holds both: block ids [0, base) in a float format, ids from
-// base in an 8-bit one with their scales, so the kernel picks each block's format from its id.
+// base in an 8-bit one with their scales, so the kernel picks each block's format from its id; K and
+// V have a base each (kv_quant_parts "v": K of every block at full precision, only V mixed).
 // Everything accumulates in float32. write_kv_scaled stores new tokens into 8-bit blocks (see
 // there for how a block's scale follows the tokens appended to it).
 //
@@ -39,6 +40,7 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "simd_common.h"  // Vec<S>, exp256, reduce8, hsum (shared with cascade_attention.cpp)
@@ -102,9 +104,11 @@ struct Cache {
   const float* v_scale;
 };
 
-// A mixed pool's one layer: block ids [0, base) are full-precision blocks (SF) in k/v [base,
-// block_size, kv_heads, d]; ids >= base are 8-bit blocks (SQ) at id - base in qk/qv [num_quant,
-// block_size, kv_heads, d] with scales [num_quant, kv_heads]. The format of a block is its id's range.
+// A mixed pool's one layer: block ids [0, v_base) have V at full precision (SF) in v [v_base,
+// block_size, kv_heads, d]; ids >= v_base have V 8-bit (SQ) at id - v_base in qv [num_quant_v,
+// block_size, kv_heads, d] with scales [num_quant_v, kv_heads]; K alike with its own k_base (equal
+// to v_base when K and V are both 8-bit, the number of blocks when K is all full precision). The
+// format of a block's K and V is its id's range.
 template <typename SF, typename SQ>
 struct MixedCache {
   const SF* k;
@@ -113,7 +117,8 @@ struct MixedCache {
   const SQ* qv;
   const float* k_scale;
   const float* v_scale;
-  int64_t base;
+  int64_t k_base;
+  int64_t v_base;
 };
 
 #ifdef PAGEDKV_AVX2
@@ -168,8 +173,30 @@ __attribute__((always_inline)) inline void convert_row(const S* src, float scale
   for (int v = 0; v < D / 8; ++v) _mm256_store_ps(dst + 8 * v, _mm256_mul_ps(Vec<S>::load(src + 8 * v), sv));
 }
 
+// One K (or V) row of a mixed pool as float32: a full-precision block's row where it lies (float32)
+// or converted into dst, an 8-bit block's (id >= base, at id - base) converted with its scale.
+template <int D, typename SF, typename SQ>
+__attribute__((always_inline)) inline const float* mixed_row(const SF* full, const SQ* quant, const float* scales,
+                                                             int64_t base, int64_t blk, int64_t in_block,
+                                                             int64_t block_size, int64_t row_stride,
+                                                             int64_t kv_heads, int64_t h, float* dst) {
+  if (blk >= base) {
+    const int64_t qb = blk - base;
+    convert_row<D>(quant + (qb * block_size + in_block) * row_stride + h * D, scales[qb * kv_heads + h], dst);
+    return dst;
+  }
+  const int64_t off = (blk * block_size + in_block) * row_stride + h * D;
+  if constexpr (std::is_same_v<SF, float>) {
+    return full + off;
+  } else {
+    convert_row<D>(full + off, 1.f, dst);
+    return dst;
+  }
+}
+
 // The same over a mixed pool (MixedCache): per block, rows of a full-precision block are read in
-// place (float32) or converted, rows of an 8-bit block converted with their block's scales.
+// place (float32) or converted, rows of an 8-bit block converted with their block's scales (K and
+// V each by its own base).
 template <int D, typename SF, typename SQ>
 void attend_vec_mixed(const float* qs, const int64_t* row_start, const int64_t* row_end, int64_t nr,
                       int64_t group, const MixedCache<SF, SQ>& cache, const int32_t* table, int64_t block_size,
@@ -184,27 +211,11 @@ void attend_vec_mixed(const float* qs, const int64_t* row_start, const int64_t* 
     const int64_t c1 = std::min<int64_t>(c0 + CHUNK, hi);
     for (int64_t t = c0; t < c1; ++t) {
       const int64_t blk = table[t / block_size];
-      float* kd = kbuf + (t - c0) * D;
-      float* vd = vbuf + (t - c0) * D;
-      if (blk >= cache.base) {  // an 8-bit block: its rows and scales at blk - base
-        const int64_t qb = blk - cache.base;
-        const int64_t off = (qb * block_size + t % block_size) * row_stride + h * D;
-        convert_row<D>(cache.qk + off, cache.k_scale[qb * kv_heads + h], kd);
-        convert_row<D>(cache.qv + off, cache.v_scale[qb * kv_heads + h], vd);
-        kp[t - c0] = kd;
-        vp[t - c0] = vd;
-      } else {
-        const int64_t off = (blk * block_size + t % block_size) * row_stride + h * D;
-        if constexpr (std::is_same_v<SF, float>) {
-          kp[t - c0] = cache.k + off;
-          vp[t - c0] = cache.v + off;
-        } else {
-          convert_row<D>(cache.k + off, 1.f, kd);
-          convert_row<D>(cache.v + off, 1.f, vd);
-          kp[t - c0] = kd;
-          vp[t - c0] = vd;
-        }
-      }
+      const int64_t in_block = t % block_size;
+      kp[t - c0] = mixed_row<D>(cache.k, cache.qk, cache.k_scale, cache.k_base, blk, in_block, block_size,
+                                row_stride, kv_heads, h, kbuf + (t - c0) * D);
+      vp[t - c0] = mixed_row<D>(cache.v, cache.qv, cache.v_scale, cache.v_base, blk, in_block, block_size,
+                                row_stride, kv_heads, h, vbuf + (t - c0) * D);
     }
     attend_rows<D>(qs, row_start, row_end, nr, group, c0, c1, kp, vp, acc, m, l, cap);
   }
@@ -326,8 +337,8 @@ void paged_attention_impl(const float* q, const Cache<S>& cache, const int32_t* 
 
 // The portable loop over one key block of a tile (block ``b`` of the sequence, its K and V rows
 // at kb / vb, row_stride apart, times k_scale / v_scale): scores, online softmax, V sum.
-template <typename S>
-inline void attend_block(const S* kb, const S* vb, float k_scale, float v_scale, int64_t b, const float* qs,
+template <typename SK, typename SV>
+inline void attend_block(const SK* kb, const SV* vb, float k_scale, float v_scale, int64_t b, const float* qs,
                          const int32_t* lens, int64_t nr, int64_t group, int64_t d, int64_t block_size,
                          int64_t row_stride, int64_t window, float cap, float* acc, float* m, float* l, float* p) {
   const int64_t base = b * block_size;
@@ -373,13 +384,20 @@ struct TwoFormats {
   static constexpr bool converts = true;
   template <typename F>
   void block(int64_t blk, int64_t h, F&& f) const {
-    if (blk >= c.base) {
-      const int64_t qb = blk - c.base;
-      const int64_t off = qb * block_size * row_stride + h * d;
-      f(c.qk + off, c.qv + off, c.k_scale[qb * kv_heads + h], c.v_scale[qb * kv_heads + h]);
+    // K and V each from its own storage (a block may hold full-precision K beside 8-bit V)
+    auto with_v = [&](const auto* kb, float k_scale) {
+      if (blk >= c.v_base) {
+        const int64_t qb = blk - c.v_base;
+        f(kb, c.qv + qb * block_size * row_stride + h * d, k_scale, c.v_scale[qb * kv_heads + h]);
+      } else {
+        f(kb, c.v + blk * block_size * row_stride + h * d, k_scale, 1.f);
+      }
+    };
+    if (blk >= c.k_base) {
+      const int64_t qb = blk - c.k_base;
+      with_v(c.qk + qb * block_size * row_stride + h * d, c.k_scale[qb * kv_heads + h]);
     } else {
-      const int64_t off = blk * block_size * row_stride + h * d;
-      f(c.k + off, c.v + off, 1.f, 1.f);
+      with_v(c.k + blk * block_size * row_stride + h * d, 1.f);
     }
   }
 #ifdef PAGEDKV_AVX2
@@ -536,10 +554,12 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   }
 }
 
-// A mixed pool (see MixedCache): k_cache, v_cache [base, block_size, kv_heads, d] in a float format
-// (float32, float16, bfloat16) hold block ids [0, base); k_quant, v_quant [num_quant, block_size,
-// kv_heads, d] in an 8-bit format (int8, fp8 e4m3, e5m2) with k_scales, v_scales [num_quant,
-// kv_heads] float32 hold ids [base, base + num_quant). Everything else as paged_attention.
+// A mixed pool (see MixedCache): k_cache [k_base, block_size, kv_heads, d] in a float format
+// (float32, float16, bfloat16) holds the K of block ids [0, k_base); k_quant [num_blocks - k_base,
+// block_size, kv_heads, d] in an 8-bit format (int8, fp8 e4m3, e5m2) with k_scales [num_blocks -
+// k_base, kv_heads] float32 the K of ids [k_base, num_blocks); V alike with its own base v_base =
+// v_cache.size(0) (K and V both 8-bit: k_base = v_base; kv_quant_parts "v": k_base = num_blocks,
+// k_quant and k_scales empty). Everything else as paged_attention.
 void paged_attention_mixed(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& k_quant, const at::Tensor& v_quant,
                            const at::Tensor& k_scales, const at::Tensor& v_scales, const at::Tensor& block_tables,
@@ -547,27 +567,29 @@ void paged_attention_mixed(const at::Tensor& out, const at::Tensor& q, const at:
                            int64_t sliding_window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: [rows, heads, d] float32");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kFloat && out.is_contiguous(), "out like q");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type() &&
-                  !is_scaled(k_cache.scalar_type()),
-              "k_cache/v_cache: [base, block_size, kv_heads, d] float32/float16/bfloat16, contiguous");
-  TORCH_CHECK(k_quant.dim() == 4 && k_quant.is_contiguous() && v_quant.is_contiguous() &&
-                  k_quant.sizes() == v_quant.sizes() && k_quant.scalar_type() == v_quant.scalar_type() &&
-                  is_scaled(k_quant.scalar_type()),
+  auto same_blocks = [](const at::Tensor& a, const at::Tensor& b) {
+    return a.dim() == 4 && b.dim() == 4 && a.size(1) == b.size(1) && a.size(2) == b.size(2) && a.size(3) == b.size(3);
+  };
+  TORCH_CHECK(same_blocks(k_cache, v_cache) && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.scalar_type() == v_cache.scalar_type() && !is_scaled(k_cache.scalar_type()),
+              "k_cache/v_cache: [k_base / v_base, block_size, kv_heads, d] float32/float16/bfloat16, contiguous");
+  TORCH_CHECK(same_blocks(k_quant, v_quant) && k_quant.is_contiguous() && v_quant.is_contiguous() &&
+                  k_quant.scalar_type() == v_quant.scalar_type() && is_scaled(k_quant.scalar_type()),
               "k_quant/v_quant: [num_quant, block_size, kv_heads, d] int8/fp8, contiguous");
-  TORCH_CHECK(k_quant.size(1) == k_cache.size(1) && k_quant.size(2) == k_cache.size(2) &&
-                  k_quant.size(3) == k_cache.size(3), "the two storages' blocks differ in shape");
+  TORCH_CHECK(same_blocks(k_quant, k_cache), "the two storages' blocks differ in shape");
+  TORCH_CHECK(k_cache.size(0) + k_quant.size(0) == v_cache.size(0) + v_quant.size(0),
+              "K and V must cover the same block ids (k_cache + k_quant blocks == v_cache + v_quant blocks)");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
               "block_tables: [seqs, max_blocks] int32");
   TORCH_CHECK(row_seq.scalar_type() == at::kInt && row_len.scalar_type() == at::kInt, "row_seq/row_len int32");
   const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2);
-  const int64_t base = k_cache.size(0), block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == d && heads % kv_heads == 0, "head_dim / GQA mismatch");
   TORCH_CHECK(row_seq.numel() == rows && row_len.numel() == rows, "row_seq/row_len: one per row");
-  for (const auto* s : {&k_scales, &v_scales}) {
+  for (const auto& [s, quant] : {std::pair{&k_scales, &k_quant}, std::pair{&v_scales, &v_quant}}) {
     TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->dim() == 2 &&
-                    s->size(0) == k_quant.size(0) && s->size(1) == kv_heads,
-                "k_scales/v_scales: [num_quant, kv_heads] float32");
+                    s->size(0) == quant->size(0) && s->size(1) == kv_heads,
+                "k_scales/v_scales: [num_quant, kv_heads] float32 (one row per block of k_quant/v_quant)");
   }
   auto run = [&](auto full_tag, auto quant_tag) {
     using SF = decltype(full_tag);
@@ -576,7 +598,7 @@ void paged_attention_mixed(const at::Tensor& out, const at::Tensor& q, const at:
                              reinterpret_cast<const SF*>(v_cache.data_ptr()),
                              reinterpret_cast<const SQ*>(k_quant.data_ptr()),
                              reinterpret_cast<const SQ*>(v_quant.data_ptr()), k_scales.data_ptr<float>(),
-                             v_scales.data_ptr<float>(), base};
+                             v_scales.data_ptr<float>(), k_cache.size(0), v_cache.size(0)};
     paged_attention_mixed_impl(q.data_ptr<float>(), TwoFormats<SF, SQ>{cache, block_size, kv_heads * d, kv_heads, d},
                          block_tables.data_ptr<int32_t>(), block_tables.size(1), row_seq.data_ptr<int32_t>(),
                          row_len.data_ptr<int32_t>(), out.data_ptr<float>(), rows, heads, kv_heads, d, block_size,

@@ -147,16 +147,16 @@ def _load_mixed(f_ptr, qt_ptr, sc_ptr, blk, off, kvh, offs_d, mask, base, f_s0, 
 @triton.jit
 def _attend_tile_mixed(
     tile, start, n, q, q_dot, m_i, l_i, acc, k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, bt_row, kvh, max_blocks,
-    softcap, base, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3, kq_s0, kq_s1, kq_s2, kq_s3,
+    softcap, base, k_base, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3, kq_s0, kq_s1, kq_s2, kq_s3,
     vq_s0, vq_s1, vq_s2, vq_s3, bt_s1, sc_s0, sc_s1, offs_n, offs_d, d_mask,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """``_attend_tile`` over a mixed pool: each token's K and V read in its block's format
-    (``_load_mixed``), scales applied before the dots."""
+    (``_load_mixed``; K by its own base ``k_base``), scales applied before the dots."""
     _, t_mask, blk, off, kv_mask = _tile_slots(tile, start, n, bt_row, bt_s1, max_blocks, offs_n, d_mask,
                                                BLOCK_SIZE, BLOCK_N)
-    k = _load_mixed(k_ptr, kq_ptr, ks_ptr, blk, off, kvh, offs_d, kv_mask, base, k_s0, k_s1, k_s2, k_s3,
+    k = _load_mixed(k_ptr, kq_ptr, ks_ptr, blk, off, kvh, offs_d, kv_mask, k_base, k_s0, k_s1, k_s2, k_s3,
                     kq_s0, kq_s1, kq_s2, kq_s3, sc_s0, sc_s1, False)
     v = _load_mixed(v_ptr, vq_ptr, vs_ptr, blk, off, kvh, offs_d, kv_mask, base, v_s0, v_s1, v_s2, v_s3,
                     vq_s0, vq_s1, vq_s2, vq_s3, sc_s0, sc_s1, False)
@@ -167,7 +167,7 @@ def _attend_tile_mixed(
 @triton.jit
 def _attend_any_tile(
     tile, start, n, q, q_dot, m_i, l_i, acc, k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, bt_row, kvh, max_blocks,
-    softcap, base, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3, kq_s0, kq_s1, kq_s2, kq_s3,
+    softcap, base, k_base, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3, kq_s0, kq_s1, kq_s2, kq_s3,
     vq_s0, vq_s1, vq_s2, vq_s3, bt_s1, sc_s0, sc_s1, offs_n, offs_d, d_mask,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIXED: tl.constexpr, SCALED: tl.constexpr,
     SOFTCAP: tl.constexpr, USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -177,7 +177,7 @@ def _attend_any_tile(
     if MIXED:
         m_i, l_i, acc = _attend_tile_mixed(
             tile, start, n, q, q_dot, m_i, l_i, acc, k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, bt_row,
-            kvh, max_blocks, softcap, base, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3,
+            kvh, max_blocks, softcap, base, k_base, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3,
             kq_s0, kq_s1, kq_s2, kq_s3, vq_s0, vq_s1, vq_s2, vq_s3, bt_s1, sc_s0, sc_s1, offs_n, offs_d,
             d_mask, BLOCK_SIZE, BLOCK_N, SOFTCAP, USE_DOT, DOT_DTYPE, DOT_PREC)
     else:
@@ -231,7 +231,7 @@ def _decode_split_kernel(
     bt_s0, bt_s1,
     sc_s0, sc_s1,
     o_s0, o_s1, o_s2,
-    max_blocks, scale, softcap, window, base,
+    max_blocks, scale, softcap, window, base, k_base,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -278,7 +278,7 @@ def _decode_split_kernel(
         while tile < s_hi:
             m_i, l_i, acc = _attend_any_tile(
                 tile, start, n, q, q_dot, m_i, l_i, acc, k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, bt_row,
-                kvh64, max_blocks, softcap, base, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3,
+                kvh64, max_blocks, softcap, base, k_base, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3,
                 kq_s0, kq_s1, kq_s2, kq_s3, vq_s0, vq_s1, vq_s2, vq_s3, bt_s1, sc_s0, sc_s1, offs_n, offs_d,
                 d_mask, BLOCK_SIZE, BLOCK_N, MIXED, SCALED, SOFTCAP, USE_DOT, DOT_DTYPE, DOT_PREC)
             tile += 1
@@ -286,7 +286,7 @@ def _decode_split_kernel(
         for tile in range(s_lo, s_hi):
             m_i, l_i, acc = _attend_any_tile(
                 tile, start, n, q, q_dot, m_i, l_i, acc, k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, bt_row,
-                kvh64, max_blocks, softcap, base, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3,
+                kvh64, max_blocks, softcap, base, k_base, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3,
                 kq_s0, kq_s1, kq_s2, kq_s3, vq_s0, vq_s1, vq_s2, vq_s3, bt_s1, sc_s0, sc_s1, offs_n, offs_d,
                 d_mask, BLOCK_SIZE, BLOCK_N, MIXED, SCALED, SOFTCAP, USE_DOT, DOT_DTYPE, DOT_PREC)
 
@@ -335,26 +335,26 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-def _check_mixed(k_cache, quant) -> None:
+def _check_mixed(k_cache, v_cache, quant) -> None:
     """A mixed pool's parts (``quant``: :class:`~pagedkv.ops.paged_attention.QuantBlocks`) against
-    its float ``k_cache`` (ids below ``quant.base``)."""
-    if k_cache.dtype not in _FLOAT_CACHES:
+    its float ``k_cache`` / ``v_cache`` (K's ids below ``quant.key_base``, V's below ``quant.base``)."""
+    if k_cache.dtype not in _FLOAT_CACHES or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"a mixed pool's full-precision caches must be float32, float16 or bfloat16, got "
-                         f"{k_cache.dtype}")
+                         f"{k_cache.dtype} and {v_cache.dtype}")
     kq, vq = quant.k_quant, quant.v_quant
-    if kq.dtype not in _SCALED_CACHES or vq.dtype != kq.dtype or kq.shape != vq.shape or kq.dim() != 4 \
-            or kq.shape[1:] != k_cache.shape[1:]:
+    if kq.dtype not in _SCALED_CACHES or vq.dtype != kq.dtype or kq.dim() != 4 or vq.dim() != 4 \
+            or kq.shape[1:] != k_cache.shape[1:] or vq.shape[1:] != k_cache.shape[1:]:
         raise ValueError(f"a mixed pool's 8-bit caches must be [num_quant, block_size, kv_heads, head_dim] = "
                          f"[n, {', '.join(map(str, k_cache.shape[1:]))}] of one 8-bit dtype, got "
                          f"{tuple(kq.shape)} {kq.dtype} and {tuple(vq.shape)} {vq.dtype}")
-    want = (kq.shape[0], kq.shape[2])
-    for name, s in (("k_scales", quant.k_scales), ("v_scales", quant.v_scales)):
+    for name, s, part in (("k_scales", quant.k_scales, kq), ("v_scales", quant.v_scales, vq)):
+        want = (part.shape[0], part.shape[2])
         if s.dtype != torch.float32 or tuple(s.shape) != want:
             raise ValueError(f"a mixed pool's {name} must be [num_quant, kv_heads] = [{want[0]}, {want[1]}] float32, "
                              f"got {tuple(s.shape)} {s.dtype}")
-    if quant.base != k_cache.shape[0]:
-        raise ValueError(f"a mixed pool's 8-bit ids start at its full-precision block count ({k_cache.shape[0]}), "
-                         f"got base {quant.base}")
+    if quant.key_base != k_cache.shape[0] or quant.base != v_cache.shape[0]:
+        raise ValueError(f"a mixed pool's 8-bit ids start at its full-precision block counts (K {k_cache.shape[0]}, "
+                         f"V {v_cache.shape[0]}), got key_base {quant.key_base} and base {quant.base}")
 
 
 def _check(out, q, k_cache, v_cache, block_tables, row_seq, row_len, k_scales, v_scales) -> None:
@@ -436,8 +436,8 @@ def _paged_decode(out, q, k_cache, v_cache, block_tables, row_seq, row_len, scal
     ``4096 // padded head_dim`` within 16 .. 64)."""
     mixed = quant is not None
     if quant is not None:
-        _check_mixed(k_cache, quant)
-        _check(out, q, k_cache, v_cache, block_tables, row_seq, row_len, None, None)
+        _check_mixed(k_cache, v_cache, quant)
+        _check(out, q, k_cache, k_cache, block_tables, row_seq, row_len, None, None)
         k_scales, v_scales = quant.k_scales, quant.v_scales
     else:
         _check(out, q, k_cache, v_cache, block_tables, row_seq, row_len, k_scales, v_scales)
@@ -501,7 +501,7 @@ def _paged_decode(out, q, k_cache, v_cache, block_tables, row_seq, row_len, scal
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *kq.stride(), *vq.stride(), *block_tables.stride(),
         *sc_strides, *out.stride(),
         block_tables.shape[1], float(scale), float(softcap or 0.0), int(sliding_window or 0),
-        quant.base if quant is not None else 0,
+        quant.base if quant is not None else 0, quant.key_base if quant is not None else 0,
         HEAD_DIM=d, BLOCK_D=block_d, GROUP=group, GROUP_P=group_p,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, DIRECT=direct,
         SCALED=scaled and not mixed, SOFTCAP=bool(softcap), MIXED=mixed,

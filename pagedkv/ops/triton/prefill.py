@@ -54,13 +54,14 @@ def _tanh(x):
 
 @triton.jit
 def _attend_tile(start, hi, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, bt_row, kvh64,
-                 window, base, sc_in, sc_out, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd,
+                 window, base, k_base, sc_in, sc_out, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd,
                  s_kqb, s_kqs, s_kqh, s_kqd, s_vqb, s_vqs, s_vqh, s_vqd, s_ksb, s_ksh, s_vsb, s_vsh,
                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  HAS_SCALES: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  DOT_DTYPE: tl.constexpr, DOT_F32: tl.constexpr, MIXED: tl.constexpr):
     """One key tile ``start .. start + BLOCK_N - 1`` (keys >= ``hi`` masked) into the online softmax.
-    ``MIXED``: a mixed pool, each token read in its block's format (``decode._load_mixed``)."""
+    ``MIXED``: a mixed pool, each token read in its block's format (``decode._load_mixed``; K by its
+    own base ``k_base``)."""
     d = tl.arange(0, HEAD_DIM)
     t = start + tl.arange(0, BLOCK_N)
     t_ok = t < hi
@@ -71,7 +72,7 @@ def _attend_tile(start, hi, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kq_ptr, vq_ptr
     slot = (t % BLOCK_SIZE).to(tl.int64)
 
     if MIXED:  # float32 [HEAD_DIM, BLOCK_N], scales applied
-        k = _load_mixed(k_ptr, kq_ptr, ks_ptr, blk, slot, kvh64, d, t_ok[None, :], base, s_kb, s_ks, s_kh, s_kd,
+        k = _load_mixed(k_ptr, kq_ptr, ks_ptr, blk, slot, kvh64, d, t_ok[None, :], k_base, s_kb, s_ks, s_kh, s_kd,
                         s_kqb, s_kqs, s_kqh, s_kqd, s_ksb, s_ksh, True)
     else:
         k = tl.load(k_ptr + (blk * s_kb + slot * s_ks + kvh64 * s_kh)[None, :] + d[:, None] * s_kd,
@@ -122,7 +123,7 @@ def _attend_tile(start, hi, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kq_ptr, vq_ptr
 def _prefill_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, bt_ptr,
     chunk_seq_ptr, chunk_row_ptr, chunk_len_ptr, chunk_pos_ptr,
-    sc_in, sc_out, window, base,
+    sc_in, sc_out, window, base, k_base,
     s_qr, s_qh, s_qd, s_or, s_oh, s_od,
     s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd,
     s_kqb, s_kqs, s_kqh, s_kqd, s_vqb, s_vqs, s_vqh, s_vqd,
@@ -170,7 +171,7 @@ def _prefill_kernel(
         while start < hi:
             m_i, l_i, acc = _attend_tile(
                 start, hi, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, bt_row, kvh64,
-                window, base, sc_in, sc_out, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd,
+                window, base, k_base, sc_in, sc_out, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd,
                 s_kqb, s_kqs, s_kqh, s_kqd, s_vqb, s_vqs, s_vqh, s_vqd, s_ksb, s_ksh, s_vsb, s_vsh, BLOCK_N, HEAD_DIM,
                 BLOCK_SIZE, HAS_SCALES, HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_F32, MIXED)
             start += BLOCK_N
@@ -178,7 +179,7 @@ def _prefill_kernel(
         for start in range(lo, hi, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 start, hi, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, bt_row, kvh64,
-                window, base, sc_in, sc_out, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd,
+                window, base, k_base, sc_in, sc_out, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd,
                 s_kqb, s_kqs, s_kqh, s_kqd, s_vqb, s_vqs, s_vqh, s_vqd, s_ksb, s_ksh, s_vsb, s_vsh, BLOCK_N, HEAD_DIM,
                 BLOCK_SIZE, HAS_SCALES, HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_F32, MIXED)
 
@@ -223,13 +224,15 @@ def paged_prefill_attention(
     ``max_chunk_rows`` (optional, >= every ``chunk_num_rows``) sizes the launch grid without reading
     ``chunk_num_rows`` back from the device. ``sliding_window`` None or 0: no window. ``quant``: a
     mixed pool (block ids below ``quant.base`` in the float ``k_cache`` / ``v_cache``, the others
-    8-bit in ``quant``; ``k_scales`` / ``v_scales`` unused), each block read in its own format.
+    8-bit in ``quant``; K's below ``quant.key_base``; ``k_scales`` / ``v_scales`` unused), each block
+    read in its own format.
     """
     if quant is not None:
-        _check_mixed(k_cache, quant)
+        _check_mixed(k_cache, v_cache, quant)
     if q.dim() != 3 or out.shape != q.shape:
         raise ValueError(f"q and out must both be [rows, heads, head_dim]; got {tuple(q.shape)}, {tuple(out.shape)}")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+    if k_cache.dim() != 4 or v_cache.shape[1:] != k_cache.shape[1:] \
+            or (quant is None and v_cache.shape != k_cache.shape):  # (mixed: K and V have a base each)
         raise ValueError("k_cache and v_cache must both be [num_blocks, block_size, kv_heads, head_dim]")
     _, heads, head_dim = q.shape
     num_blocks, block_size, kv_heads, cache_dim = k_cache.shape
@@ -297,6 +300,7 @@ def paged_prefill_attention(
         out, q, k_cache, v_cache, kq, vq, k_scales, v_scales, block_tables,
         chunk_seq, chunk_row_start, chunk_num_rows, chunk_start_pos,
         float(sc_in), float(sc_out), int(sliding_window or 0), quant.base if quant is not None else 0,
+        quant.key_base if quant is not None else 0,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *kq.stride(), *vq.stride(),
         *ks_strides, *vs_strides, block_tables.stride(0),
         GROUP=group, GROUP_P=group_p, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,

@@ -44,7 +44,7 @@ SENTINEL = 7.0
 def _on_device(case):
     q, kc, vc, quant, tables, row_seq, row_len = case
     quant = QuantBlocks(*(t.to(DEVICE) for t in (quant.k_quant, quant.v_quant, quant.k_scales, quant.v_scales)),
-                        quant.base)
+                        quant.base, quant.k_base)
     return q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), quant
 
 
@@ -52,7 +52,7 @@ def _expected(case, **kw):
     q, kc, vc, quant, tables, row_seq, row_len = case
     return reference_paged_attention(q, kc, vc, tables, row_seq, row_len, k_scales=quant.k_scales,
                                      v_scales=quant.v_scales, k_quant=quant.k_quant, v_quant=quant.v_quant,
-                                     base=quant.base, **kw)
+                                     base=quant.base, k_base=quant.k_base, **kw)
 
 
 def _table_tensor(tables):
@@ -128,6 +128,15 @@ def test_prefill_window_and_softcap():
     check_prefill(case, lens, new, sliding_window=9)
     q, *rest = case
     check_prefill((q * 4, *rest), lens, new, softcap=2.0)
+
+
+@pytest.mark.parametrize("parts", [pytest.param("v", marks=pytest.mark.slow), "three"])  # ~5 s each
+def test_k_at_full_precision_beside_8bit_v(parts):
+    """K and V with a base each (``kv_quant_parts`` "v": every K full precision; "three": full,
+    K-full/V-8-bit and 8-bit blocks in one table): decode and prefill."""
+    lens, new = [20, 70], [1, 9]
+    check_decode(mixed_case("int8", torch.float32, 13, 16, 6, 2, 32, lens, new, parts), num_splits=2)
+    check_prefill(mixed_case("fp8_e4m3", torch.bfloat16, 14, 4, 4, 2, 16, lens, new, parts), lens, new)
 
 
 def test_the_format_is_read_per_block():
