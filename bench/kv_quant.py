@@ -21,10 +21,13 @@ model-dtype cache:
   ``kv_sink_blocks`` (``--sink-prompts`` prompts of ``--sink-prompt-len`` tokens, ``--sink-new-tokens``
   new, against the model-dtype engine on the same prompts); and the tokens such a pool holds at
   ``--sink-context`` tokens of context against model-dtype blocks at equal memory (the engine's own
-  split, ``ops/kv_format.full_block_fraction``). Beside them, not gated, the K/V split emulated
-  on a model-dtype pool: only K (or only V) rounded to 8 bits per block and KV head, in the
-  Hadamard basis, as the write kernel stores it (``<sink-kind>_k_only_*``, ``<sink-kind>_v_only_*``);
-  and the one-sink pool emulated the same way, K and V, with a scale per block
+  split, ``ops/kv_format.full_block_fraction``). Beside them, not gated: the engine's
+  ``kv_quant_parts`` "v" pools (K at the model dtype, V 8-bit; ``--v-only-sinks``, default 0,1 sink
+  blocks), measured the same way by the real kernels (``<sink-kind>_v_only_*`` without sinks,
+  ``<sink-kind>_v_only_sink<s>_*``); the K/V split emulated on a model-dtype pool: only K (or only
+  V) rounded to 8 bits per block and KV head, in the Hadamard basis, as the write kernel stores it
+  (``<sink-kind>_k_only_emulated_*``, ``<sink-kind>_v_only_emulated_*``); and the one-sink pool
+  emulated the same way, K and V, with a scale per block
   (``<sink-kind>_sink1_emulated_*``) and per token (``<sink-kind>_sink1_token_scale_*``: the finest
   granularity a format could take), which bound what a finer 8-bit format could add.
 
@@ -77,14 +80,15 @@ def teacher_forced(loaded, tokens: list[int], kind: str, chunk: int, block_size:
 
 
 def teacher_forced_sinks(loaded, tokens: list[int], kind: str, sinks: int, chunk: int,
-                         block_size: int) -> torch.Tensor:
+                         block_size: int, parts: str = "kv") -> torch.Tensor:
     """``teacher_forced`` over a mixed pool: the sequence's first ``sinks`` blocks at the model
-    dtype (ids below the pool's split), the rest ``kind`` (the ids above it)."""
+    dtype (ids below the pool's split), the rest ``kind`` (the ids above it; ``parts`` "v": their
+    V alone, K at the model dtype)."""
     blocks = -(-len(tokens) // block_size)
     if len(kv_groups(loaded.config)) > 1:
         raise SystemExit("the mixed-pool figures take a model with one KV group")
     runner = ModelRunner(loaded, block_size=block_size, num_blocks=sinks + blocks + 1, kv_cache_dtype=kind,
-                         kv_full_blocks=sinks + 1)
+                         kv_full_blocks=sinks + 1, kv_quant_parts=parts)
     table = list(range(sinks)) + list(range(sinks + 1, sinks + 1 + blocks - sinks))
     out = []
     for start in range(0, len(tokens) - 1, chunk):
@@ -194,6 +198,8 @@ def main() -> None:
     ap.add_argument("--sink-prompt-len", type=int, default=32)
     ap.add_argument("--sink-new-tokens", type=int, default=32)
     ap.add_argument("--sink-context", type=int, default=2048, help="context of the capacity figure (tokens)")
+    ap.add_argument("--v-only-sinks", default="0,1",
+                    help="sink blocks of the kv_quant_parts v pools measured beside them ('' skips them)")
     ap.add_argument("--skip-speed", action="store_true", help="no decode-speed figures")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -297,7 +303,11 @@ def mixed_figures(args, loaded, tokens: list[int], targets: torch.Tensor, base_k
 
     for s in sinks:
         quality(teacher_forced_sinks(loaded, tokens, kind, s, args.chunk, bs), f"{kind}_sink{s}")
-    for part, name in ((0, "k_only"), (1, "v_only")):
+    v_sinks = [int(s) for s in args.v_only_sinks.split(",") if s]
+    v_key = {s: f"{kind}_v_only" + (f"_sink{s}" if s else "") for s in v_sinks}  # measured: kv_quant_parts v
+    for s in v_sinks:
+        quality(teacher_forced_sinks(loaded, tokens, kind, s, args.chunk, bs, parts="v"), v_key[s])
+    for part, name in ((0, "k_only_emulated"), (1, "v_only_emulated")):
         quality(teacher_forced_one_part(loaded, tokens, kind, part, args.chunk, bs), f"{kind}_{name}")
     # emulated beside them: the same pool (first block unrounded) with the real per-block scales,
     # and with a scale per token (the finest granularity a format could take): how far a finer
@@ -314,6 +324,12 @@ def mixed_figures(args, loaded, tokens: list[int], targets: torch.Tensor, base_k
         result[f"{kind}_sink{s}_greedy_equal"] = equal
         print(f"greedy {kind} sink {s}: {equal} of {len(prompts)} equal to {base_kind} in full "
               f"({args.sink_prompt_len} + {args.sink_new_tokens} tokens)", flush=True)
+    for s in v_sinks:
+        outs = greedy(args.model, prompts, kind, args.sink_new_tokens, kv_sink_blocks=s, kv_offloading_size=0,
+                      kv_quant_parts="v")
+        result[f"{v_key[s]}_greedy_equal"] = sum(a == b for a, b in zip(outs, base_out))
+        print(f"greedy {v_key[s]}: {result[f'{v_key[s]}_greedy_equal']} of {len(prompts)} equal to {base_kind} "
+              f"in full", flush=True)
     plain = greedy(args.model, prompts, kind, args.sink_new_tokens)
     result[f"{kind}_greedy_equal"] = sum(a == b for a, b in zip(plain, base_out))
     base_blocks = num_blocks_for_memory(loaded.config, bs, "1GiB", base_kind)
@@ -321,6 +337,11 @@ def mixed_figures(args, loaded, tokens: list[int], targets: torch.Tensor, base_k
         full, quant = mixed_split(loaded.config, bs, "1GiB", kind, base_kind,
                                   full_block_fraction(s, args.sink_context, bs))
         result[f"{kind}_sink{s}_blocks_ratio"] = round((full + quant) / base_blocks, 4)
+    for s in v_sinks:  # K at the model dtype: the engine's sizing (kv_quant_parts v)
+        blocks = (sum(mixed_split(loaded.config, bs, "1GiB", kind, base_kind,
+                                  full_block_fraction(s, args.sink_context, bs), base_kind)) if s
+                  else num_blocks_for_memory(loaded.config, bs, "1GiB", kind, base_kind))
+        result[f"{v_key[s]}_blocks_ratio"] = round(blocks / base_blocks, 4)
     first = f"{kind}_sink{sinks[0]}"
     for key in ("top1", "ppl_ratio", "greedy_equal", "blocks_ratio"):
         result[f"{kind}_sink_{key}"] = result[f"{first}_{key}"]
