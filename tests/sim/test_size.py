@@ -241,3 +241,23 @@ def test_kv_sink_blocks_count_each_format_as_the_engine_splits_it() -> None:
     assert plain.full_precision_blocks == 0 and mixed.num_blocks < plain.num_blocks
     with pytest.raises(ValueError, match="--kv-sink-blocks"):
         size_kv_cache(spec, SizingInputs(kv_memory=memory, kv_dtype="fp16", kv_sink_blocks=1), SHAREGPT)
+
+
+def test_kv_quant_parts_v_counts_k_at_the_sink_dtype() -> None:
+    """--kv-quant-parts v: a block holds K at --sink-dtype and V 8-bit with V's scales alone, so
+    fewer blocks fit than with K and V 8-bit; the text names it; refused without an 8-bit --kv-dtype."""
+    from pagedkv.sim.report import size_table
+
+    spec = load_model_spec("llama-3-8b")  # 32 layers, 8 KV heads, head dim 128
+    memory = 8 << 30
+    both = size_kv_cache(spec, SizingInputs(kv_memory=memory, kv_dtype="int8", max_len=2048), SHAREGPT)
+    v = size_kv_cache(spec, SizingInputs(kv_memory=memory, kv_dtype="int8", max_len=2048, kv_quant_parts="v"),
+                      SHAREGPT)
+    assert v.kv_bytes_per_token == 32 * 8 * 128 * (2 + 1)  # K bf16, V int8
+    assert v.block_bytes == 16 * v.kv_bytes_per_token + 32 * 8 * 4  # one fp32 scale per layer and V head
+    assert v.num_blocks == memory // v.block_bytes < both.num_blocks
+    assert "int8 (V; K at the sink dtype)" in size_table(v)
+    with pytest.raises(ValueError, match="--kv-quant-parts 'v'.*8-bit"):
+        size_kv_cache(spec, SizingInputs(kv_memory=memory, kv_dtype="fp16", kv_quant_parts="v"), SHAREGPT)
+    with pytest.raises(ValueError, match="--kv-quant-parts must be one of kv, v"):
+        size_kv_cache(spec, SizingInputs(kv_memory=memory, kv_dtype="int8", kv_quant_parts="k"), SHAREGPT)
