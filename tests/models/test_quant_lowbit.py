@@ -1,8 +1,9 @@
 """GGUF's 4-, 5- and 6-bit types kept at their own width (``weight_quant.LOWBIT_FORMATS``,
 ``models/gguf_quants.py``, ``ops/csrc/lowbit_matmul.cpp``): every type's values bit for bit
 ``gguf.quants.dequantize`` (numpy and the modules' torch path; odd row counts, rows that are no
-multiple of 256), the native kernel against the dequantized weight at decode and prefill row counts,
-and a tiny random model written as GGUF of each type: packed where "auto" says, the file's values,
+multiple of 256), the native kernel against the dequantized weight at decode and prefill row counts
+(within the rounding of its integer activations: ``pagedkv_testing/activation_rounding.py``), and a
+tiny random model written as GGUF of each type: packed where "auto" says, the file's values,
 the same greedy tokens as the dequantized-float32 ("none") model, and its resident bytes."""
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ from pagedkv.models.quant_linear import QuantEmbedding, QuantLinear, dequantize_
 from pagedkv.ops import native
 from pagedkv.runner import ModelRunner, SeqChunk
 from pagedkv.weight_quant import LOWBIT_FORMATS
+from pagedkv_testing.activation_rounding import (
+    assert_logits_within_head_rounding,
+    assert_within_activation_rounding,
+    record_inputs,
+)
 from pagedkv_testing.quantized_gguf import LAYERS, VOCAB, write_gguf
 
 gguf = pytest.importorskip("gguf")
@@ -119,18 +125,18 @@ def _random_module(fmt: str, k: int, n: int, offsets: bool, seed: int) -> QuantL
 @pytest.mark.parametrize("fmt", sorted(LOWBIT_FORMATS))
 def test_low_bit_linear_matches_pytorch_on_the_dequantized_weight(use_native: bool, fmt: str) -> None:
     # 37 weight rows; inputs of 96 (less than a K-quant super-block of 256) and 800 (3 super-blocks and
-    # a run: rows that are no multiple of the super-block); activations of mixed magnitudes, a run of zeros
+    # a run: rows that are no multiple of the super-block); activations of mixed magnitudes, a run of zeros.
+    # The bound: the integer activations' rounding (rows 1 and 2), float rounding (the others).
     for k, offsets in ((96, False), (96, True), (800, True)):
         layer = _random_module(fmt, k, 37, offsets, seed=len(fmt) + offsets + k)
         layer.native = use_native
         weight = layer.weight
         assert layer.bias is not None
-        for m in (1, 5, 9, 33, 70):  # one group, several, the tiled path (past 32 rows)
+        for m in (1, 2, 5, 9, 33, 70):  # integer activations, one group, several, the tiled path (past 32 rows)
             gen = torch.Generator().manual_seed(m)
             x = torch.randn(m, k, generator=gen) * torch.randn(m, k, generator=gen).exp()
             x[0, 32:64] = 0.0
-            want = (x.double() @ weight.double().t() + layer.bias.double()).float()
-            torch.testing.assert_close(layer(x), want, atol=1e-4, rtol=1e-4)
+            assert_within_activation_rounding(layer(x), x, weight, layer.offsets, layer.bias)
         assert layer(x.to(torch.bfloat16)).dtype == torch.bfloat16
         assert f"format={fmt}" in repr(layer)
 
@@ -144,8 +150,9 @@ def test_low_bit_embedding_gathers_rows_and_a_tied_head_shares_them() -> None:
     torch.testing.assert_close(emb(ids), emb.weight[ids], atol=0, rtol=0)
     head = QuantLinear.sharing(emb)
     assert head.fmt == "u5" and head.planes is not None and head.planes.data_ptr() == emb.planes.data_ptr()
-    x = torch.randn(3, 64)
-    torch.testing.assert_close(head(x), x @ emb.weight.t(), atol=1e-4, rtol=1e-4)
+    for m in (1, 3):
+        x = torch.randn(m, 64)
+        assert_within_activation_rounding(head(x), x, emb.weight, emb.offsets)
 
 
 def _greedy(runner: ModelRunner, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
@@ -187,11 +194,15 @@ def test_a_tiny_gguf_of_each_type_runs_packed_with_the_dequantized_models_tokens
     assert weight_bytes(packed.model) == round(matrices * f.bytes_per_weight(offsets)) + norms
     prompt = [5, 40, 77, 120, 9, 100, 33, 64, 3]
     want, want_logits = _greedy(ModelRunner(plain, block_size=4, num_blocks=32), prompt, 12)
+    # the prompt's logits: float rounding, and the LM head's integer activations on its one row
+    head = next(m for m in packed.model.modules() if isinstance(m, QuantLinear) and m.out_features == VOCAB)
+    head_inputs = record_inputs(head)
     for use_native in ([True] if LOWBIT_NATIVE else []) + [False]:
         for m in packed.model.modules():
             if isinstance(m, QuantLinear):
                 m.native = use_native
+        head_inputs.clear()
         got, got_logits = _greedy(ModelRunner(packed, block_size=4, num_blocks=32), prompt, 12)
         assert got == want
-        torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
+        assert_logits_within_head_rounding(got_logits, want_logits, head_inputs[0], head)
     assert VOCAB == plain.config.vocab_size

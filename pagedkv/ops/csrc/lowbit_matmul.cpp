@@ -10,11 +10,15 @@
 // The offsets cost no work per weight (as in quant_matmul.cpp): per run of 32,
 // sum_k W x = scale * dot(v, x) + offset * sum(x), the run sums of x taken once per call.
 //
-// Few rows (decode): the weights are streamed once per group of up to 8 rows; a run's 32 codes are
-// widened in registers and converted to floats shared by the rows (gemv_common.h: two vectors of 16 with
-// AVX-512, else four of 8): Q4_0/Q4_1/Q4_K runs zero-extend their 16 bytes to 32-bit lanes and mask /
-// shift the nibbles there (one shuffle a run with AVX-512, two with AVX2, where splitting a byte
-// register takes eight); IQ4_NL and the 5- and 6-bit runs unpack to bytes first (a byte shuffle looks
+// Few rows (decode): the weights are streamed once per group of up to 8 rows. One or two rows
+// (INT_ROWS_MAX) take integer activations (gemv_common.h: x quantized to int16 per run of 32 once per
+// call, an error of at most half a step, 2^-16 of a run's largest value): a run's 32 codes widened
+// to two vectors of 16 int16 lanes (4-bit runs: the 16 bytes zero-extended once, the high nibbles
+// shifted down) and multiplied by integer dot products. More rows keep float activations: a run's codes are
+// converted to floats shared by the rows (two vectors of 16 with AVX-512, else four of 8):
+// Q4_0/Q4_1/Q4_K runs zero-extend their 16 bytes to 32-bit lanes and mask / shift the nibbles there
+// (one shuffle a run with AVX-512, two with AVX2, where splitting a byte register takes eight);
+// IQ4_NL and the 5- and 6-bit runs unpack to bytes first (a byte shuffle looks
 // up IQ4_NL's grid; the bit planes are spread over bytes with a shuffle and a compare; one byte
 // subtraction applies the zero), then sign-extend.
 // Many rows (prefill, large batches): tiles of 256 weight rows are dequantized into a float32
@@ -154,6 +158,47 @@ inline void widen16(const uint8_t* qb, const uint8_t* pb, __m256i lut, __m256i z
 }
 #endif
 
+// weight row n's streams into the cache (gemv_common.h: PREFETCH_ROWS), if it is below n1
+inline void prefetch_row(const Lb& g, int64_t n, int64_t n1) {
+  if (n >= n1) return;
+  const int64_t nb = g.K / QK;
+  prefetch(g.q + n * (g.K / 2), g.K / 2);
+  if (g.pl != nullptr) prefetch(g.pl + n * (g.K / 8 * g.P), g.K / 8 * g.P);
+  prefetch(g.d + n * (g.K / g.G), g.K / g.G * 4);
+  if (g.o != nullptr) prefetch(g.o + n * nb, nb * 4);
+}
+
+// a run's 32 values as int16 lanes (integer activations)
+template <int P, bool LUT, bool NIB, bool ZERO>
+inline Codes codes(const uint8_t* qb, const uint8_t* pb, __m256i lut, __m256i zero) {
+  if constexpr (NIB) {  // byte i: value i (low nibble), i + 16 (high), zero-extended to 16-bit lanes
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)));
+    Codes c{_mm256_and_si256(v, _mm256_set1_epi16(0x0F)), _mm256_srli_epi16(v, 4)};
+    if constexpr (ZERO) {
+      const __m256i z = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(zero));
+      c.lo = _mm256_sub_epi16(c.lo, z);
+      c.hi = _mm256_sub_epi16(c.hi, z);
+    }
+    return c;
+  }
+  const __m256i v = decode32<P, LUT>(qb, pb, lut, zero);
+  return Codes{_mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1))};
+}
+
+// the same with integer activations (xq: x quantized)
+template <int MR, int P, bool LUT, bool G16, bool NIB, bool ZERO>
+void gemv_rows_int(const Lb& g, const QuantizedRows& xq, int64_t m0, int64_t n0, int64_t n1) {
+  const int64_t K = g.K, nb = K / QK, qrow = K / 2, prow = K / 8 * P, drow = K / (G16 ? 16 : 32);
+  const __m256i lut = lut_vector(g.lut), zero = _mm256_set1_epi8(static_cast<char>(g.zero));
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* qn = g.q + n * qrow;
+    const uint8_t* pn = P > 0 ? g.pl + n * prow : nullptr;
+    prefetch_row(g, n + PREFETCH_ROWS, n1);
+    const auto run = [&](int64_t b) { return codes<P, LUT, NIB, ZERO>(qn + b * 16, P > 0 ? pn + b * 4 * P : nullptr, lut, zero); };
+    int_row<MR, G16>(run, g.d + n * drow, g.o != nullptr ? g.o + n * nb : nullptr, xq, g.xs, m0, g.out, g.N, n);
+  }
+}
+
 // out[m, n] for rows m0 .. m0 + MR - 1 and weight rows n0 .. n1 - 1
 template <int MR, int P, bool LUT, bool G16, bool NIB, bool ZERO>
 void gemv_rows(const Lb& g, int64_t m0, int64_t n0, int64_t n1) {
@@ -163,6 +208,7 @@ void gemv_rows(const Lb& g, int64_t m0, int64_t n0, int64_t n1) {
     const uint8_t* qn = g.q + n * qrow;
     const uint8_t* pn = P > 0 ? g.pl + n * prow : nullptr;
     const float* dn = g.d + n * drow;
+    prefetch_row(g, n + PREFETCH_ROWS, n1);
     Acc acc[MR];
     for (int r = 0; r < MR; ++r) acc[r] = acc_zero();
     for (int64_t b = 0; b < nb; ++b) {
@@ -187,9 +233,10 @@ void gemv_rows(const Lb& g, int64_t m0, int64_t n0, int64_t n1) {
 }
 
 template <int P, bool LUT, bool G16, bool NIB = false, bool ZERO = false>
-void gemv_kind(const Lb& g, int64_t n0, int64_t n1) {
+void gemv_kind(const Lb& g, const QuantizedRows* xq, int64_t n0, int64_t n1) {
   row_groups(g.M, n0, n1, [&](auto mr, int64_t m0, int64_t t0, int64_t t1) {
-    gemv_rows<decltype(mr)::value, P, LUT, G16, NIB, ZERO>(g, m0, t0, t1);
+    if (xq != nullptr) gemv_rows_int<decltype(mr)::value, P, LUT, G16, NIB, ZERO>(g, *xq, m0, t0, t1);
+    else gemv_rows<decltype(mr)::value, P, LUT, G16, NIB, ZERO>(g, m0, t0, t1);
   });
 }
 
@@ -242,7 +289,7 @@ void gemv_portable(const Lb& g, int64_t n0, int64_t n1) {
   }
 }
 
-// the streaming path
+// the streaming path: integer activations for up to INT_ROWS_MAX rows (gemv_common.h), else float
 void gemv(Lb g) {
   std::vector<float> xs(g.o != nullptr ? g.M * (g.K / QK) : 0);  // x's run sums, for the offsets
   if (g.o != nullptr) {
@@ -250,12 +297,15 @@ void gemv(Lb g) {
     g.xs = xs.data();
   }
 #ifdef PAGEDKV_LB_AVX2
+  std::optional<QuantizedRows> quantized;
+  if (g.M <= INT_ROWS_MAX) quantized.emplace(g.x, g.M, g.K);
+  const QuantizedRows* xq = quantized ? &*quantized : nullptr;
   at::parallel_for(0, g.N, 16, [&](int64_t n0, int64_t n1) {
-    if (g.lut != nullptr) gemv_kind<0, true, false>(g, n0, n1);
-    else if (g.P == 0 && g.zero == 0) gemv_kind<0, false, false, true, false>(g, n0, n1);
-    else if (g.P == 0) gemv_kind<0, false, false, true, true>(g, n0, n1);
-    else if (g.P == 1 && g.G == 32) gemv_kind<1, false, false>(g, n0, n1);
-    else if (g.P == 2 && g.G == 16) gemv_kind<2, false, true>(g, n0, n1);
+    if (g.lut != nullptr) gemv_kind<0, true, false>(g, xq, n0, n1);
+    else if (g.P == 0 && g.zero == 0) gemv_kind<0, false, false, true, false>(g, xq, n0, n1);
+    else if (g.P == 0) gemv_kind<0, false, false, true, true>(g, xq, n0, n1);
+    else if (g.P == 1 && g.G == 32) gemv_kind<1, false, false>(g, xq, n0, n1);
+    else if (g.P == 2 && g.G == 16) gemv_kind<2, false, true>(g, xq, n0, n1);
     else gemv_portable(g, n0, n1);
   });
 #else

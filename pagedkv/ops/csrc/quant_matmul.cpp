@@ -72,6 +72,11 @@ void gemv_rows(const Gemv& g, int64_t m0, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* qn = g.q + n * K;
     const float* dn = g.d + n * nb;
+    if (n + PREFETCH_ROWS < n1) {  // gemv_common.h
+      prefetch(qn + PREFETCH_ROWS * K, K);
+      prefetch(dn + PREFETCH_ROWS * nb, nb * 4);
+      if (g.o != nullptr) prefetch(g.o + (n + PREFETCH_ROWS) * nb, nb * 4);
+    }
     Acc acc[MR];
     for (int r = 0; r < MR; ++r) acc[r] = acc_zero();
     for (int64_t b = 0; b < nb; ++b) {
