@@ -29,7 +29,10 @@ model-dtype cache:
   (``<sink-kind>_k_only_emulated_*``, ``<sink-kind>_v_only_emulated_*``); and the one-sink pool
   emulated the same way, K and V, with a scale per block
   (``<sink-kind>_sink1_emulated_*``) and per token (``<sink-kind>_sink1_token_scale_*``: the finest
-  granularity a format could take), which bound what a finer 8-bit format could add.
+  granularity a format could take), which bound what a finer 8-bit format could add; and the
+  "recent block" policy emulated (the block being filled at the model dtype until it fills,
+  ``<sink-kind>_sink1_recent_emulated_*``, against the same block-by-block feeding without it,
+  ``<sink-kind>_sink1_blockwise_emulated_*``).
 
     .venv/bin/python bench/kv_quant.py [--threads 1] [--kinds int8,fp8_e4m3,fp8_e5m2,bfloat16,float16]
 
@@ -115,13 +118,7 @@ def teacher_forced_one_part(loaded, tokens: list[int], kind: str, part: int | No
         plain_write(k_cache, v_cache, k, v, slot_mapping)
         for cache in (k_cache, v_cache) if part is None else ((k_cache, v_cache)[part],):
             touched = torch.unique(slot_mapping // cache.shape[1])
-            touched = touched[touched >= sinks]
-            x = cache.index_select(0, touched)  # [blocks, block_size, kv_heads, d]
-            if rotation is not None:
-                x = x @ rotation
-            scale = x.abs().amax(dim=3 if per_token else (1, 3), keepdim=True) / fmt.qmax
-            y = dequantize(quantize(x, fmt, scale), fmt, scale)
-            cache.index_copy_(0, touched, (y @ rotation if rotation is not None else y).to(cache.dtype))
+            round_blocks(cache, touched[touched >= sinks], fmt, rotation, per_token)
 
     runner = ModelRunner(loaded, block_size=block_size, num_blocks=-(-len(tokens) // block_size) + 1,
                          kv_cache_dtype="auto", attention_backend="native")
@@ -132,6 +129,53 @@ def teacher_forced_one_part(loaded, tokens: list[int], kind: str, part: int | No
         for start in range(1, len(tokens) - 1, chunk):  # from position 1: every chunk reads the cache
             piece = tokens[start:min(start + chunk, len(tokens) - 1)]
             logits = runner.execute([SeqChunk(piece, start, table, all_logits=True)])
+            out.append(torch.log_softmax(logits.double(), dim=-1))
+    finally:
+        model_runner_module.write_kv = plain_write
+    return torch.cat(out)
+
+
+def round_blocks(cache: torch.Tensor, blocks: torch.Tensor, fmt, rotation: torch.Tensor | None,
+                 per_token: bool = False) -> None:
+    """Blocks ``blocks`` of one layer's float ``cache`` ``[blocks, block_size, kv_heads, d]`` rounded
+    in place as the write kernel stores them: absmax scale per block and KV head (``per_token``:
+    per token and KV head), in the Hadamard basis ``rotation`` (None: as they are)."""
+    x = cache.index_select(0, blocks)
+    if rotation is not None:
+        x = x @ rotation
+    scale = x.abs().amax(dim=3 if per_token else (1, 3), keepdim=True) / fmt.qmax
+    y = dequantize(quantize(x, fmt, scale), fmt, scale)
+    cache.index_copy_(0, blocks, (y @ rotation if rotation is not None else y).to(cache.dtype))
+
+
+def teacher_forced_recent(loaded, tokens: list[int], kind: str, block_size: int, sinks: int,
+                          recent: bool) -> torch.Tensor:
+    """``teacher_forced`` on a model-dtype pool, one block per chunk (aligned to the blocks, so a
+    chunk is one block's tokens, as decode fills them), K and V rounded to ``kind`` per block and
+    KV head in the Hadamard basis, the first ``sinks`` blocks never. ``recent``: the block being
+    filled stays unrounded while its own tokens read it and is rounded once full, when the next
+    block's tokens are written (the issue's "recent blocks at model precision"); else it is rounded
+    as it is written. An emulation (the engine has no recent-block policy)."""
+    fmt = kv_format(kind)
+    rotation = hadamard(loaded.config.head_dim)
+    plain_write = model_runner_module.write_kv
+
+    def rounding_write(k_cache, v_cache, k, v, slot_mapping):
+        plain_write(k_cache, v_cache, k, v, slot_mapping)
+        block = int(slot_mapping[0]) // block_size - (1 if recent else 0)  # the block to round now
+        if block >= sinks:
+            for cache in (k_cache, v_cache):
+                round_blocks(cache, torch.tensor([block]), fmt, rotation)
+
+    blocks = -(-len(tokens) // block_size)
+    runner = ModelRunner(loaded, block_size=block_size, num_blocks=blocks + 1, kv_cache_dtype="auto",
+                         attention_backend="native")
+    model_runner_module.write_kv = rounding_write  # this runner's writes only (restored below)
+    try:
+        out = []
+        for start in range(0, len(tokens) - 1, block_size):
+            piece = tokens[start:min(start + block_size, len(tokens) - 1)]
+            logits = runner.execute([SeqChunk(piece, start, list(range(blocks)), all_logits=True)])
             out.append(torch.log_softmax(logits.double(), dim=-1))
     finally:
         model_runner_module.write_kv = plain_write
@@ -315,6 +359,10 @@ def mixed_figures(args, loaded, tokens: list[int], targets: torch.Tensor, base_k
     for per_token, name in ((False, "sink1_emulated"), (True, "sink1_token_scale")):
         quality(teacher_forced_one_part(loaded, tokens, kind, None, args.chunk, bs, sinks=1, per_token=per_token),
                 f"{kind}_{name}")
+    # and the "recent block" policy: the block being filled at the model dtype until it fills,
+    # against the same block-by-block feeding without it
+    for recent, name in ((False, "sink1_blockwise_emulated"), (True, "sink1_recent_emulated")):
+        quality(teacher_forced_recent(loaded, tokens, kind, bs, 1, recent), f"{kind}_{name}")
     stride = max(1, (len(tokens) - args.sink_prompt_len) // args.sink_prompts)
     prompts = [tokens[i * stride:i * stride + args.sink_prompt_len] for i in range(args.sink_prompts)]
     base_out = greedy(args.model, prompts, base_kind, args.sink_new_tokens)
