@@ -86,13 +86,14 @@ def build_rank_runner(config: EngineConfig, tp: TPGroup | None = None) -> tuple[
     sizing = kv_sizing(config, loaded, block_size, per_block, device.type,  # the defaults, from free memory
                        ranks=tp.size if tp else 1)
     logger.info("%s", sizing.reason)
+    kv_memory, recent_blocks = recent_block_share(config, loaded.config, block_size, model_dtype,
+                                                  config.kv_cache_memory or sizing.kv_bytes)
     device_blocks = config.num_kv_blocks or num_blocks_for_memory(
-        loaded.config, block_size, config.kv_cache_memory or sizing.kv_bytes, kv_dtype, k_dtype)
+        loaded.config, block_size, kv_memory, kv_dtype, k_dtype)
     full_blocks = 0
     if config.kv_sink_blocks:  # a mixed pool: sink blocks (and full-precision requests) at the model dtype
         full_blocks, device_blocks = mixed_pool_blocks(config, loaded.config, block_size, kv_dtype,
-                                                       model_dtype, device_blocks,
-                                                       config.kv_cache_memory or sizing.kv_bytes, k_dtype)
+                                                       model_dtype, device_blocks, kv_memory, k_dtype)
     # More host blocks than 4x the device pool buy nothing.
     host_bytes = int(config.kv_offloading_size * (1 << 30)) if sizing.host_bytes is None else sizing.host_bytes
     host_per_block = (host_bytes_per_block(loaded.config, block_size, kv_dtype, model_dtype, k_dtype)
@@ -106,7 +107,8 @@ def build_rank_runner(config: EngineConfig, tp: TPGroup | None = None) -> tuple[
                          num_host_blocks=host_blocks, kv_cache_dtype=kv_dtype, device=device,
                          max_loras=config.max_loras if config.enable_lora else 0,
                          max_lora_rank=config.max_lora_rank, kv_full_blocks=full_blocks,
-                         cascade_attention=not config.disable_cascade_attn, kv_quant_parts=config.kv_quant_parts)
+                         cascade_attention=not config.disable_cascade_attn, kv_quant_parts=config.kv_quant_parts,
+                         kv_recent_blocks=recent_blocks)
     head = runner.model.lm_head
     if isinstance(head, PackedLinear):  # every batch size's LM-head kernel built now: flat RSS later
         head.warm_up(config.max_num_seqs)
@@ -168,6 +170,29 @@ def kv_sizing(config: EngineConfig, loaded: Any, block_size: int, block_bytes: i
                    host_available=host, pool_bytes=pool,
                    host_given=not isinstance(config.kv_offloading_size, _DefaultGiB),
                    same_memory=device_type == "cpu")
+
+
+def recent_block_share(config: EngineConfig, shape: Any, block_size: int, model_dtype: str,
+                       memory: str | int) -> tuple[str | int, int]:
+    """(the KV memory left for the pool's own blocks, shadow blocks) for ``kv_recent_block``: one
+    model-dtype shadow block per ``max_num_seqs`` (each running sequence's tail block), their bytes
+    taken out of ``memory`` (with ``num_kv_blocks`` they come on top of the given blocks). Off:
+    (``memory``, 0). ValueError when the shadows alone fill ``memory``."""
+    from pagedkv.runner.kv_cache import bytes_per_block, parse_memory_size
+
+    if not config.kv_recent_block:
+        return memory, 0
+    if config.num_kv_blocks:
+        return memory, config.max_num_seqs
+    total = parse_memory_size(memory)
+    shadow_bytes = config.max_num_seqs * bytes_per_block(shape, block_size, model_dtype)
+    if shadow_bytes >= total:
+        raise ValueError(f"kv_recent_block: max_num_seqs={config.max_num_seqs} shadow blocks at {model_dtype} take "
+                         f"{shadow_bytes} bytes, the whole KV memory ({total}); give more kv_cache_memory, a lower "
+                         f"max_num_seqs, or kv_recent_block false")
+    logger.info("kv_recent_block: %d %s shadow blocks (%d bytes) for sequences' tail blocks",
+                config.max_num_seqs, model_dtype, shadow_bytes)
+    return total - shadow_bytes, config.max_num_seqs
 
 
 def mixed_pool_blocks(config: EngineConfig, shape: Any, block_size: int, kv_dtype: str, model_dtype: str,

@@ -130,6 +130,11 @@ class EngineConfig:
         "with an 8-bit kv_cache_dtype: which parts of a block are 8-bit: kv (K and V), or v (V 8-bit, K at "
         "the model dtype: K's rounding costs more top-1 agreement than V's; a float32 model's blocks then hold "
         "1.6x float32 blocks' tokens, not 4x); with kv_sink_blocks or without (docs/kv_quantization.md)")})
+    kv_recent_block: bool = field(default=False, metadata={"help": (
+        "with an 8-bit kv_cache_dtype: each sequence's tail block, while it fills, is also kept at the model "
+        "dtype in a shadow block that attention reads in its place (closer to the model dtype's outputs: "
+        "docs/kv_quantization.md has the figures); max_num_seqs shadow blocks at the model dtype come out of "
+        "the pool's memory; not for MLA or sliding-window models")})
     quantization: str = field(default="auto", metadata={"help": (
         "linear weights: none (the model dtype), q8_0 (int8 + a scale and offset per 32 values; GGUF "
         "types it cannot hold exactly are requantized), auto: a GGUF's weights kept 8-bit where exact "
@@ -308,6 +313,11 @@ class EngineConfig:
                 raise ValueError(f"kv_sink_blocks keeps sink blocks at the model dtype beside 8-bit ones: it needs an "
                                  f"8-bit kv_cache_dtype (int8, fp8, fp8_e5m2), got {self.kv_cache_dtype!r}")
         check_kv_quant_parts(self.kv_quant_parts, self.kv_cache_dtype)
+        if not isinstance(self.kv_recent_block, bool):
+            raise ValueError(f"kv_recent_block must be true or false, got {self.kv_recent_block!r}")
+        if self.kv_recent_block and self.kv_cache_dtype not in SCALED_KV_DTYPES and self.kv_cache_dtype != "fp8":
+            raise ValueError(f"kv_recent_block keeps the tail block at the model dtype beside 8-bit blocks: it needs "
+                             f"an 8-bit kv_cache_dtype (int8, fp8, fp8_e5m2), got {self.kv_cache_dtype!r}")
         _one_of("quantization", self.quantization, QUANTIZATIONS)
         if self.fault_injection:
             FaultSpec.parse(self.fault_injection)

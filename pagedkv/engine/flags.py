@@ -58,6 +58,7 @@ _ARGPARSE: dict[str, dict[str, Any]] = {
     "kv_cache_dtype": {"choices": KV_CACHE_DTYPES},
     "kv_sink_blocks": {"type": int},
     "kv_quant_parts": {"choices": KV_QUANT_PARTS},
+    "kv_recent_block": _SWITCH,
     "quantization": {"choices": QUANTIZATIONS},
     "seed": {"type": int},
     "debug_integrity": _SWITCH,

@@ -160,12 +160,16 @@ class KVCache:
     ``quant_parts="v"`` (an 8-bit ``dtype``): V 8-bit, K of every block at ``full_dtype`` in
     ``keys`` (host: ``host_keys``); ``kv``/``quant_kv``/``scales`` then hold V alone (one part, not
     two) as a mixed pool with ``full_blocks`` >= 0 (module docstring). ValueError for a bad value,
-    or on an MLA model (its one latent is K and V at once)."""
+    or on an MLA model (its one latent is K and V at once).
+
+    ``host_full`` False: the full-precision device blocks never leave the device (``kv_recent_block``'s
+    shadows, with no sink blocks): the host pool and the payloads hold 8-bit blocks alone, as an
+    all-8-bit pool's (the same payload bytes: a disk tier serves either)."""
 
     def __init__(self, config: ModelConfig, *, block_size: int, num_blocks: int, num_host_blocks: int = 0,
                  dtype: str | torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  full_blocks: int = 0, full_dtype: str | torch.dtype = torch.float32,
-                 quant_parts: str = "kv") -> None:
+                 quant_parts: str = "kv", host_full: bool = True) -> None:
         check_block_size(block_size)
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -203,6 +207,7 @@ class KVCache:
                                  f"mixed pool, got {full_blocks}")
         # ids below quant_base are full precision (model dtype), the others 8-bit
         self.quant_base = full_blocks if full_blocks else (0 if self.format.scaled else num_blocks)
+        self.host_full_blocks = bool(full_blocks) and host_full  # host blocks (and payloads) may be full precision
         self.groups = kv_groups(config)
         self.group_of = [0] * config.num_hidden_layers  # layer -> its KV group
         self.slot_of = [0] * config.num_hidden_layers  # layer -> its slot in a block
@@ -231,7 +236,8 @@ class KVCache:
             # the host pool holds either format in every block (both storages; host_full says which)
             pin = torch.device(device).type == "cuda"
             host = shape[:2] + (num_host_blocks,) + shape[2:]
-            self.host_kv = torch.zeros(host, dtype=self.full_format.storage, pin_memory=pin)
+            full_host = shape[:2] + ((num_host_blocks if host_full else 0),) + shape[2:]
+            self.host_kv = torch.zeros(full_host, dtype=self.full_format.storage, pin_memory=pin)
             self.host_quant_kv = torch.zeros(host, dtype=self.dtype, pin_memory=pin)
             self.host_scales = torch.zeros(layers, pairs, num_host_blocks, kvh, dtype=torch.float32)
             self.host_full = [False] * num_host_blocks
@@ -267,7 +273,7 @@ class KVCache:
         host = (num_host, block_size, kvh, d)
         self.host_keys = torch.zeros(part + host, dtype=full_dtype, pin_memory=pin)
         # V's host blocks hold either format (host_full says which); no full-precision V without F
-        self.host_kv = torch.zeros(part + ((num_host if full_blocks else 0),) + host[1:], dtype=full_dtype,
+        self.host_kv = torch.zeros(part + ((num_host if self.host_full_blocks else 0),) + host[1:], dtype=full_dtype,
                                    pin_memory=pin)
         self.host_quant_kv = torch.zeros(part + host, dtype=self.dtype, pin_memory=pin)
         self.host_scales = torch.zeros(part + (num_host, kvh), dtype=torch.float32)
@@ -342,6 +348,11 @@ class KVCache:
         (scales after 8-bit V), zero-padded to the larger V; the other bytes than "kv"'s, so a
         payload of one pool is refused by the other's :meth:`load_host_payloads`."""
         pool = self.mixed_blocks(host)
+        if self.keys is None and not self.host_full_blocks:  # 8-bit blocks alone: an all-8-bit pool's bytes
+            assert self.host_quant_kv is not None and self.quant_kv is not None
+            if host:
+                return block_payloads(self.host_quant_kv, block_ids, self.host_scales)
+            return block_payloads(self.quant_kv, [b - self.quant_base for b in block_ids], self.scales)
         if self.keys is None:
             return mixed_payloads(pool, block_ids)
         keys = self.host_keys if host else self.keys
@@ -354,6 +365,12 @@ class KVCache:
         """Write ``(host block, payload)`` pairs made by :meth:`payloads` into a mixed pool's host
         blocks, each in the format its payload names; ValueError, writing nothing, for a payload of
         another size or format byte (another pool's)."""
+        if self.keys is None and not self.host_full_blocks:
+            assert self.host_quant_kv is not None
+            load_block_payloads(self.host_quant_kv, pairs, self.host_scales)
+            for h, _ in pairs:
+                self.host_full[h] = False
+            return
         if self.keys is None:
             load_mixed_payloads(self.mixed_blocks(host=True), pairs, self.format)
             return
@@ -361,7 +378,7 @@ class KVCache:
         assert self.keys is not None
         k_size = self.keys[:, :, 0].numel() * self.keys.element_size()  # one block's K, every layer
         v_size, padded = self._v_payload_size(), self._v_payload_size(padded=True)
-        allowed = (_V_FULL, _V_QUANT) if self.quant_base else (_V_QUANT,)
+        allowed = (_V_FULL, _V_QUANT) if self.host_full_blocks else (_V_QUANT,)
         for _, payload in pairs:
             if len(payload) != k_size + v_size or payload[0] not in allowed:
                 raise ValueError(f"a KV block payload (kv_quant_parts v) has {len(payload)} bytes (format byte "
@@ -380,7 +397,7 @@ class KVCache:
         per_block = (self.quant_kv[:, :, :1].numel() * self.quant_kv.element_size()
                      + self.scales[:, :, :1].numel() * self.scales.element_size())
         full = self.quant_kv[:, :, :1].numel() * self.full_format.storage.itemsize
-        return 1 + (max(per_block, full) if padded or self.quant_base else per_block)
+        return 1 + (max(per_block, full) if padded or self.host_full_blocks else per_block)
 
     @property
     def device_bytes(self) -> int:
@@ -403,3 +420,80 @@ _V_FULL, _V_QUANT = 2, 3  # quant_parts "v" payloads' format bytes ("kv" pools: 
 
 def _bytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
+
+
+@dataclass(slots=True)
+class _Shadow:
+    slot: int  # the shadow's block id (a full-precision id of the runner's pool)
+    filled: int  # rows of its block written so far (all of them in the shadow too)
+    used: int  # the step that last wrote it (least recently used: reclaimed first)
+
+
+class RecentShadows:
+    """``kv_recent_block``: which 8-bit blocks (the tail block of a sequence, while it fills) are
+    also held at model precision in a shadow block, ids ``[first, first + count)`` of the pool's
+    full-precision range. The runner reads a block through its shadow while it has a valid one
+    and writes the shadow into the 8-bit block after every step (the 8-bit block is always
+    complete, so a block without a shadow is always correct, only rounded). A shadow is valid
+    while every row of its block since offset 0 went through it: a write at offset 0 takes a
+    fresh one, a write elsewhere keeps it only where it follows on (``filled`` equals the write's
+    offset), and any other way a block id gets data (copy, swap-in) drops it (the runner's movers
+    call :meth:`drop`)."""
+
+    def __init__(self, first: int, count: int) -> None:
+        if count < 1:
+            raise ValueError(f"a recent-block shadow pool needs >= 1 block, got {count}")
+        self.first, self.count = first, count
+        self.free = list(range(first + count - 1, first - 1, -1))  # popped from the end: lowest id first
+        self.of: dict[int, _Shadow] = {}  # block id -> its shadow
+        self.step = 0
+        self.written_through = 0  # block writes that went through a shadow (tests, stats)
+
+    def drop(self, block: int) -> None:
+        """Block ``block`` loses its shadow (if any); the shadow is free again."""
+        shadow = self.of.pop(block, None)
+        if shadow is not None:
+            self.free.append(shadow.slot)
+
+    def assign(self, block: int, busy: set[int], reclaim: bool) -> int | None:
+        """A fresh shadow for ``block`` (its id), or None where none is free and ``reclaim`` is
+        off or every holder is ``busy`` (written this step); with ``reclaim`` the least recently
+        used holder outside ``busy`` loses its shadow (it reads its 8-bit block from then on)."""
+        self.drop(block)
+        if not self.free:
+            victims = [b for b in self.of if b not in busy] if reclaim else []
+            if not victims:
+                return None
+            self.drop(min(victims, key=lambda b: self.of[b].used))
+        slot = self.free.pop()
+        self.of[block] = _Shadow(slot, 0, self.step)
+        return slot
+
+    def plan_writes(self, writes: Sequence[tuple[int, int, int]], block_size: int) -> tuple[list[int], list[int]]:
+        """One step's writes ``(block, first row, end row)`` (8-bit blocks only): each block's
+        shadow kept, taken or dropped by the rules above, ``filled`` set to ``end``. A block that
+        stays partly filled may reclaim a shadow and is served first; one that fills within the step
+        takes a free one only. Returns (the fresh shadows, to be zeroed before use: a block's 8-bit copy is
+        rounded by its absmax over all rows; the blocks written through a shadow)."""
+        self.step += 1
+        busy = {b for b, _, _ in writes}
+        fresh, through = [], []
+        for block, first, end in sorted(writes, key=lambda w: w[2] >= block_size):  # the tails first
+            if first == 0:
+                slot = self.assign(block, busy, reclaim=end < block_size)
+                if slot is not None:
+                    fresh.append(slot)
+            elif block in self.of and self.of[block].filled != first:
+                self.drop(block)  # a reused id, or rows that went by another way: stale
+            shadow = self.of.get(block)
+            if shadow is not None:
+                shadow.filled, shadow.used = end, self.step
+                through.append(block)
+        through = [b for b in dict.fromkeys(through) if b in self.of]  # (a block written twice: once)
+        self.written_through += len(through)
+        return fresh, through
+
+    def read_id(self, block: int) -> int:
+        """The id the kernels read block ``block`` by: its shadow's, or its own."""
+        shadow = self.of.get(block)
+        return block if shadow is None else shadow.slot

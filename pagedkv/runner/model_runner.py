@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 
 from pagedkv import envs
 from pagedkv.lora.adapter import LoRAWeights
 from pagedkv.lora.layers import LoRAStack, apply_lora
-from pagedkv.model_shape import KVGroup
+from pagedkv.model_shape import KVGroup, kv_groups
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm
 from pagedkv.models.loader import LoadedModel
@@ -41,7 +42,7 @@ from pagedkv.ops.paged_attention import (
     paged_prefill_attention,
 )
 from pagedkv.runner.batch import SeqChunk
-from pagedkv.runner.kv_cache import KVCache, num_blocks_for_memory
+from pagedkv.runner.kv_cache import KVCache, RecentShadows, num_blocks_for_memory
 from pagedkv.runner.step_inputs import BatchError, StepInputs, TritonMetadata, build_step_inputs
 
 ATTENTION_BACKENDS = ("native", "plain", "triton")
@@ -250,6 +251,21 @@ class _StepAttention:
         return out
 
 
+def _check_recent(count: int, fmt: KVFormat, config: ModelConfig) -> None:
+    """Refuse ``kv_recent_blocks`` where the recent block cannot be kept (ValueError naming what to do)."""
+    if count < 0:
+        raise ValueError(f"kv_recent_blocks must be >= 0, got {count}")
+    if not fmt.scaled:
+        raise ValueError(f"kv_recent_block keeps the tail block at the model dtype beside 8-bit blocks: it needs an "
+                         f"8-bit kv_cache_dtype (int8, fp8, fp8_e5m2), got {fmt.name}")
+    if config.is_mla:
+        raise ValueError("kv_recent_block on an MLA model: its latent kernels read one block format; turn "
+                         "kv_recent_block off")
+    if len(kv_groups(config)) > 1:
+        raise ValueError("kv_recent_block on a model with several KV groups (sliding-window layers): not supported; "
+                         "turn kv_recent_block off")
+
+
 def _step_block_ids(inp: StepInputs, block_size: int, kv_heads: int) -> torch.Tensor:
     """The blocks the plain path reads in one step of one KV group (block 0 too: padding points at
     it), sorted, int64."""
@@ -326,7 +342,11 @@ class ModelRunner:
     of rank ``max_lora_rank`` (``pagedkv/lora/layers.py``; ``set_lora_slot`` fills one, a chunk's
     ``lora_slot`` picks one). ``cascade_attention`` (default on) attends the blocks several rows
     of a step share once for all of them (``pagedkv/ops/cascade.py``; the native kernel and the
-    Triton decode kernel).
+    Triton decode kernel). ``kv_recent_blocks`` > 0 (an 8-bit ``kv_cache_dtype``; not MLA, not a
+    hybrid model): that many shadow blocks at the model dtype hold the tail block of sequences
+    while it fills (``kv_recent_block``, :class:`~pagedkv.runner.kv_cache.RecentShadows`), read in
+    place of its 8-bit bytes; they lie after the ``kv_full_blocks`` full-precision ids of the pool,
+    so the 8-bit ids callers give are shifted by it inside (callers see ``num_blocks`` blocks).
     """
 
     def __init__(
@@ -347,6 +367,7 @@ class ModelRunner:
         kv_full_blocks: int = 0,
         cascade_attention: bool = True,
         kv_quant_parts: str = "kv",
+        kv_recent_blocks: int = 0,
     ) -> None:
         net = model.model if isinstance(model, LoadedModel) else model
         self.device = resolve_device(device)
@@ -382,9 +403,15 @@ class ModelRunner:
             assert kv_cache_memory is not None
             num_blocks = num_blocks_for_memory(self.config, block_size, kv_cache_memory, fmt.name,
                                                model_dtype if kv_quant_parts == "v" else None)
-        self.cache = KVCache(self.config, block_size=block_size, num_blocks=num_blocks,
+        if kv_recent_blocks:
+            _check_recent(kv_recent_blocks, fmt, self.config)
+        self.cache = KVCache(self.config, block_size=block_size, num_blocks=num_blocks + kv_recent_blocks,
                              num_host_blocks=num_host_blocks, dtype=fmt.name, device=self.device,
-                             full_blocks=kv_full_blocks, full_dtype=model_dtype, quant_parts=kv_quant_parts)
+                             full_blocks=kv_full_blocks + kv_recent_blocks, full_dtype=model_dtype,
+                             quant_parts=kv_quant_parts, host_full=kv_full_blocks > 0 or not kv_recent_blocks)
+        # kv_recent_block: shadows at ids [F, F + S) of the pool; callers' 8-bit ids from F shift by S
+        self._full_ids = kv_full_blocks if kv_recent_blocks else num_blocks + 1
+        self._recent = RecentShadows(kv_full_blocks, kv_recent_blocks) if kv_recent_blocks else None
         # Quantization error of what the 8-bit formats store: sum((dequantized - x)^2), sum(x^2)
         # per layer and K/V, accumulated by the write kernel (kv_quant_error reads it).
         self.write_error = (torch.zeros(self.config.num_hidden_layers, 2, 2, dtype=torch.float64,
@@ -420,7 +447,14 @@ class ModelRunner:
     @property
     def kv_full_blocks(self) -> int:
         """A mixed pool's full-precision blocks (ids below it); 0 for a single-format pool."""
+        if self._recent is not None:
+            return self._full_ids
         return self.cache.quant_base if self.cache.is_mixed else 0
+
+    @property
+    def kv_recent_blocks(self) -> int:
+        """The shadow blocks of ``kv_recent_block`` (0: off)."""
+        return 0 if self._recent is None else self._recent.count
 
     @property
     def kv_quant_parts(self) -> str:
@@ -471,7 +505,8 @@ class ModelRunner:
 
     @property
     def num_blocks(self) -> int:
-        return self.cache.num_blocks
+        """The block ids callers use (the pool's, less ``kv_recent_block``'s shadows)."""
+        return self.cache.num_blocks - self.kv_recent_blocks
 
     @property
     def num_host_blocks(self) -> int:
@@ -488,7 +523,7 @@ class ModelRunner:
         # the plain path's buffers: blocks of another storage are read into the model dtype
         plain_dtype = self.cache.full_format.storage
         per_group = [build_step_inputs([c.in_group(g) for c in chunks], block_size=self.block_size,
-                                       num_blocks=self.num_blocks, num_heads=cfg.num_attention_heads,
+                                       num_blocks=self.cache.num_blocks, num_heads=cfg.num_attention_heads,
                                        kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
                                        sliding_window=cfg.layer_window(group.layers[0]), dtype=plain_dtype,
                                        native=self.native_attention, fresh_from_cache=self.cache.format.scaled,
@@ -515,14 +550,25 @@ class ModelRunner:
                 order = None
             else:
                 chunks = [chunks[i] for i in order]
-        inputs = self.prepare(chunks)
-        attention = _StepAttention(self.cache, inputs, self.config, self.write_error, self.rotation)
-        wanted = None if return_all_logits else inputs.logits_indices
-        if order is not None and wanted is not None:  # the rows picked in the chunks' own order
-            wanted = wanted.index_select(0, _unsort_rows(chunks, order, False).to(wanted.device))
-        with self.lora.step(inputs.lora_ranges) if self.lora is not None else nullcontext():
-            logits = self.model(inputs.input_ids, inputs.positions, attention, logits_indices=wanted,
-                                max_position=inputs.max_position)
+        through: list[int] = []
+        if self._recent is not None:  # the pool's ids, tail blocks read (and written) through their shadows
+            chunks, through = self._through_shadows(chunks)
+        try:
+            inputs = self.prepare(chunks)
+            attention = _StepAttention(self.cache, inputs, self.config, self.write_error, self.rotation)
+            wanted = None if return_all_logits else inputs.logits_indices
+            if order is not None and wanted is not None:  # the rows picked in the chunks' own order
+                wanted = wanted.index_select(0, _unsort_rows(chunks, order, False).to(wanted.device))
+            with self.lora.step(inputs.lora_ranges) if self.lora is not None else nullcontext():
+                logits = self.model(inputs.input_ids, inputs.positions, attention, logits_indices=wanted,
+                                    max_position=inputs.max_position)
+        except BaseException:
+            for block in through:  # their rows of this step are in neither storage: no shadow to trust
+                assert self._recent is not None
+                self._recent.drop(block)
+            raise
+        if through:
+            self._store_shadows(through)
         if order is not None and return_all_logits:
             logits = logits.index_select(0, _unsort_rows(chunks, order, True).to(logits.device))
         return logits.float().cpu()  # the sampler works on the host (a no-op on CPU)
@@ -531,7 +577,9 @@ class ModelRunner:
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: device block src -> device block dst, all layers."""
         self._check(pairs, self.num_blocks, self.num_blocks, "copy_blocks")
-        if self.cache.is_mixed:
+        if self._recent is not None:
+            self.cache.copy(self._copy_shadows([(self._id(s), self._id(d)) for s, d in pairs]))
+        elif self.cache.is_mixed:
             self.cache.copy(pairs)
         elif self.backend == "triton":
             from pagedkv.ops.triton.cache_ops import copy_blocks as triton_copy_blocks
@@ -543,6 +591,10 @@ class ModelRunner:
     def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Device block -> host block for each (device_id, host_id) pair."""
         self._check(pairs, self.num_blocks, self.num_host_blocks, "swap_out")
+        if self._recent is not None:  # (the 8-bit block is complete: its shadow is freed with it)
+            pairs = [(self._id(d), h) for d, h in pairs]
+            for d, _ in pairs:
+                self._recent.drop(d)
         if self.cache.is_mixed:  # each block keeps its format on the host
             self.cache.swap(pairs, to_host=True)
             return
@@ -552,6 +604,10 @@ class ModelRunner:
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Host block -> device block for each (host_id, device_id) pair."""
         self._check(pairs, self.num_host_blocks, self.num_blocks, "swap_in")
+        if self._recent is not None:  # a block id given data another way loses its shadow
+            pairs = [(h, self._id(d)) for h, d in pairs]
+            for _, d in pairs:
+                self._recent.drop(d)
         if self.cache.is_mixed:  # into the device block's format (converted where it differs)
             self.cache.swap(pairs, to_host=False)
             return
@@ -562,7 +618,7 @@ class ModelRunner:
         """Device blocks' K/V (and scales) as bytes, one ``bytes`` per block (the disk tier's payload)."""
         self._check([(b, 0) for b in block_ids], self.num_blocks, 1, "block_payloads")
         if self.cache.is_mixed:  # a format byte, then that format's bytes (KVCache.payloads)
-            return self.cache.payloads(block_ids)
+            return self.cache.payloads([self._id(b) for b in block_ids])
         return block_payloads(self.cache.kv, block_ids, self.cache.scales)
 
     @torch.inference_mode()
@@ -581,6 +637,72 @@ class ModelRunner:
             self.cache.load_host_payloads(pairs)
             return
         load_block_payloads(self.cache.host_kv, pairs, self.cache.host_scales)
+
+    def _id(self, block: int) -> int:
+        """The pool's id of a caller's block id (``kv_recent_block``: 8-bit ids after the shadows)."""
+        return block + self.kv_recent_blocks if block >= self._full_ids else block
+
+    def _through_shadows(self, chunks: list[SeqChunk]) -> tuple[list[SeqChunk], list[int]]:
+        """``kv_recent_block``: the chunks with the pool's block ids, each 8-bit block they write
+        read and written through its shadow where it has a valid one (:meth:`RecentShadows.plan_writes`;
+        fresh shadows zeroed), and the blocks written through one."""
+        recent, bs = self._recent, self.block_size
+        assert recent is not None
+        writes = []
+        for c in chunks:
+            start, end = c.start_pos, c.start_pos + len(c.token_ids)
+            for i in range(start // bs, -(-end // bs)):
+                block = self._id(c.block_table[i]) if i < len(c.block_table) else -1
+                if block >= recent.first:  # (a full-precision block, a sink's, needs none)
+                    writes.append((block, max(start - i * bs, 0), min(end - i * bs, bs)))
+        fresh, through = recent.plan_writes(writes, bs)
+        if fresh:
+            self._zero_blocks(fresh)
+        shadowed = []
+        for c in chunks:
+            last = -(-(c.start_pos + len(c.token_ids)) // bs)  # (blocks past the chunk's end: not read)
+            table = [recent.read_id(self._id(b)) if i < last and b >= 0 else self._id(b) if b >= 0 else b
+                     for i, b in enumerate(c.block_table)]
+            shadowed.append(replace(c, block_table=table))
+        return shadowed, through
+
+    def _zero_blocks(self, ids: list[int]) -> None:
+        """Zero full-precision blocks ``ids`` of the pool (K and V, every layer)."""
+        index = torch.tensor(ids, dtype=torch.long, device=self.device)
+        self.cache.kv.index_fill_(2, index, 0)
+        if self.cache.keys is not None:
+            self.cache.keys.index_fill_(2, index, 0)
+
+    def _store_shadows(self, through: list[int]) -> None:
+        """After a step: each block written through its shadow gets the shadow's rows in its own
+        format (a converting copy: fresh absmax scales over the rows so far, ``ops/cache_ops``), and
+        a block now full gives its shadow back."""
+        recent = self._recent
+        assert recent is not None
+        self.cache.copy([(recent.of[b].slot, b) for b in through])
+        for b in through:
+            if recent.of[b].filled >= self.block_size:
+                recent.drop(b)
+
+    def _copy_shadows(self, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """``kv_recent_block``'s copy-on-write (the pool's ids): a destination loses its shadow; one
+        whose source has a shadow gets a copy of it (where one is free, or reclaimed). The pairs to
+        copy: the given ones and the shadows'."""
+        recent = self._recent
+        assert recent is not None
+        for _, d in pairs:
+            recent.drop(d)
+        busy = {s for s, _ in pairs} | {d for _, d in pairs}
+        shadows = []
+        for s, d in pairs:
+            source = recent.of.get(s)
+            if source is not None:
+                filled = source.filled
+                slot = recent.assign(d, busy, reclaim=True)
+                if slot is not None:
+                    recent.of[d].filled = filled
+                    shadows.append((source.slot, slot))
+        return pairs + shadows
 
     @staticmethod
     def _check(pairs: Sequence[tuple[int, int]], n_src: int, n_dst: int, what: str) -> None:

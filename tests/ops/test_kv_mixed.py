@@ -441,15 +441,19 @@ def test_engine_mixed_pool_host_tier_reload(tiny_folder):
 
 
 @needs_native
-@pytest.mark.parametrize("mode,kinds,parts", [("swap", "swap+evict+alloc", "kv"),
-                                              ("recompute", "recompute+evict+alloc", "kv"),
-                                              ("swap", "swap+evict+alloc", "v")])
-def test_engine_mixed_pool_under_faults_and_forks(tiny_folder, mode, kinds, parts):
+@pytest.mark.parametrize("mode,kinds,parts,recent", [("swap", "swap+evict+alloc", "kv", False),
+                                                     ("recompute", "recompute+evict+alloc", "kv", False),
+                                                     ("swap", "swap+evict+alloc", "v", False),
+                                                     ("swap", "swap+evict+alloc", "kv", True),
+                                                     ("recompute", "recompute+evict+alloc", "kv", True)])
+def test_engine_mixed_pool_under_faults_and_forks(tiny_folder, mode, kinds, parts, recent):
     """Seeded faults (swap or recompute preemption, evictions, allocation failures) on a small mixed
     pool with a host tier, forked (n=3) requests sharing blocks copy-on-write: every request
     finishes with all its tokens, integrity holds after every step, no block leaks; the undisturbed
     run's tokens nearly all agree (a recompute re-prefills a block whose 8-bit scale had grown token
-    by token; a swapped block may come back into the other format when its own has none free)."""
+    by token; a swapped block may come back into the other format when its own has none free).
+    ``recent``: with ``kv_recent_block`` (tail blocks read from shadows; a swapped-in, copied or
+    reused block reads its 8-bit bytes)."""
     import random
 
     from pagedkv import SamplingParams
@@ -463,7 +467,8 @@ def test_engine_mixed_pool_under_faults_and_forks(tiny_folder, mode, kinds, part
 
     options = dict(block_size=4, num_kv_blocks=48, max_num_batched_tokens=40, kv_offloading_size=0.001,
                    preemption_mode=mode, debug_integrity=True, kv_cache_dtype="int8", kv_sink_blocks=1,
-                   kv_quant_parts=parts)
+                   kv_quant_parts=parts, kv_recent_block=recent,
+                   max_num_seqs=6 if recent else 64)  # (recent: fewer shadows than sequences, some reclaimed)
     expected = _run(LLMEngine.from_options(str(tiny_folder), **{**options, "num_kv_blocks": 400}), prompts, params)
     same = total = preemptions = 0
     for seed in range(2):
@@ -479,6 +484,8 @@ def test_engine_mixed_pool_under_faults_and_forks(tiny_folder, mode, kinds, part
         stats = engine.stats()
         assert stats.kv.used_blocks == 0 and stats.kv.host_used_blocks == 0
         preemptions += stats.preemptions_recompute + stats.preemptions_swap
+        if recent:
+            assert engine.runner.kv_recent_blocks == 6 and engine.runner._recent.written_through > 0
     assert preemptions > 2
     assert same / total >= 0.9, f"{same} of {total} tokens equal the undisturbed run's"
 
@@ -510,8 +517,8 @@ def test_default_model_one_sink_block_greedy_matches_float32():
 
 
 @needs_native
-@pytest.mark.parametrize("parts", ["kv", "v"])
-def test_disk_tier_restart_serves_a_mixed_pool(tiny_folder, tmp_path, parts):
+@pytest.mark.parametrize("parts,recent", [("kv", False), ("v", False), ("kv", True)])
+def test_disk_tier_restart_serves_a_mixed_pool(tiny_folder, tmp_path, parts, recent):
     """The disk tier under a mixed pool: block files carry each block's format; after a restart
     the prompt's blocks are read back (disk hits) and the output equals the first run's. A
     payload of another format byte or size is refused, writing nothing. The other
@@ -521,7 +528,8 @@ def test_disk_tier_restart_serves_a_mixed_pool(tiny_folder, tmp_path, parts):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompt = list(range(3, 43))
     options = dict(block_size=4, num_kv_blocks=40, kv_offloading_size=0.002, kv_cache_dtype="int8", kv_sink_blocks=1,
-                   debug_integrity=True, max_model_len=64, kv_offload_dir=str(tmp_path / "kv"), kv_quant_parts=parts)
+                   debug_integrity=True, max_model_len=64, kv_offload_dir=str(tmp_path / "kv"), kv_quant_parts=parts,
+                   kv_recent_block=recent)
     full_byte, quant_byte = (1, 0) if parts == "kv" else (2, 3)
     with LLM(str(tiny_folder), **options) as llm:
         first = llm.generate([prompt], params)[0].outputs[0].token_ids
