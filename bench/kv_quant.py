@@ -32,7 +32,9 @@ model-dtype cache:
   granularity a format could take), which bound what a finer 8-bit format could add; and the
   "recent block" policy emulated (the block being filled at the model dtype until it fills,
   ``<sink-kind>_sink1_recent_emulated_*``, against the same block-by-block feeding without it,
-  ``<sink-kind>_sink1_blockwise_emulated_*``).
+  ``<sink-kind>_sink1_blockwise_emulated_*``), and built: the engine's ``kv_recent_block``
+  (``<sink-kind>_sink1_recent_*``: the runner's shadow blocks, fed as the emulation is; greedy
+  continuations by an engine with it).
 
     .venv/bin/python bench/kv_quant.py [--threads 1] [--kinds int8,fp8_e4m3,fp8_e5m2,bfloat16,float16]
 
@@ -83,15 +85,16 @@ def teacher_forced(loaded, tokens: list[int], kind: str, chunk: int, block_size:
 
 
 def teacher_forced_sinks(loaded, tokens: list[int], kind: str, sinks: int, chunk: int,
-                         block_size: int, parts: str = "kv") -> torch.Tensor:
+                         block_size: int, parts: str = "kv", recent: bool = False) -> torch.Tensor:
     """``teacher_forced`` over a mixed pool: the sequence's first ``sinks`` blocks at the model
     dtype (ids below the pool's split), the rest ``kind`` (the ids above it; ``parts`` "v": their
-    V alone, K at the model dtype)."""
+    V alone, K at the model dtype). ``recent``: the runner's ``kv_recent_block`` shadow (one
+    block: the block being written read at the model dtype until it fills)."""
     blocks = -(-len(tokens) // block_size)
     if len(kv_groups(loaded.config)) > 1:
         raise SystemExit("the mixed-pool figures take a model with one KV group")
     runner = ModelRunner(loaded, block_size=block_size, num_blocks=sinks + blocks + 1, kv_cache_dtype=kind,
-                         kv_full_blocks=sinks + 1, kv_quant_parts=parts)
+                         kv_full_blocks=sinks + 1, kv_quant_parts=parts, kv_recent_blocks=int(recent))
     table = list(range(sinks)) + list(range(sinks + 1, sinks + 1 + blocks - sinks))
     out = []
     for start in range(0, len(tokens) - 1, chunk):
@@ -155,7 +158,7 @@ def teacher_forced_recent(loaded, tokens: list[int], kind: str, block_size: int,
     KV head in the Hadamard basis, the first ``sinks`` blocks never. ``recent``: the block being
     filled stays unrounded while its own tokens read it and is rounded once full, when the next
     block's tokens are written (the issue's "recent blocks at model precision"); else it is rounded
-    as it is written. An emulation (the engine has no recent-block policy)."""
+    as it is written. An emulation (the engine's ``kv_recent_block``: ``teacher_forced_sinks(recent=True)``)."""
     fmt = kv_format(kind)
     rotation = hadamard(loaded.config.head_dim)
     plain_write = model_runner_module.write_kv
@@ -363,6 +366,8 @@ def mixed_figures(args, loaded, tokens: list[int], targets: torch.Tensor, base_k
     # against the same block-by-block feeding without it
     for recent, name in ((False, "sink1_blockwise_emulated"), (True, "sink1_recent_emulated")):
         quality(teacher_forced_recent(loaded, tokens, kind, bs, 1, recent), f"{kind}_{name}")
+    # the engine's kv_recent_block (the runner's shadow blocks), fed as the emulation is
+    quality(teacher_forced_sinks(loaded, tokens, kind, 1, bs, bs, recent=True), f"{kind}_sink1_recent")
     stride = max(1, (len(tokens) - args.sink_prompt_len) // args.sink_prompts)
     prompts = [tokens[i * stride:i * stride + args.sink_prompt_len] for i in range(args.sink_prompts)]
     base_out = greedy(args.model, prompts, base_kind, args.sink_new_tokens)
@@ -372,6 +377,11 @@ def mixed_figures(args, loaded, tokens: list[int], targets: torch.Tensor, base_k
         result[f"{kind}_sink{s}_greedy_equal"] = equal
         print(f"greedy {kind} sink {s}: {equal} of {len(prompts)} equal to {base_kind} in full "
               f"({args.sink_prompt_len} + {args.sink_new_tokens} tokens)", flush=True)
+    outs = greedy(args.model, prompts, kind, args.sink_new_tokens, kv_sink_blocks=1, kv_offloading_size=0,
+                  kv_recent_block=True)
+    result[f"{kind}_sink1_recent_greedy_equal"] = sum(a == b for a, b in zip(outs, base_out))
+    print(f"greedy {kind} sink 1 + recent block: {result[f'{kind}_sink1_recent_greedy_equal']} of {len(prompts)} "
+          f"equal to {base_kind} in full", flush=True)
     for s in v_sinks:
         outs = greedy(args.model, prompts, kind, args.sink_new_tokens, kv_sink_blocks=s, kv_offloading_size=0,
                       kv_quant_parts="v")
