@@ -41,7 +41,8 @@ def _runner(loaded, **kw):
     return ModelRunner(loaded, **{**options, **kw})
 
 
-@pytest.mark.parametrize("backend", ["native", "plain"])
+@pytest.mark.parametrize("backend", ["native", "plain",
+                                     pytest.param("triton", marks=pytest.mark.slow)])  # (interpreter on a CPU)
 def test_a_reused_block_id_never_reads_a_stale_shadow(loaded, backend):
     """Blocks 1 and 6 hold shadowed tails (2 rows each); B's tail block (3) is swapped out and back
     into 1 and into 5 (never shadowed), then copied from 5 into 6: a decode of B's next token
@@ -51,6 +52,11 @@ def test_a_reused_block_id_never_reads_a_stale_shadow(loaded, backend):
 
     if backend == "native" and not native.available():
         pytest.skip("native kernels unavailable")
+    if backend == "triton":
+        from pagedkv.ops.triton import usable_on
+
+        if not usable_on("cpu"):
+            pytest.skip("Triton's interpreter is unavailable")
     runner = _runner(loaded, attention_backend=backend)
     recent = runner._recent
     assert recent is not None and runner.num_blocks == 16 and runner.kv_full_blocks == 0
