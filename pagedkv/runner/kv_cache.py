@@ -433,12 +433,15 @@ class RecentShadows:
     """``kv_recent_block``: which 8-bit blocks (the tail block of a sequence, while it fills) are
     also held at model precision in a shadow block, ids ``[first, first + count)`` of the pool's
     full-precision range. The runner reads a block through its shadow while it has a valid one
-    and writes the shadow into the 8-bit block after every step (the 8-bit block is always
-    complete, so a block without a shadow is always correct, only rounded). A shadow is valid
+    and writes the shadow into the 8-bit block when the block fills, when the shadow is
+    reclaimed (:attr:`evicted`) and before a block move reads the 8-bit block (the 8-bit block is
+    complete whenever anything but the kernels reads it, so a block without a shadow is always
+    correct, only rounded). A shadow is valid
     while every row of its block since offset 0 went through it: a write at offset 0 takes a
-    fresh one, a write elsewhere keeps it only where it follows on (``filled`` equals the write's
-    offset), and any other way a block id gets data (copy, swap-in) drops it (the runner's movers
-    call :meth:`drop`)."""
+    fresh one, a write elsewhere keeps it only where the shadow holds every row before it
+    (``filled`` >= the write's offset: it follows on, or rewrites rows, as a speculative step's
+    rejected tokens are), and any other way a block id gets data (copy, swap-in) drops it (the
+    runner's movers call :meth:`drop`)."""
 
     def __init__(self, first: int, count: int) -> None:
         if count < 1:
@@ -448,6 +451,8 @@ class RecentShadows:
         self.of: dict[int, _Shadow] = {}  # block id -> its shadow
         self.step = 0
         self.written_through = 0  # block writes that went through a shadow (tests, stats)
+        # (shadow, block) of shadows reclaimed by assign: the runner stores each into its block first
+        self.evicted: list[tuple[int, int]] = []
 
     def drop(self, block: int) -> None:
         """Block ``block`` loses its shadow (if any); the shadow is free again."""
@@ -464,7 +469,9 @@ class RecentShadows:
             victims = [b for b in self.of if b not in busy] if reclaim else []
             if not victims:
                 return None
-            self.drop(min(victims, key=lambda b: self.of[b].used))
+            victim = min(victims, key=lambda b: self.of[b].used)
+            self.evicted.append((self.of[victim].slot, victim))
+            self.drop(victim)
         slot = self.free.pop()
         self.of[block] = _Shadow(slot, 0, self.step)
         return slot
@@ -483,8 +490,8 @@ class RecentShadows:
                 slot = self.assign(block, busy, reclaim=end < block_size)
                 if slot is not None:
                     fresh.append(slot)
-            elif block in self.of and self.of[block].filled != first:
-                self.drop(block)  # a reused id, or rows that went by another way: stale
+            elif block in self.of and self.of[block].filled < first:
+                self.drop(block)  # rows that went by another way: stale
             shadow = self.of.get(block)
             if shadow is not None:
                 shadow.filled, shadow.used = end, self.step
@@ -492,6 +499,12 @@ class RecentShadows:
         through = [b for b in dict.fromkeys(through) if b in self.of]  # (a block written twice: once)
         self.written_through += len(through)
         return fresh, through
+
+    def take_evicted(self) -> list[tuple[int, int]]:
+        """The (shadow, block) pairs reclaimed since the last call (their rows still only in the
+        shadow: store them before the shadow is reused)."""
+        evicted, self.evicted = self.evicted, []
+        return evicted
 
     def read_id(self, block: int) -> int:
         """The id the kernels read block ``block`` by: its shadow's, or its own."""

@@ -563,9 +563,7 @@ class ModelRunner:
                 logits = self.model(inputs.input_ids, inputs.positions, attention, logits_indices=wanted,
                                     max_position=inputs.max_position)
         except BaseException:
-            for block in through:  # their rows of this step are in neither storage: no shadow to trust
-                assert self._recent is not None
-                self._recent.drop(block)
+            self._store_shadows(through, all_of_them=True)  # (rows of a failed step: past the sequence's end)
             raise
         if through:
             self._store_shadows(through)
@@ -578,7 +576,11 @@ class ModelRunner:
         """Copy-on-write: device block src -> device block dst, all layers."""
         self._check(pairs, self.num_blocks, self.num_blocks, "copy_blocks")
         if self._recent is not None:
-            self.cache.copy(self._copy_shadows([(self._id(s), self._id(d)) for s, d in pairs]))
+            own = [(self._id(s), self._id(d)) for s, d in pairs]
+            self._store_shadows([s for s, _ in own], keep=True)  # the sources' 8-bit blocks complete
+            own = self._copy_shadows(own)
+            self._store_shadows([])  # (shadows reclaimed for the copies')
+            self.cache.copy(own)
         elif self.cache.is_mixed:
             self.cache.copy(pairs)
         elif self.backend == "triton":
@@ -591,10 +593,9 @@ class ModelRunner:
     def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Device block -> host block for each (device_id, host_id) pair."""
         self._check(pairs, self.num_blocks, self.num_host_blocks, "swap_out")
-        if self._recent is not None:  # (the 8-bit block is complete: its shadow is freed with it)
+        if self._recent is not None:  # the 8-bit block made complete, its shadow freed with it
             pairs = [(self._id(d), h) for d, h in pairs]
-            for d, _ in pairs:
-                self._recent.drop(d)
+            self._store_shadows([d for d, _ in pairs], all_of_them=True)
         if self.cache.is_mixed:  # each block keeps its format on the host
             self.cache.swap(pairs, to_host=True)
             return
@@ -618,7 +619,10 @@ class ModelRunner:
         """Device blocks' K/V (and scales) as bytes, one ``bytes`` per block (the disk tier's payload)."""
         self._check([(b, 0) for b in block_ids], self.num_blocks, 1, "block_payloads")
         if self.cache.is_mixed:  # a format byte, then that format's bytes (KVCache.payloads)
-            return self.cache.payloads([self._id(b) for b in block_ids])
+            own = [self._id(b) for b in block_ids]
+            if self._recent is not None:
+                self._store_shadows(own, keep=True)
+            return self.cache.payloads(own)
         return block_payloads(self.cache.kv, block_ids, self.cache.scales)
 
     @torch.inference_mode()
@@ -645,7 +649,8 @@ class ModelRunner:
     def _through_shadows(self, chunks: list[SeqChunk]) -> tuple[list[SeqChunk], list[int]]:
         """``kv_recent_block``: the chunks with the pool's block ids, each 8-bit block they write
         read and written through its shadow where it has a valid one (:meth:`RecentShadows.plan_writes`;
-        fresh shadows zeroed), and the blocks written through one."""
+        fresh shadows zeroed), and the blocks written through one (stored into their 8-bit blocks
+        when they fill, or before anything else reads those: :meth:`_store_shadows`)."""
         recent, bs = self._recent, self.block_size
         assert recent is not None
         writes = []
@@ -656,6 +661,7 @@ class ModelRunner:
                 if block >= recent.first:  # (a full-precision block, a sink's, needs none)
                     writes.append((block, max(start - i * bs, 0), min(end - i * bs, bs)))
         fresh, through = recent.plan_writes(writes, bs)
+        self._store_shadows([])  # the reclaimed shadows' rows into their blocks before the shadows are reused
         if fresh:
             self._zero_blocks(fresh)
         shadowed = []
@@ -673,15 +679,23 @@ class ModelRunner:
         if self.cache.keys is not None:
             self.cache.keys.index_fill_(2, index, 0)
 
-    def _store_shadows(self, through: list[int]) -> None:
-        """After a step: each block written through its shadow gets the shadow's rows in its own
-        format (a converting copy: fresh absmax scales over the rows so far, ``ops/cache_ops``), and
-        a block now full gives its shadow back."""
+    def _store_shadows(self, blocks: list[int], all_of_them: bool = False, keep: bool = False) -> None:
+        """Shadows' rows into their 8-bit blocks (a converting copy: fresh absmax scales over the
+        rows so far, ``ops/cache_ops``), and the shadows given back: the reclaimed ones
+        (:attr:`RecentShadows.evicted`) always; of ``blocks`` (those with a shadow), the full ones
+        (after a step), every one (``all_of_them``: a swap-out, a failed step), or none given back
+        (``keep``: a block move is about to read the 8-bit blocks)."""
         recent = self._recent
         assert recent is not None
-        self.cache.copy([(recent.of[b].slot, b) for b in through])
-        for b in through:
-            if recent.of[b].filled >= self.block_size:
+        pairs = recent.take_evicted()
+        held = [b for b in dict.fromkeys(blocks) if b in recent.of]
+        if not (all_of_them or keep):
+            held = [b for b in held if recent.of[b].filled >= self.block_size]
+        pairs += [(recent.of[b].slot, b) for b in held]
+        if pairs:
+            self.cache.copy(pairs)
+        if not keep:
+            for b in held:
                 recent.drop(b)
 
     def _copy_shadows(self, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -47,7 +47,8 @@ def test_a_reused_block_id_never_reads_a_stale_shadow(loaded, backend):
     """Blocks 1 and 6 hold shadowed tails (2 rows each); B's tail block (3) is swapped out and back
     into 1 and into 5 (never shadowed), then copied from 5 into 6: a decode of B's next token
     over each of 1, 5, 6 gives exactly the same logits (a stale shadow of 1 or 6 would follow
-    on at offset 2 with A's or C's rows), and 1 and 6 lost their shadows."""
+    on at offset 2 with A's or C's rows), the all-8-bit pool's after the same swap (the shadow
+    was stored into its 8-bit block before the swap-out), and 1 and 6 lost their shadows."""
     from pagedkv.runner import SeqChunk
 
     if backend == "native" and not native.available():
@@ -70,6 +71,12 @@ def test_a_reused_block_id_never_reads_a_stale_shadow(loaded, backend):
     assert not recent.of  # every shadowed id got data another way
     logits = runner.execute([SeqChunk([50], 6, [2, t]) for t in (1, 5, 6)])
     assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
+    # and what they read is B's rows, stored 8-bit before the swap-out: an all-8-bit pool's reading
+    plain = _runner(loaded, attention_backend=backend, kv_recent_blocks=0)
+    plain.execute([SeqChunk(list(range(40, 46)), 0, [2, 3])])
+    plain.swap_out([(3, 0)])
+    plain.swap_in([(0, 5)])
+    torch.testing.assert_close(logits[1], plain.execute([SeqChunk([50], 6, [2, 5])])[0], atol=0.01, rtol=0.01)
     # the reused ids' writes at offset 2 took no shadow; a write at offset 0 takes one
     assert not recent.of
     runner.execute([SeqChunk(list(range(80, 87)), 0, [7, 8])])
@@ -197,3 +204,40 @@ def test_without_sinks_host_blocks_and_payloads_are_an_8bit_pools(loaded, parts)
     # block 2 read from its shadow, block 5 from the 8-bit bytes: close, not equal
     assert not torch.equal(got[0], got[1]) and torch.allclose(got[0], got[1], atol=0.05)
     plain.load_host_blocks([(1, payloads[2])])  # the all-8-bit pool takes the payload as its own
+
+
+def test_shadow_rules():
+    """RecentShadows alone: a write at offset 0 takes a shadow (a partly filled block first, the
+    least recently used holder reclaimed; a block that fills within the step takes a free one
+    only); a write that rewrites rows keeps it, one past its rows drops it."""
+    from pagedkv.runner.kv_cache import RecentShadows
+
+    shadows = RecentShadows(first=2, count=2)
+    fresh, through = shadows.plan_writes([(10, 0, 4), (11, 0, 3), (12, 0, 2)], block_size=4)
+    assert sorted(fresh) == [2, 3] and set(through) == {11, 12}  # the tails first; 10 fills: none free
+    assert shadows.plan_writes([(11, 3, 4)], 4)[1] == [11]  # follows on
+    assert shadows.plan_writes([(12, 1, 3)], 4)[1] == [12] and shadows.of[12].filled == 3  # rewrites row 1
+    shadows.drop(11)
+    assert shadows.plan_writes([(13, 0, 1)], 4)[1] == [13]  # the free one
+    assert shadows.plan_writes([(14, 0, 1)], 4)[1] == [14] and 12 not in shadows.of  # 12: least recently used
+    assert shadows.plan_writes([(13, 2, 3)], 4)[1] == [] and 13 not in shadows.of  # row 1 went another way
+    assert shadows.read_id(14) in (2, 3) and shadows.read_id(13) == 13
+
+
+@needs_native
+def test_a_reclaimed_shadow_is_stored_first(loaded):
+    """One shadow, two sequences: B's new tail block reclaims A's shadow, whose rows (written only
+    to the shadow) go into A's 8-bit block first: A's next decode reads what an all-8-bit pool's
+    does."""
+    from pagedkv.runner import SeqChunk
+
+    runs = []
+    for n in (1, 0):
+        runner = _runner(loaded, kv_recent_blocks=n)
+        runner.execute([SeqChunk(list(range(10, 16)), 0, [0, 1])])
+        runner.execute([SeqChunk([16], 6, [0, 1])])  # A's tail: 3 rows, in the shadow alone
+        runner.execute([SeqChunk(list(range(40, 46)), 0, [2, 3])])  # B's tail takes the shadow
+        if n:
+            assert set(runner._recent.of) == {3 + n}
+        runs.append(runner.execute([SeqChunk([17], 7, [0, 1])]))
+    torch.testing.assert_close(runs[0], runs[1], atol=0.01, rtol=0.01)
