@@ -241,3 +241,32 @@ def test_a_reclaimed_shadow_is_stored_first(loaded):
             assert set(runner._recent.of) == {3 + n}
         runs.append(runner.execute([SeqChunk([17], 7, [0, 1])]))
     torch.testing.assert_close(runs[0], runs[1], atol=0.01, rtol=0.01)
+
+
+@needs_native
+def test_engine_speculative_steps_keep_the_shadow(folder):
+    """n-gram speculation with ``kv_recent_block``: verification chunks rewrite rejected rows of a
+    shadowed tail (the shadow is kept: test_shadow_rules), and the greedy tokens equal the engine's without
+    speculation (a block's 8-bit bytes come from its full shadow: independent of how it was fed)."""
+    from pagedkv import SamplingParams
+    from pagedkv.engine import LLMEngine
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    prompts = [[5, 6, 7, 8] * 3 + [5, 6], list(range(3, 30)), [9, 10] * 9]
+
+    def run(**options):
+        engine = LLMEngine.from_options(folder, block_size=4, num_kv_blocks=96, debug_integrity=True,
+                                        kv_offloading_size=0, kv_cache_dtype="int8", kv_recent_block=True, **options)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        return done, engine
+
+    plain, _ = run()
+    speculated, engine = run(speculative_config=ngram)
+    assert engine.stats().spec_accepted_tokens > 0 and engine.runner._recent.written_through > 0
+    assert speculated == plain
