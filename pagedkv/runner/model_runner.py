@@ -477,6 +477,10 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
+        """One block's bytes as the callers count blocks: ``kv_recent_block``'s shadows spread over
+        them (so that ``num_blocks`` times it is the device pool's bytes)."""
+        if self._recent is not None:
+            return -(-self.cache.device_bytes // self.num_blocks)
         return self.cache.bytes_per_block
 
     @property

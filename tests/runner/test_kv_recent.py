@@ -61,6 +61,7 @@ def test_a_reused_block_id_never_reads_a_stale_shadow(loaded, backend):
     runner = _runner(loaded, attention_backend=backend)
     recent = runner._recent
     assert recent is not None and runner.num_blocks == 16 and runner.kv_full_blocks == 0
+    assert runner.num_blocks * runner.bytes_per_block - runner.cache.device_bytes in range(16)  # shadows counted
     runner.execute([SeqChunk(list(range(10, 16)), 0, [0, 1]), SeqChunk(list(range(40, 46)), 0, [2, 3]),
                     SeqChunk(list(range(70, 76)), 0, [4, 6])])
     held = {b - recent.count for b in recent.of}  # callers' ids of the shadowed blocks
