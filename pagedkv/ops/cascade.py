@@ -50,7 +50,9 @@ PART_ROWS = 16  # rows of one node per work item of the Triton kernel (ops/trito
 # A node of one sequence's rows (an extend chunk) needs this many rows and whole blocks' tokens
 # before its rows: below them the per-row kernel, which reads a key block once for a tile of 16 rows
 # of a sequence, is as fast (measured, one thread, 9 heads / 3 KV heads / d 64: 16 rows x 200 tokens
-# 1.01x, 64 x 64 0.98x, 16 x 1,000 1.34x, 200 x 1,800 1.73x, 400 x 1,600 2.97x the per-row time).
+# 1.01x, 64 x 64 0.98x, 16 x 1,000 1.34x, 200 x 1,800 1.73x, 400 x 1,600 2.97x the per-row time;
+# 16 x 300, 64 x 512, 200 x 1,800: 1.2x, 2.3x, 1.9x with 8 heads of d 128 (MHA), 1.8-2.9x with 32
+# heads / 8 KV heads, 1.1-2.2x with 8 heads / 1 KV head).
 CHUNK_MIN_ROWS = 16
 CHUNK_MIN_TOKENS = 256
 
