@@ -567,7 +567,8 @@ class ModelRunner:
                 logits = self.model(inputs.input_ids, inputs.positions, attention, logits_indices=wanted,
                                     max_position=inputs.max_position)
         except BaseException:
-            self._store_shadows(through, all_of_them=True)  # (rows of a failed step: past the sequence's end)
+            if self._recent is not None:  # (rows of a failed step: past the sequence's end)
+                self._store_shadows(through, all_of_them=True)
             raise
         if through:
             self._store_shadows(through)
