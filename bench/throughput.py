@@ -38,13 +38,19 @@ splits its time into the steps before decoding (prompts, shared prefixes, first 
 decode steps (``decode_split``: the last ``new tokens - 1`` steps, where every request of a case
 decodes): the peers compute the same prompts, so only the decode part can widen a ratio.
 
+Each run also states its arithmetic (``arithmetic``: the GFLOP any engine computes for the case, in
+layer matmuls, LM head and attention, a shared prefix counted once) and the average rate each engine
+reached over it (GFLOP / its wall seconds): a speed ratio between engines is the ratio of these
+rates, so a ratio target translates into the rate it needs, to hold against the rates the profile's
+parts reach (``--profile`` adds GFLOP/s per part of a decode step).
+
 ``--tensor-parallel-size N`` (N > 1) runs bench/tensor_parallel.py instead: N ranks against one,
 alternating; last line ``tpN_vs_tp1_case_b`` and the step's split (plan broadcast, all-reduce, compute).
 
 Last line: one JSON object (pagedkv_tok_s, hf_tok_s, ratio, kv_waste, case_a_tok_s, case_b_tok_s,
 ratio_vs_vllm_case_a .. _case_d for the cases run when vLLM ran, ratio_vs_llamacpp_* when llama.cpp
 ran, the loads, the formats, profile_ms and profile_prompt_ms_per_token per case, prefill_s /
-decode_s per case, and more).
+decode_s per case, <case>_gflop, and more).
 """
 
 from __future__ import annotations
@@ -243,7 +249,10 @@ PROFILE_PARTS = (
 )
 
 
-def profile_decode(engine: LLMEngine, workload: Workload, steps: int = 12) -> dict[str, float]:
+PROFILE_STEPS = 12  # decode steps profile_decode times
+
+
+def profile_decode(engine: LLMEngine, workload: Workload, steps: int = PROFILE_STEPS) -> dict[str, float]:
     """Where one decode step's time goes, in ms per step (``PROFILE_PARTS``), for ``workload``'s
     requests all in decode (their prompts computed first, untimed).
 
@@ -356,6 +365,62 @@ def _timed_steps(engine: LLMEngine, go_on: Callable[[int], bool]) -> tuple[tuple
     return (a["matmul"], a["head"], a["attention"], a["model"] - a["matmul"] - a["head"] - a["attention"],
             a["runner"] - a["model"], a["scheduler"], a["sampler"], a["update"] - a["sampler"], a["outputs"],
             total - a["runner"] - a["scheduler"] - a["update"] - a["outputs"], total), done
+
+
+def _layer_weights(c: Any) -> int | None:
+    """Weights of the decoder layers' matmuls (q/k/v, o, gate/up, down), or None for the shapes
+    :func:`arithmetic` does not count."""
+    layers = c.num_hidden_layers
+    if c.is_mla or c.moe is not None or any(c.layer_window(i) for i in range(layers)):
+        return None
+    h = c.hidden_size
+    return layers * (h * (c.q_size + 2 * c.kv_size) + c.q_size * h + 3 * h * c.intermediate_size)
+
+
+def decode_step_gflop(workload: Workload, config: Any, steps: int) -> dict[str, float] | None:
+    """GFLOP of one of :func:`profile_decode`'s steps (every request decoding, about ``steps / 2``
+    tokens past its prompt), by part as in :func:`arithmetic`."""
+    per_token = _layer_weights(config)
+    if per_token is None:
+        return None
+    c, rows = config, len(workload.prompts)
+    attended = sum(len(p) + steps // 2 for p in workload.prompts)
+    return {"model: layer matmuls": 2 * per_token * rows / 1e9,
+            "model: LM head": 2 * c.vocab_size * c.hidden_size * rows / 1e9,
+            "model: attention (cache write + paged attention)":
+                4 * c.num_attention_heads * c.head_dim * c.num_hidden_layers * attended / 1e9}
+
+
+def arithmetic(workload: Workload, config: Any) -> dict[str, float] | None:
+    """The floating-point work one run of ``workload`` computes, in GFLOP: ``layers`` (the decoder
+    layers' matmuls: 2 per weight per token through them), ``head`` (2 per LM-head weight per
+    sampled row), ``attention`` (4 * heads * head_dim per (query, key) pair per layer: q.k and p.v)
+    and their ``total``. A prefix every prompt shares is counted once (the prefix cache computes
+    it once; block rounding ignored). Whatever engine runs the case computes at least this, so
+    ``total / seconds`` is the average rate a run reached, and a speed ratio between two engines is
+    the ratio of their rates. None for shapes it does not count (mixture of experts, latent
+    attention, sliding windows)."""
+    c = config
+    per_token = _layer_weights(c)
+    if per_token is None:
+        return None
+    h, layers = c.hidden_size, c.num_hidden_layers
+    prompts = workload.prompts
+    shared = 0
+    if len(prompts) > 1:
+        while all(len(p) > shared + 1 and p[shared] == prompts[0][shared] for p in prompts):
+            shared += 1
+
+    def pairs(start: int, end: int) -> int:  # queries at positions start..end-1, each attending pos + 1 keys
+        return (end * (end + 1) - start * (start + 1)) // 2
+
+    tokens = shared + sum(len(p) - shared + n - 1 for p, n in zip(prompts, workload.new_tokens))
+    attended = pairs(0, shared) + sum(pairs(shared, len(p) + n - 1) for p, n in zip(prompts, workload.new_tokens))
+    out = {"layers": 2 * per_token * tokens / 1e9,
+           "head": 2 * c.vocab_size * h * workload.output_tokens / 1e9,
+           "attention": 4 * c.num_attention_heads * c.head_dim * layers * attended / 1e9}
+    out["total"] = sum(out.values())
+    return out
 
 
 def _model_folder(model: str | None) -> Path:
@@ -488,13 +553,25 @@ def main() -> None:
         print(f"{k:<10} {tok_s[k]:9.1f} {hf_tok_s.get(k) or nan:13.1f} {vs_hf.get(k) or nan:7.2f} "
               f"{vllm_tok_s.get(k) or nan:8.1f} {vs_vllm.get(k) or nan:7.2f}"
               + (f"   llama.cpp {llamacpp_tok_s[k]:7.1f} ({vs_llamacpp[k]:.2f})" if k in llamacpp_tok_s else ""))
+    work = {w.name: a for w in workloads if (a := arithmetic(w, engine.runner.config)) is not None}
+    if work:
+        print("\narithmetic (GFLOP a run computes, whatever the engine: layer matmuls, LM head, attention; "
+              "the average rate each engine reached, GFLOP/s; a speed ratio is the ratio of these rates):")
+        for w in (w for w in workloads if w.name in work):
+            k, a = w.name, work[w.name]
+            rates = [f"pagedkv {a['total'] / _median([r.seconds for r in runs[k]]):.1f}"]
+            rates += [f"{name} {a['total'] * peer[k] / w.output_tokens:.1f}" for name, peer in
+                      (("vllm", vllm_tok_s), ("llama.cpp", llamacpp_tok_s), ("transformers", hf_tok_s)) if k in peer]
+            print(f"  {k:<10} {a['total']:8.1f} GFLOP ({a['layers']:.1f} + {a['head']:.1f} + {a['attention']:.1f})  "
+                  f"GFLOP/s: {', '.join(rates)}")
     profile: dict[str, dict[str, float]] = {}
     prompt_profile: dict[str, dict[str, float]] = {}
     if args.profile:  # another seed: the prefix cache holds none of it
+        other_workloads = {w.name: build_workload(w.name, vocab, args.seed + 1) for w in workloads}
         for w in workloads:
-            other = build_workload(w.name, vocab, args.seed + 1)
+            other = other_workloads[w.name]
             prompt_profile[w.name] = profile_prompts(engine, other)
-            profile[w.name] = profile_decode(engine, other)
+            profile[w.name] = profile_decode(engine, other, PROFILE_STEPS)
         print(f"\nwhere the steps before decoding go, pagedkv (ms per prompt token computed, prefix-cache "
               f"hits not counted; load {os.getloadavg()[0]:.2f}):")
         print(f"  {'':<60}" + "".join(f"{w.name:>10}" for w in workloads))
@@ -508,6 +585,13 @@ def main() -> None:
         print(f"  {'rows per step':<60}" + "".join(f"{len(w.prompts):10d}" for w in workloads))
         for part in PROFILE_PARTS:
             print(f"  {part:<60}" + "".join(f"{profile[w.name][part]:10.2f}" for w in workloads))
+        flops = {w.name: decode_step_gflop(other_workloads[w.name], engine.runner.config, PROFILE_STEPS)
+                 for w in workloads}
+        for part in ("model: layer matmuls", "model: LM head", "model: attention (cache write + paged attention)"):
+            label = f"GFLOP/s, {part.removeprefix('model: ')}"
+            print(f"  {label:<60}" + "".join(
+                f"{f[part] / profile[k][part] * 1e3:10.1f}" if (f := flops[k]) and profile[k][part] else f"{'':>10}"
+                for k in (w.name for w in workloads)))
     sg = runs.get("sharegpt")
     summary = {
         "threads": args.threads, "repeats": args.repeat, "load_avg_1m": loads[0], "load_avgs_1m": loads,
@@ -525,6 +609,7 @@ def main() -> None:
         **{f"ratio_vs_llamacpp_{k}": round(v, 3) for k, v in vs_llamacpp.items()},
         **{f"{w.name}_{part}_s": round(_median([decode_split(w, r.step_times)[i] for r in runs[w.name]]), 2)
            for w in workloads if w.name != "sharegpt" for i, part in enumerate(("prefill", "decode"))},
+        **{f"{k}_gflop": round(a["total"], 1) for k, a in work.items()},
         **({"profile_ms": {c: {k: round(v, 2) for k, v in p.items()} for c, p in profile.items()}}
            if profile else {}),
         **({"profile_prompt_ms_per_token": {c: {k: round(v, 3) for k, v in p.items()}

@@ -69,3 +69,32 @@ def test_profile_measures_every_part_and_leaves_the_engine_as_it_was(tmp_path: P
             bench.main()
         finally:
             sys.argv = argv
+
+
+def test_arithmetic_counts_each_computed_token_once_and_a_shared_prefix_once(tmp_path: Path) -> None:
+    from pagedkv.benchmark import Workload
+    from pagedkv.models.loader import load_model
+
+    bench = _throughput()
+    c = load_model(str(write_tiny_model(tmp_path / "tiny"))).config
+    weights = c.num_hidden_layers * (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
+                                     + 3 * c.hidden_size * c.intermediate_size)
+    per_pair = 4 * c.num_attention_heads * c.head_dim * c.num_hidden_layers
+
+    # one request, 3 prompt tokens and 2 new ones: positions 0, 1, 2 (the prompt) and 3 (the first new
+    # token, fed back to make the second) go through the layers; position p attends p + 1 keys
+    one = bench.arithmetic(Workload("one", [[5, 6, 7]], [2]), c)
+    assert one["layers"] == pytest.approx(2 * weights * 4 / 1e9)
+    assert one["attention"] == pytest.approx(per_pair * (1 + 2 + 3 + 4) / 1e9)
+    assert one["head"] == pytest.approx(2 * c.vocab_size * c.hidden_size * 2 / 1e9)
+    assert one["total"] == pytest.approx(one["layers"] + one["attention"] + one["head"])
+
+    # three requests sharing 4 tokens: the prefix's positions are computed once, each request's own
+    # tokens and decode steps on top of it (enumerated here position by position)
+    prompts = [[1, 2, 3, 4, 10 + i, 20 + i] for i in range(3)]
+    new = [3, 1, 2]
+    positions = list(range(4)) + [p for prompt, n in zip(prompts, new) for p in range(4, len(prompt) + n - 1)]
+    shared = bench.arithmetic(Workload("shared", prompts, new), c)
+    assert shared["layers"] == pytest.approx(2 * weights * len(positions) / 1e9)
+    assert shared["attention"] == pytest.approx(per_pair * sum(p + 1 for p in positions) / 1e9)
+    assert shared["head"] == pytest.approx(2 * c.vocab_size * c.hidden_size * sum(new) / 1e9)
