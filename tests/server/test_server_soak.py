@@ -1,8 +1,10 @@
 """Soak: rounds of 200 concurrent streams, a third of them dropped mid-stream by their client.
 
 The server runs as its own process, so its resident memory (VmRSS) is measured alone. After a
-warm-up round, RSS may grow by less than 1% per round over 5 rounds, and no KV block may be in
-use at the end of any round. The RSS of every round is printed (run with -s to see it).
+warm-up round, RSS over 5 rounds may trend upward by less than 1% per round (the least-squares
+slope: a leak grows every round, while the allocator's noise moves single rounds by about 1% either
+way, +1.1% then -0.7% in one CI run) and no round may add 2% or more; no KV block may be in use at
+the end of any round. The RSS of every round is printed (run with -s to see it).
 ``PAGEDKV_SOAK_ROUNDS`` raises the number of measured rounds for a longer soak.
 """
 
@@ -87,6 +89,23 @@ def wait_idle(url: str, timeout: float = 60.0) -> float:
         time.sleep(0.1)
 
 
+def trend_per_round(values: list[int]) -> float:
+    """The least-squares slope of ``values`` over their rounds, as a share of the first."""
+    n = len(values)
+    mx, my = (n - 1) / 2, sum(values) / n
+    slope = sum((x - mx) * (y - my) for x, y in enumerate(values)) / sum((x - mx) ** 2 for x in range(n))
+    return slope / values[0]
+
+
+def test_trend_per_round_sees_a_steady_leak_through_noise() -> None:
+    base = 100 * 2**20
+    assert trend_per_round([base, base + base // 100 * 2, base + base // 100 * 4]) == pytest.approx(0.02)
+    noisy = [base, int(base * 1.011), int(base * 1.0044), int(base * 1.005), int(base * 1.009)]  # the CI run's
+    assert trend_per_round(noisy) < 0.01
+    leak = [base + i * base // 90 + (base // 100 if i % 2 else 0) for i in range(5)]  # 1.1% a round, noisy
+    assert trend_per_round(leak) > 0.01
+
+
 def test_rss_stays_flat_over_rounds_of_streams_with_disconnects(tmp_path: Path) -> None:
     model_dir = write_tiny_model(tmp_path / "tiny")
     port = free_port()
@@ -101,9 +120,10 @@ def test_rss_stays_flat_over_rounds_of_streams_with_disconnects(tmp_path: Path) 
             assert wait_idle(url) == 0  # zero blocks in use at the end of every round
             rss.append(rss_bytes(proc.pid))
             print(f"round {round_no}: {done} complete, {dropped} dropped, RSS {rss[-1] / 2**20:.1f} MiB")
-        growth = [(b - a) / a for a, b in zip(rss[1:], rss[2:])]
+        measured = rss[1:]
+        growth = [(b - a) / a for a, b in zip(measured, measured[1:])]
         print("RSS growth per round after warm-up: " + ", ".join(f"{g:+.2%}" for g in growth))
-        assert all(g < 0.01 for g in growth), growth
-        assert (rss[-1] - rss[1]) / rss[1] < 0.01 * ROUNDS
+        assert all(g < 0.02 for g in growth), growth
+        assert trend_per_round(measured) < 0.01, (trend_per_round(measured), growth)
     finally:
         stop_server(proc)
