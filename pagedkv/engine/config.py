@@ -13,7 +13,7 @@ from pagedkv.memory import EVICTION_POLICIES
 from pagedkv.memory.prefix_index import PREFIX_INDEXES
 from pagedkv.memory.tenant_ledger import check_fraction, parse_quotas
 from pagedkv.memory.tiers.remote_store import check_url, require_client
-from pagedkv.model_shape import KV_CACHE_DTYPES, SCALED_KV_DTYPES, check_kv_quant_parts
+from pagedkv.model_shape import KV_CACHE_DTYPES, KV_DTYPE_ALIASES, SCALED_KV_DTYPES, check_kv_quant_parts
 from pagedkv.speculative.config import SpeculativeConfig
 from pagedkv.units import parse_bytes
 from pagedkv.weight_quant import QUANTIZATIONS
@@ -308,14 +308,14 @@ class EngineConfig:
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _int_in("kv_sink_blocks", self.kv_sink_blocks, 0, 1 << 20)
-        if self.kv_sink_blocks:
-            if self.kv_cache_dtype not in SCALED_KV_DTYPES and self.kv_cache_dtype != "fp8":
-                raise ValueError(f"kv_sink_blocks keeps sink blocks at the model dtype beside 8-bit ones: it needs an "
-                                 f"8-bit kv_cache_dtype (int8, fp8, fp8_e5m2), got {self.kv_cache_dtype!r}")
+        eight_bit = KV_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype) in SCALED_KV_DTYPES
+        if self.kv_sink_blocks and not eight_bit:
+            raise ValueError(f"kv_sink_blocks keeps sink blocks at the model dtype beside 8-bit ones: it needs an "
+                             f"8-bit kv_cache_dtype (int8, fp8, fp8_e5m2), got {self.kv_cache_dtype!r}")
         check_kv_quant_parts(self.kv_quant_parts, self.kv_cache_dtype)
         if not isinstance(self.kv_recent_block, bool):
             raise ValueError(f"kv_recent_block must be true or false, got {self.kv_recent_block!r}")
-        if self.kv_recent_block and self.kv_cache_dtype not in SCALED_KV_DTYPES and self.kv_cache_dtype != "fp8":
+        if self.kv_recent_block and not eight_bit:
             raise ValueError(f"kv_recent_block keeps the tail block at the model dtype beside 8-bit blocks: it needs "
                              f"an 8-bit kv_cache_dtype (int8, fp8, fp8_e5m2), got {self.kv_cache_dtype!r}")
         _one_of("quantization", self.quantization, QUANTIZATIONS)
