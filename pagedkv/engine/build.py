@@ -108,7 +108,7 @@ def build_rank_runner(config: EngineConfig, tp: TPGroup | None = None) -> tuple[
                          max_loras=config.max_loras if config.enable_lora else 0,
                          max_lora_rank=config.max_lora_rank, kv_full_blocks=full_blocks,
                          cascade_attention=not config.disable_cascade_attn, kv_quant_parts=config.kv_quant_parts,
-                         kv_recent_blocks=recent_blocks)
+                         kv_recent_blocks=recent_blocks, native_layers=config.native_layers)
     head = runner.model.lm_head
     if isinstance(head, PackedLinear):  # every batch size's LM-head kernel built now: flat RSS later
         head.warm_up(config.max_num_seqs)

@@ -73,6 +73,7 @@ _ARGPARSE: dict[str, dict[str, Any]] = {
     "kv_events": _SWITCH,
     "device": {"type": str, "metavar": "|".join(DEVICES)},
     "disable_cascade_attn": _SWITCH,
+    "native_layers": _SWITCH,
     "enable_lora": _SWITCH,
     "max_loras": {"type": int},
     "max_lora_rank": {"type": int},

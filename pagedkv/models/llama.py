@@ -31,13 +31,18 @@ from pagedkv.distributed.group import TPGroup
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.mla import MLAAttention
 from pagedkv.models.moe import MoEMLP
+from pagedkv.models.native_layer import NativeLayer, op_available
 from pagedkv.models.rope import RotaryEmbedding, apply_rope
 from pagedkv.models.sharding import local_config, local_vocab, multi_rank
 from pagedkv.ops.fused import add_rms_norm, rope_qk, silu_mul
 
 
 class AttentionFn(Protocol):
-    """Attention for one layer: q ``[T, heads, d]``, k/v ``[T, kv_heads, d]`` -> ``[T, heads, d]``."""
+    """Attention for one layer: q ``[T, heads, d]``, k/v ``[T, kv_heads, d]`` -> ``[T, heads, d]``.
+
+    An attention function may also offer ``native_layer_args(layer_idx) -> tuple | None``: what the
+    native decoder layer (``models/native_layer.py``) needs of the layer's cache and the step, where
+    this step can run a layer in one native call; the model passes the tuple on unread."""
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ...
@@ -125,6 +130,20 @@ class LlamaDecoderLayer(nn.Module):
         # a mixture-of-experts layer (models/moe.py) has the same [T, hidden] -> [T, hidden] contract
         self.mlp: nn.Module = MoEMLP(config, tp) if config.is_moe_layer(layer_idx) else LlamaMLP(config, tp)
 
+    def native_layer(self) -> NativeLayer | None:
+        """This layer's weights packed for the native decoder layer (``models/native_layer.py``), or
+        None where it is not a plain one on the fused ops: latent attention, q/k norms, experts,
+        GeGLU, a tensor-parallel shard, a linear the op does not know (a LoRA wrapper)."""
+        attn, mlp = self.self_attn, self.mlp
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        if (type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP or attn.q_norm is not None
+                or attn.tp is not None or mlp.tp is not None or mlp.gelu or not (attn.native and mlp.native)
+                or not all(n.native for n in norms) or norms[0].eps != norms[1].eps):
+            return None
+        return NativeLayer.pack((norms[0].weight, norms[1].weight),
+                                (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj),
+                                norms[0].eps, attn.num_heads, attn.num_kv_heads)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
                 ) -> torch.Tensor:
         # the sublayers return fresh tensors, so adding the residual in place into them is safe
@@ -187,6 +206,17 @@ class LlamaForCausalLM(nn.Module):
         rope_head = config.rotary_dim if config.is_mla else config.head_dim  # MLA: the decoupled RoPE dims
         self.rotaries = [RotaryEmbedding(r, rope_head, config.max_position_embeddings) for r in ropes]
         self.embed_scale = config.hidden_size ** 0.5 if config.is_gemma else None
+        # per layer, its native one-call form where enable_native_layers packed it (None: modules)
+        self.native_layers: list[NativeLayer | None] = [None] * config.num_hidden_layers
+
+    def enable_native_layers(self, on: bool = True) -> int:
+        """Run each layer that can in one native call (``models/native_layer.py``) on the steps whose
+        attention offers it; call after every module swap (layouts, LoRA). Returns how many layers
+        took it (0 with ``on`` False, or where the op is unavailable)."""
+        ok = on and op_available()
+        self.native_layers = [layer.native_layer() if ok and isinstance(layer, LlamaDecoderLayer) else None
+                              for layer in self.layers]
+        return sum(p is not None for p in self.native_layers)
 
     def set_context_length(self, context: int) -> None:
         """The longest context served (longrope picks its factors by it; see ``models/rope.py``)."""
@@ -208,8 +238,13 @@ class LlamaForCausalLM(nn.Module):
         top = int(positions.max()) if max_position is None else max_position
         # [T, 1, d] each, shared by all layers of one RoPE
         tables = [rotary.cos_sin(positions, top, x.dtype) for rotary in self.rotaries]
-        for layer, rope in zip(self.layers, self.rope_of):
-            x = layer(x, *tables[rope], attention)
+        native_args = getattr(attention, "native_layer_args", None) if x.dtype == torch.float32 else None
+        for i, (layer, rope, fused) in enumerate(zip(self.layers, self.rope_of, self.native_layers)):
+            args = native_args(i) if fused is not None and native_args is not None else None
+            if args is None or fused is None:
+                x = layer(x, *tables[rope], attention)
+            else:
+                x = fused(x, *tables[rope], args)
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)  # [N, hidden]: only the rows we sample from
         x = self.norm(x)

@@ -35,6 +35,7 @@ _SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp", Path(__file_
 _SOURCES.append(Path(__file__).parent / "csrc" / "fused_ops.cpp")  # rope_qk, silu_mul, add_rms_norm (ops/fused.py)
 _SOURCES.append(Path(__file__).parent / "csrc" / "cascade_attention.cpp")  # shared-block attention (ops/cascade.py)
 _SOURCES.append(Path(__file__).parent / "csrc" / "lowbit_matmul.cpp")  # lowbit_linear: 4/5/6-bit GGUF weights
+_SOURCES.append(Path(__file__).parent / "csrc" / "decoder_layer.cpp")  # decoder_layer (models/native_layer.py)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}

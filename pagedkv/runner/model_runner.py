@@ -67,6 +67,40 @@ class _StepAttention:
         self._latent_len: dict[int, torch.Tensor] = {}  # MLA on Triton: each row's visible length (position + 1)
         self._slot_splits: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the same for Triton (-1: skip)
         self._stage_ids: dict[int, torch.Tensor] = {}  # the plain path: the blocks a group's step reads
+        self._native_step: dict[int, tuple | None] = {}  # per KV group: native_layer_args' step part
+
+    def native_layer_args(self, layer_idx: int) -> tuple | None:
+        """What the native decoder layer (``models/native_layer.py``) takes of this layer's cache
+        and this step, or None where the step cannot run the layer so: a row attended outside the
+        native kernel (a fresh prefill), a mixed pool, the Triton backend, a float cache of
+        another dtype than float32. Its attention is then this object's ``__call__``."""
+        cache = self.cache
+        group = cache.group_of[layer_idx]
+        try:
+            step = self._native_step[group]
+        except KeyError:
+            step = self._native_step[group] = self._native_step_args(self.inputs.group(group))
+        if step is None:
+            return None
+        k_cache, v_cache = cache.layer(layer_idx)
+        k_scales, v_scales = cache.layer_scales(layer_idx)
+        if k_scales is None and k_cache.dtype != torch.float32:
+            return None
+        err = self.write_error[layer_idx] if self.write_error is not None and k_scales is not None else None
+        window = self.config.layer_window(layer_idx) or 0
+        return (k_cache, v_cache, k_scales, v_scales, err, *step[:-1], window, self.softcap or 0.0, step[-1],
+                self.rotation)
+
+    def _native_step_args(self, inp: StepInputs) -> tuple | None:
+        meta = inp.native
+        if (meta is None or inp.triton is not None or self.cache.quant_kv is not None or meta.num_rows == 0
+                or meta.num_rows != inp.slot_mapping.shape[0]):
+            return None
+        plan = inp.cascade
+        nodes = [] if plan is None else [plan.node_seq, plan.node_start, plan.node_end, plan.node_row_ptr,
+                                         plan.node_rows, plan.row_own_start]
+        scale = self.scale if self.scale is not None else self.head_dim ** -0.5
+        return inp.slot_mapping, meta.block_tables, meta.row_seq, meta.row_len, scale, nodes
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.cache
@@ -347,6 +381,9 @@ class ModelRunner:
     while it fills (``kv_recent_block``, :class:`~pagedkv.runner.kv_cache.RecentShadows`), read in
     place of its 8-bit bytes; they lie after the ``kv_full_blocks`` full-precision ids of the pool,
     so the 8-bit ids callers give are shifted by it inside (callers see ``num_blocks`` blocks).
+    ``native_layers`` (default on; native backend) runs each plain decoder layer in one native
+    call on steps whose rows all attend through the native kernel (``models/native_layer.py``;
+    the same kernels and results as the modules, without the Python between them).
     """
 
     def __init__(
@@ -368,6 +405,7 @@ class ModelRunner:
         cascade_attention: bool = True,
         kv_quant_parts: str = "kv",
         kv_recent_blocks: int = 0,
+        native_layers: bool = True,
     ) -> None:
         net = model.model if isinstance(model, LoadedModel) else model
         self.device = resolve_device(device)
@@ -427,6 +465,9 @@ class ModelRunner:
                 if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP)):  # fused ops (ops/fused.py)
                     module.native = True
         self.lora: LoRAStack | None = apply_lora(net, max_loras, max_lora_rank) if max_loras else None
+        # Each plain layer in one native call on the steps every row of which the native kernel
+        # attends (models/native_layer.py): the same kernels, without the Python between them.
+        net.enable_native_layers(native_layers and self.native_attention and self.device.type == "cpu")
 
     def set_lora_slot(self, slot: int, weights: LoRAWeights | None) -> None:
         """Copy an adapter's weights into LoRA slot ``slot`` (None: empty it)."""
