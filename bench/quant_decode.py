@@ -29,7 +29,9 @@ peer script: one context, every request a sequence), with ``--threads`` threads.
 
 Where a batch-1 step's time goes (``--profile``): one decode step of the ``auto`` layout split into its
 linear layers (per kind: the weight bytes it reads and the time), the rest, and this core's streaming
-read bandwidth (a float32 sum over a tensor of the step's weight bytes): ``<file>_b1_step_ms``,
+read bandwidth (a float32 sum over a tensor of the step's weight bytes), with the layers run as
+modules (their linears timed one by one), and the same step with each layer one native call
+(``models/native_layer.py``; the default), ``<file>_b1_native_step_ms``: ``<file>_b1_step_ms``,
 ``<file>_b1_linear_ms``, ``<file>_b1_weight_mb`` (read per token), ``<file>_b1_linear_gb_s`` and
 ``<file>_read_gb_s``. At batch 1 the weights are read once per token, so ``weight_mb / read_gb_s`` is
 the floor of a step's linear time, whatever the kernel.
@@ -205,13 +207,20 @@ def profile_step(key: str, path: Path, result: dict, steps: int = 24) -> None:
     table = list(range(8))
     logits = runner.execute([SeqChunk([200 + i for i in range(16)], 0, table)])
     best: tuple[float, dict[str, float]] = (float("inf"), {})
-    for pos in range(16, 16 + steps):
+    native_best = float("inf")
+    packed = runner.model.native_layers
+    for pos in range(16, 16 + 2 * steps):  # alternating: layers as modules (timed linears), native layers
+        native = pos % 2 == 1
+        runner.model.native_layers = packed if native else [None] * len(packed)
         spent.clear()
         t0 = time.perf_counter()
         logits = runner.execute([SeqChunk([int(logits[0].argmax())], pos, table)])
         step = time.perf_counter() - t0
-        if step < best[0]:
+        if native:
+            native_best = min(native_best, step)
+        elif step < best[0]:
             best = (step, dict(spent))
+    runner.model.native_layers = packed
     step, linears = best
     weights = sum(nbytes.values())
     block = torch.ones(weights // 4)
@@ -222,6 +231,7 @@ def profile_step(key: str, path: Path, result: dict, steps: int = 24) -> None:
     read_gb_s = weights * 5 / (time.perf_counter() - t0) / 1e9
     linear_s = sum(linears.values())
     result[f"{key}_b1_step_ms"] = round(step * 1e3, 2)
+    result[f"{key}_b1_native_step_ms"] = round(native_best * 1e3, 2)
     result[f"{key}_b1_linear_ms"] = round(linear_s * 1e3, 2)
     result[f"{key}_b1_weight_mb"] = round(weights / 2**20, 1)
     result[f"{key}_b1_linear_gb_s"] = round(weights / linear_s / 1e9, 2)

@@ -142,7 +142,13 @@ def _run_peer(name: str, python: str, script_text: str, model: Path, workloads: 
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
     print(proc.stderr[-3000:], file=sys.stderr)
+    if proc.returncode < 0:
+        raise PeerCrashed(f"{name}: signal {-proc.returncode}")
     raise RuntimeError(f"{name} run failed (see its stderr above)")
+
+
+class PeerCrashed(RuntimeError):
+    """A peer's benchmark process was killed by a signal (a crash, not an error it reported)."""
 
 
 def run_vllm(python: str, folder: Path, workloads: list[Workload], warmup: Workload,
@@ -217,6 +223,8 @@ def main():
     threads = int(sys.argv[2])
     L.llama_backend_init()
     mp = L.llama_model_default_params()
+    if sys.argv[3:] == ["no-extra-bufts"] and hasattr(mp, "use_extra_bufts"):
+        mp.use_extra_bufts = False  # no repacked (AMX) weight buffers: see run_llamacpp
     model = L.llama_model_load_from_file(spec["model"].encode(), mp)
     run(model, spec, threads, spec["warmup"])  # untimed, as every engine gets
     out = {name: run(model, spec, threads, w) for name, w in spec["workloads"].items()}
@@ -230,8 +238,19 @@ if __name__ == "__main__":
 
 def run_llamacpp(python: str, gguf: Path, workloads: list[Workload], warmup: Workload,
                  threads: int) -> dict[str, float]:
-    return _run_peer("llamacpp", python, LLAMACPP_SCRIPT, gguf, workloads, warmup, [str(threads)],
-                     {"OMP_NUM_THREADS": str(threads)})
+    """llama.cpp's tok/s per workload. Where its run dies of a signal, it runs again without its
+    extra weight buffer types (``use_extra_bufts``): on hosts that list AMX among their CPU flags
+    llama.cpp 0.3.36 repacks Q4/Q8 weights for AMX and crashes in ``ggml_backend_amx_mul_mat``
+    (SIGSEGV, seen 2026-12-06 on a Xeon with amx_int8 under this workplace's VMs); its
+    AVX-512 / AVX2 kernels then run, and a line on stderr says so."""
+    env = {"OMP_NUM_THREADS": str(threads)}
+    try:
+        return _run_peer("llamacpp", python, LLAMACPP_SCRIPT, gguf, workloads, warmup, [str(threads)], env)
+    except PeerCrashed as crash:
+        print(f"llama.cpp died ({crash}): running it again without its extra (AMX / repacked) weight buffers",
+              file=sys.stderr, flush=True)
+        return _run_peer("llamacpp", python, LLAMACPP_SCRIPT, gguf, workloads, warmup,
+                         [str(threads), "no-extra-bufts"], env)
 
 
 PROFILE_PARTS = (
@@ -246,6 +265,7 @@ PROFILE_PARTS = (
     "engine: outputs (detokenize)",
     "engine: rest of step (chunks, tiers, bookkeeping)",
     "total step",
+    "total step, native layers",
 )
 
 
@@ -263,17 +283,24 @@ def profile_decode(engine: LLMEngine, workload: Workload, steps: int = PROFILE_S
     scheduler's ``schedule`` and ``update_from_output``, the sampler's ``prepare`` and
     ``SampleBatch.sample``, the step updater and the engine's output building. "Other" parts are
     differences. The timers cost about 1 us per wrapped call (~120 per step for the default
-    model); a mixture-of-experts layer's expert matmuls count as other model ops.
+    model); a mixture-of-experts layer's expert matmuls count as other model ops. The parts are
+    timed with the layers run as modules (a native layer's inside cannot be wrapped); "total
+    step, native layers" is then as many more steps as they run by default
+    (``models/native_layer.py``), untimed inside.
     """
-    _add_requests(engine, workload, "prof", extra=steps + 4)
+    _add_requests(engine, workload, "prof", extra=2 * steps + 4)
     kv = engine.kv
     while engine.stats().num_waiting or any(kv.num_computed(s.seq_id) < s.num_tokens - 1
                                              for g in engine.scheduler.running for s in g.live_seqs):
         engine.step()
     parts, _ = _timed_steps(engine, lambda done: done < steps)
+    t0 = time.perf_counter()
+    for _ in range(steps):  # the same steps as they run: each plain layer in one native call
+        engine.step()
+    native_total = time.perf_counter() - t0
     for rid in list(engine.scheduler.groups):
         engine.abort_request(rid)
-    return {name: value / steps * 1000 for name, value in zip(PROFILE_PARTS, parts)}
+    return {name: value / steps * 1000 for name, value in zip(PROFILE_PARTS, (*parts, native_total))}
 
 
 def profile_prompts(engine: LLMEngine, workload: Workload) -> dict[str, float]:
@@ -348,6 +375,8 @@ def _timed_steps(engine: LLMEngine, go_on: Callable[[int], bool]) -> tuple[tuple
     wrap(SampleBatch, "sample", "sampler")  # class attributes: instances are made per step
     wrap(model_runner._StepAttention, "__call__", "attention")
     wrap(engine, "_outputs", "outputs")
+    packed = model.native_layers
+    model.native_layers = [None] * len(packed)  # the parts are timed through the layers' modules
     done = 0
     try:
         t0 = time.perf_counter()
@@ -356,6 +385,7 @@ def _timed_steps(engine: LLMEngine, go_on: Callable[[int], bool]) -> tuple[tuple
             done += 1
         total = time.perf_counter() - t0
     finally:
+        model.native_layers = packed
         for owner, name, original, own in reversed(undo):
             if own or isinstance(owner, type):
                 setattr(owner, name, original)
@@ -577,7 +607,7 @@ def main() -> None:
         print(f"  {'':<60}" + "".join(f"{w.name:>10}" for w in workloads))
         for part in ("steps", "prompt tokens"):
             print(f"  {part:<60}" + "".join(f"{prompt_profile[w.name][part]:10.0f}" for w in workloads))
-        for part in PROFILE_PARTS:
+        for part in PROFILE_PARTS[:-1]:  # (no native-layers total: the prompts are not run twice)
             print(f"  {part:<60}" + "".join(f"{prompt_profile[w.name][part]:10.3f}" for w in workloads))
         print(f"\nwhere one decode step goes, pagedkv (ms per step, every request of the case decoding; "
               f"load {os.getloadavg()[0]:.2f}):")

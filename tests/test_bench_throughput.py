@@ -40,7 +40,7 @@ def test_profile_measures_every_part_and_leaves_the_engine_as_it_was(tmp_path: P
     call, sample = model_runner._StepAttention.__call__, SampleBatch.sample
 
     prompts = bench.profile_prompts(engine, work)  # the steps before decoding, per prompt token computed
-    assert list(prompts) == [*bench.PROFILE_PARTS, "steps", "prompt tokens"]
+    assert list(prompts) == [*bench.PROFILE_PARTS[:-1], "steps", "prompt tokens"]  # (no native-layers total)
     # the shared prefix is computed once: the first prompt whole, the others past the prefix
     assert prompts["prompt tokens"] == sum(len(p) for p in work.prompts) - 2 * 16 and prompts["steps"] >= 1
     assert prompts["model: layer matmuls"] > 0 and prompts["total step"] >= prompts["model: layer matmuls"]
@@ -52,8 +52,10 @@ def test_profile_measures_every_part_and_leaves_the_engine_as_it_was(tmp_path: P
     assert all(profile[p] > 0 for p in measured), profile  # each timer saw its calls
     assert profile["total step"] >= profile["model: layer matmuls"] + profile["model: attention (cache write "
                                                                                "+ paged attention)"]
-    # the timers are gone: methods are the classes' again, and the engine runs as before
+    assert profile["total step, native layers"] > 0
+    # the timers are gone: methods are the classes' again, the native layers back, and the engine runs as before
     assert model_runner._StepAttention.__call__ is call and SampleBatch.sample is sample
+    assert all(p is not None for p in engine.runner.model.native_layers)
     assert all("forward" not in vars(m) for m in engine.runner.model.modules())
     assert not engine.has_unfinished_requests()
     after = run_pagedkv(engine, work)
