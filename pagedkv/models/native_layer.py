@@ -57,7 +57,7 @@ def pack_linear(module: nn.Module) -> tuple[int, int, list[torch.Tensor | None]]
     if type(module) is QuantLinear:
         b = module._buffers
         qweight = b["qweight"]
-        if qweight is None or qweight.device.type != "cpu":
+        if qweight is None or qweight.device.type != "cpu" or module.native is False:  # (False: the plain path)
             return None
         if module.fmt == "q8_0":
             return Q8_0, 0, [qweight, None, b["scales"], b["offsets"], None, bias]

@@ -52,8 +52,10 @@ class _StepAttention:
     """The model's AttentionFn for one step: cache write + paged attention, per layer."""
 
     def __init__(self, cache: KVCache, inputs: StepInputs, config: ModelConfig,
-                 write_error: torch.Tensor | None, rotation: torch.Tensor | None = None) -> None:
+                 write_error: torch.Tensor | None, rotation: torch.Tensor | None = None,
+                 native_layers: bool = False) -> None:
         self.cache = cache
+        self.native_layers = native_layers  # the runner's switch (the model's packs may be another runner's)
         self.inputs = inputs
         self.write_error = write_error  # [layers, 2 (K, V), 2] float64 (8-bit formats)
         self.rotation = rotation  # [d, d] orthonormal Hadamard, or None
@@ -74,6 +76,8 @@ class _StepAttention:
         and this step, or None where the step cannot run the layer so: a row attended outside the
         native kernel (a fresh prefill), a mixed pool, the Triton backend, a float cache of
         another dtype than float32. Its attention is then this object's ``__call__``."""
+        if not self.native_layers:
+            return None
         cache = self.cache
         group = cache.group_of[layer_idx]
         try:
@@ -467,7 +471,8 @@ class ModelRunner:
         self.lora: LoRAStack | None = apply_lora(net, max_loras, max_lora_rank) if max_loras else None
         # Each plain layer in one native call on the steps every row of which the native kernel
         # attends (models/native_layer.py): the same kernels, without the Python between them.
-        net.enable_native_layers(native_layers and self.native_attention and self.device.type == "cpu")
+        self.native_layers = native_layers and self.native_attention and self.device.type == "cpu"
+        net.enable_native_layers(self.native_layers)
 
     def set_lora_slot(self, slot: int, weights: LoRAWeights | None) -> None:
         """Copy an adapter's weights into LoRA slot ``slot`` (None: empty it)."""
@@ -600,7 +605,8 @@ class ModelRunner:
             chunks, through = self._through_shadows(chunks)
         try:
             inputs = self.prepare(chunks)
-            attention = _StepAttention(self.cache, inputs, self.config, self.write_error, self.rotation)
+            attention = _StepAttention(self.cache, inputs, self.config, self.write_error, self.rotation,
+                                       self.native_layers)
             wanted = None if return_all_logits else inputs.logits_indices
             if order is not None and wanted is not None:  # the rows picked in the chunks' own order
                 wanted = wanted.index_select(0, _unsort_rows(chunks, order, False).to(wanted.device))

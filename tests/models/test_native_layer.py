@@ -151,6 +151,25 @@ def test_layers_the_op_does_not_cover_run_as_modules(tmp_path: Path, monkeypatch
              kv_cache_dtype="float16")
 
 
+def test_a_runner_switched_off_stays_off_beside_another_on_the_same_model(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The packs live on the model; each runner's own switch decides whether its steps use them."""
+    calls: list[int] = []
+    call = NativeLayer.__call__
+    monkeypatch.setattr(NativeLayer, "__call__", lambda self, *a: calls.append(1) or call(self, *a))
+    loaded = load_model(str(make_hf_checkpoint(tmp_path, "llama", seed=5)))
+    off = ModelRunner(loaded, num_blocks=8, native_layers=False)
+    on = ModelRunner(loaded, num_blocks=8)  # packs the shared model's layers
+    assert all(p is not None for p in loaded.model.native_layers)
+    step = [SeqChunk([5, 6, 7], 0, [0, 1])]
+    off.execute(step)
+    off.execute([SeqChunk([8], 3, [0, 1])])
+    assert calls == []
+    on.execute(step)
+    on.execute([SeqChunk([8], 3, [0, 1])])
+    assert calls  # the decode step's layers
+
+
 def test_the_runner_switch_and_lora_leave_the_modules(tmp_path: Path) -> None:
     folder = make_hf_checkpoint(tmp_path, "llama", seed=4)
     on = ModelRunner(load_model(str(folder)), num_blocks=8)

@@ -6,7 +6,7 @@
 // calls, torch dispatches, temporaries), ~0.1 ms of interpreter a layer, 3-4 ms of a 20 ms token on
 // this machine's cores. Here the same ops run from C++: each kernel is the very op the module path
 // calls (through the dispatcher, so the results are bit for bit those of the Python layer), only
-// the interpreter between them is gone. The Python side (pagedkv/ops/decoder_layer.py) decides when
+// the interpreter between them is gone. The Python side (pagedkv/models/native_layer.py) decides when
 // a layer and a step can take this path and packs the weights; everything else stays on the module
 // path.
 //
@@ -141,8 +141,9 @@ at::Tensor decoder_layer(const at::Tensor& x, const c10::List<OptT>& w, at::IntA
   TORCH_CHECK(static_cast<int64_t>(kinds_ref.size()) == 2 * LINEARS, "decoder_layer: kinds must hold ",
               2 * LINEARS, " entries");
   TORCH_CHECK(plan.empty() || plan.size() == 6, "decoder_layer: plan must be empty or hold 6 tensors");
-  TORCH_CHECK(k_cache.dim() == 4 && slots.scalar_type() == at::kLong && slots.numel() == x.size(0),
-              "decoder_layer: k_cache [blocks, block_size, kv_heads, d] and one int64 slot per row");
+  TORCH_CHECK(k_cache.dim() == 4 && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  slots.numel() == x.size(0),
+              "decoder_layer: k_cache [blocks, block_size, kv_heads, d] and one int64 slot per row, contiguous");
   const std::vector<int64_t> kinds(kinds_ref.begin(), kinds_ref.end());
   const Ops& op = ops();
   const int64_t T = x.size(0), d = k_cache.size(3);
