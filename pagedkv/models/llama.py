@@ -132,17 +132,21 @@ class LlamaDecoderLayer(nn.Module):
 
     def native_layer(self) -> NativeLayer | None:
         """This layer's weights packed for the native decoder layer (``models/native_layer.py``), or
-        None where it is not a plain one on the fused ops: latent attention, q/k norms, experts,
-        GeGLU, a tensor-parallel shard, a linear the op does not know (a LoRA wrapper)."""
+        None where it is not a plain one on the fused ops: latent attention, experts, GeGLU, a
+        tensor-parallel shard, a linear the op does not know (a LoRA wrapper)."""
         attn, mlp = self.self_attn, self.mlp
+        if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
+            return None
         norms = (self.input_layernorm, self.post_attention_layernorm)
-        if (type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP or attn.q_norm is not None
-                or attn.tp is not None or mlp.tp is not None or mlp.gelu or not (attn.native and mlp.native)
-                or not all(n.native for n in norms) or norms[0].eps != norms[1].eps):
+        qk = (attn.q_norm, attn.k_norm) if attn.q_norm is not None and attn.k_norm is not None else None
+        if (attn.tp is not None or mlp.tp is not None or mlp.gelu or not (attn.native and mlp.native)
+                or not all(n.native for n in norms) or (attn.q_norm is not None and qk is None)
+                or len({n.eps for n in (*norms, *(qk or ()))}) != 1):
             return None
         return NativeLayer.pack((norms[0].weight, norms[1].weight),
                                 (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj),
-                                norms[0].eps, attn.num_heads, attn.num_kv_heads)
+                                norms[0].eps, attn.num_heads, attn.num_kv_heads,
+                                (qk[0].weight, qk[1].weight) if qk is not None else None)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
                 ) -> torch.Tensor:

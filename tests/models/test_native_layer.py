@@ -99,8 +99,8 @@ def _compare(load: Callable[[], Any], monkeypatch: pytest.MonkeyPatch, expect_na
         assert torch.equal(a, b), f"step {i}: max diff {float((a - b).abs().max())}"
 
 
-@pytest.mark.parametrize("case", ["llama-bs16", "llama-no-head-pack-bs1", "qwen2-bias-bs4", "mistral-window-bs2",
-                                  "llama-q8_0-bs4", "llama-int8-kv-bs4", "llama-d24-fp8-kv-bs3"])
+@pytest.mark.parametrize("case", ["llama-bs16", "llama-no-head-pack-bs1", "qwen2-bias-bs4", "qwen3-qk-norm-bs4",
+                                  "mistral-window-bs2", "llama-q8_0-bs4", "llama-int8-kv-bs4", "llama-d24-fp8-kv-bs3"])
 def test_native_layers_equal_the_modules_on_hf_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                            case: str) -> None:
     model_type = case.split("-")[0]
@@ -141,11 +141,12 @@ def test_native_layers_equal_the_modules_on_packed_gguf_weights(tmp_path: Path, 
 
 
 def test_layers_the_op_does_not_cover_run_as_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """q/k norms (qwen3) are not packed; a float16 KV pool under float32 weights is not a step the
-    op takes: both run as modules, with the same results as with native layers off."""
-    qwen3 = make_hf_checkpoint(tmp_path / "qwen3", "qwen3", seed=1)
-    assert ModelRunner(load_model(str(qwen3)), num_blocks=8).model.native_layers == [None, None]
-    _compare(lambda: load_model(str(qwen3)), monkeypatch, expect_native=False, block_size=4)
+    """Gemma's layers (a norm after each sublayer, GeGLU) are not packed; a float16 KV pool under
+    float32 weights is not a step the op takes: both run as modules, with the same results as with
+    native layers off."""
+    gemma = make_hf_checkpoint(tmp_path / "gemma3", "gemma3", seed=1)
+    assert ModelRunner(load_model(str(gemma)), num_blocks=8).model.native_layers == [None, None]
+    _compare(lambda: load_model(str(gemma)), monkeypatch, expect_native=False, block_size=4)
     llama = make_hf_checkpoint(tmp_path / "llama", "llama", seed=2)
     _compare(lambda: load_model(str(llama)), monkeypatch, expect_native=False, block_size=4,
              kv_cache_dtype="float16")

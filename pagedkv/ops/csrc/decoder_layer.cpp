@@ -16,7 +16,8 @@
 //   1 float [K, N]: a = weight_t                     (InputMajorLinear: x @ W^T, addmm with a bias)
 //   2 Q8_0:         a = qweight, c = scales, d = offsets       (pagedkv::q8_0_linear, + bias)
 //   3 low-bit:      a = qweight, b = planes, c = scales, d = offsets, e = lut (pagedkv::lowbit_linear)
-// w[0], w[1]: the two RMSNorm weights.
+// w[0], w[1]: the two RMSNorm weights; w[26], w[27]: the q and k heads' RMSNorm weights (qwen3's
+// q/k norms, before RoPE) or both None.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -32,6 +33,7 @@ using OptT = std::optional<at::Tensor>;
 
 constexpr int64_t LINEARS = 4;  // q/k/v, o, gate/up, down
 constexpr int64_t SLOTS = 6;    // tensors per linear in w
+constexpr int64_t QK_NORMS = 2 + SLOTS * LINEARS;  // w[QK_NORMS], w[QK_NORMS + 1]: q/k norm weights or None
 
 enum Kind : int64_t { FLOAT = 0, INPUT_MAJOR = 1, Q8_0 = 2, LOWBIT = 3 };
 
@@ -136,8 +138,8 @@ at::Tensor decoder_layer(const at::Tensor& x, const c10::List<OptT>& w, at::IntA
                          const OptT& rotation) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "decoder_layer: x must be [T, hidden] float32 contiguous");
-  TORCH_CHECK(static_cast<int64_t>(w.size()) == 2 + SLOTS * LINEARS, "decoder_layer: w must hold ",
-              2 + SLOTS * LINEARS, " entries, got ", w.size());
+  TORCH_CHECK(static_cast<int64_t>(w.size()) == QK_NORMS + 2, "decoder_layer: w must hold ", QK_NORMS + 2,
+              " entries, got ", w.size());
   TORCH_CHECK(static_cast<int64_t>(kinds_ref.size()) == 2 * LINEARS, "decoder_layer: kinds must hold ",
               2 * LINEARS, " entries");
   TORCH_CHECK(plan.empty() || plan.size() == 6, "decoder_layer: plan must be empty or hold 6 tensors");
@@ -153,6 +155,13 @@ at::Tensor decoder_layer(const at::Tensor& x, const c10::List<OptT>& w, at::IntA
   at::Tensor h = at::empty_like(x);
   op.rms_norm.call(h, x, need(w, 0, "input norm"), eps);
   at::Tensor qkv = linear(w, kinds, 0, h).view({T, heads + 2 * kv_heads, d});
+  const OptT q_norm = w.get(QK_NORMS), k_norm = w.get(QK_NORMS + 1);
+  if (q_norm.has_value()) {  // each q and k head RMS-normed (the module path's F.rms_norm over 3-d views)
+    TORCH_CHECK(k_norm.has_value(), "decoder_layer: a q norm needs a k norm");
+    qkv = at::cat({at::rms_norm(qkv.narrow(1, 0, heads), {d}, *q_norm, eps),
+                   at::rms_norm(qkv.narrow(1, heads, kv_heads), {d}, *k_norm, eps),
+                   qkv.narrow(1, heads + kv_heads, kv_heads)}, 1);
+  }
   at::Tensor q = op.rope_qk.call(qkv, cos, sin, heads, kv_heads);  // k rotated in place in qkv
   at::Tensor k = qkv.narrow(1, heads, kv_heads), v = qkv.narrow(1, heads + kv_heads, kv_heads);
   if (rotation.has_value()) {  // 8-bit blocks in a Hadamard basis: q.k and p.v unchanged, outliers spread
