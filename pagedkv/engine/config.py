@@ -187,9 +187,10 @@ class EngineConfig:
         "forks) once for all of them (the native CPU kernel and the Triton decode kernel; pagedkv/ops/cascade.py) "
         "(vLLM's name)")})
     native_layers: bool = field(default=True, metadata={"help": (
-        "run each plain decoder layer (Llama-family incl. qwen3's q/k norms; not LoRA, one rank) in one native call on the steps every row "
-        "of which the native kernel attends: the same kernels and results as the layer's modules, without the "
-        "Python between them (about 3 ms a token at batch 1 on the default model; pagedkv/models/native_layer.py); "
+        "run each dense decoder layer (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3; not MoE or MLA, not LoRA, one "
+        "rank) in one native call on the steps every row of which the native kernel attends: the same kernels "
+        "and results as the layer's modules, without the Python between them (about 3 ms a token at batch 1 on "
+        "the default model; pagedkv/models/native_layer.py); "
         "--no-native-layers runs them as modules")})
     enable_lora: bool = field(default=False, metadata={"help": (
         "serve LoRA adapters (--lora-modules, or selected per request; docs/lora.md)")})

@@ -132,21 +132,9 @@ class LlamaDecoderLayer(nn.Module):
 
     def native_layer(self) -> NativeLayer | None:
         """This layer's weights packed for the native decoder layer (``models/native_layer.py``), or
-        None where it is not a plain one on the fused ops: latent attention, experts, GeGLU, a
+        None where it is not a plain one on the fused ops: latent attention, experts, a
         tensor-parallel shard, a linear the op does not know (a LoRA wrapper)."""
-        attn, mlp = self.self_attn, self.mlp
-        if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
-            return None
-        norms = (self.input_layernorm, self.post_attention_layernorm)
-        qk = (attn.q_norm, attn.k_norm) if attn.q_norm is not None and attn.k_norm is not None else None
-        if (attn.tp is not None or mlp.tp is not None or mlp.gelu or not (attn.native and mlp.native)
-                or not all(n.native for n in norms) or (attn.q_norm is not None and qk is None)
-                or len({n.eps for n in (*norms, *(qk or ()))}) != 1):
-            return None
-        return NativeLayer.pack((norms[0].weight, norms[1].weight),
-                                (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj),
-                                norms[0].eps, attn.num_heads, attn.num_kv_heads,
-                                (qk[0].weight, qk[1].weight) if qk is not None else None)
+        return _native_layer(self.self_attn, self.mlp, (self.input_layernorm, self.post_attention_layernorm))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
                 ) -> torch.Tensor:
@@ -174,10 +162,34 @@ class GemmaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, tp)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
 
+    def native_layer(self) -> NativeLayer | None:
+        """This layer packed for the native decoder layer (Gemma's form), or None (as Llama's)."""
+        return _native_layer(self.self_attn, self.mlp, (self.input_layernorm, self.post_attention_layernorm),
+                             (self.pre_feedforward_layernorm, self.post_feedforward_layernorm))
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
                 ) -> torch.Tensor:
         x = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, attention)).add_(x)
         return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))).add_(x)
+
+
+def _native_layer(attn: nn.Module, mlp: nn.Module, norms: tuple[RMSNorm, RMSNorm],
+                  ff_norms: tuple[RMSNorm, RMSNorm] | None = None) -> NativeLayer | None:
+    """A layer's weights for the native decoder layer: Llama's form, or Gemma's with ``ff_norms``
+    (its MLP then GeGLU); None where the op would not compute what the modules do."""
+    if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
+        return None
+    qk = (attn.q_norm, attn.k_norm) if attn.q_norm is not None and attn.k_norm is not None else None
+    all_norms = (*norms, *(qk or ()), *(ff_norms or ()))
+    if (attn.tp is not None or mlp.tp is not None or mlp.gelu != (ff_norms is not None)
+            or not (attn.native and mlp.native) or not all(n.native for n in (*norms, *(ff_norms or ())))
+            or (attn.q_norm is not None and qk is None) or len({n.eps for n in all_norms}) != 1):
+        return None
+    return NativeLayer.pack((norms[0].weight, norms[1].weight),
+                            (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj),
+                            norms[0].eps, attn.num_heads, attn.num_kv_heads,
+                            (qk[0].weight, qk[1].weight) if qk is not None else None,
+                            (ff_norms[0].weight, ff_norms[1].weight) if ff_norms is not None else None)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -218,8 +230,8 @@ class LlamaForCausalLM(nn.Module):
         attention offers it; call after every module swap (layouts, LoRA). Returns how many layers
         took it (0 with ``on`` False, or where the op is unavailable)."""
         ok = on and op_available()
-        self.native_layers = [layer.native_layer() if ok and isinstance(layer, LlamaDecoderLayer) else None
-                              for layer in self.layers]
+        self.native_layers = [layer.native_layer() if ok and isinstance(layer, (LlamaDecoderLayer, GemmaDecoderLayer))
+                              else None for layer in self.layers]
         return sum(p is not None for p in self.native_layers)
 
     def set_context_length(self, context: int) -> None:

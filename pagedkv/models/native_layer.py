@@ -12,9 +12,9 @@ Two sides decide whether a layer takes it, each about what it owns:
 
 - the model: :func:`pack_linear` says whether each of a layer's linears is one the op knows (float
   ``nn.Linear``, the runner's input-major ``InputMajorLinear``, Q8_0 or low-bit ``QuantLinear``;
-  not a LoRA wrapper, not a tensor-parallel shard), and ``LlamaDecoderLayer.native_layer`` whether
-  the layer is a plain pre-norm SwiGLU one (q/k norms or not; no mixture of experts, no latent
-  attention, not Gemma's) on the native fused ops;
+  not a LoRA wrapper, not a tensor-parallel shard), and each layer's ``native_layer`` (``models/llama.py``) whether
+  the layer is a pre-norm SwiGLU one or Gemma's (q/k norms or not; no mixture of experts, no
+  latent attention) on the native fused ops;
 - the step: the runner's attention function offers ``native_layer_args(layer_idx)``: the layer's
   cache and the step's indices when every row of the step attends through the native paged kernel
   over float32 or 8-bit blocks (not a mixed pool, not the Triton backend), else None.
@@ -70,8 +70,8 @@ def pack_linear(module: nn.Module) -> tuple[int, int, list[torch.Tensor | None]]
 @dataclass
 class NativeLayer:
     """One layer's weights as the op takes them: two norm weights, four linears (q/k/v, o,
-    gate/up, down) of six slots each, the q and k norm weights (or two Nones); ``kinds`` the
-    linears' (kind, zero) pairs."""
+    gate/up, down) of six slots each, the q and k norm weights and Gemma's feed-forward norms
+    (or Nones); ``kinds`` the linears' (kind, zero) pairs, then the layer's form."""
 
     weights: list[torch.Tensor | None]
     kinds: list[int]
@@ -81,10 +81,11 @@ class NativeLayer:
 
     @classmethod
     def pack(cls, norms: tuple[torch.Tensor, torch.Tensor], linears: tuple[nn.Module, ...], eps: float,
-             heads: int, kv_heads: int, qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None
-             ) -> NativeLayer | None:
+             heads: int, kv_heads: int, qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None,
+             ff_norms: tuple[torch.Tensor, torch.Tensor] | None = None) -> NativeLayer | None:
         """The layer of these two RMSNorm weights and four linears (and the q and k heads' norm
-        weights, qwen3's), or None where a linear is not one the op knows."""
+        weights, qwen3's and Gemma 3's; with ``ff_norms``, Gemma's layer: its feed-forward
+        sublayer's pre and post norms, GeGLU), or None where a linear is not one the op knows."""
         weights: list[torch.Tensor | None] = [norms[0], norms[1]]
         kinds: list[int] = []
         for module in linears:
@@ -95,7 +96,10 @@ class NativeLayer:
             kinds += [kind, zero]
             weights += slots
         weights += qk_norms if qk_norms is not None else (None, None)
-        if any(w.dtype != torch.float32 or w.device.type != "cpu" for w in (*norms, *(qk_norms or ()))):
+        weights += ff_norms if ff_norms is not None else (None, None)
+        kinds.append(0 if ff_norms is None else 1)  # the layer's form: Llama's or Gemma's
+        if any(w.dtype != torch.float32 or w.device.type != "cpu" for w in (*norms, *(qk_norms or ()),
+                                                                               *(ff_norms or ()))):
             return None
         return cls(weights, kinds, eps, heads, kv_heads)
 

@@ -35,15 +35,17 @@ def _script(runner: ModelRunner, vocab: int, seed: int = 0) -> list[torch.Tensor
     alloc = TinyAllocator(runner.num_blocks, seed)
     shared = 3 * bs  # A's first three blocks, full: the prefix B and C hold too
     prompt_a = torch.randint(3, vocab, (shared + 2,), generator=gen).tolist()
-    tables = {"a": alloc.take(-(-(shared + 40) // bs))}
-    tables["b"] = tables["a"][:3] + alloc.take(-(-40 // bs))
-    tables["c"] = tables["a"][:3] + alloc.take(-(-40 // bs))
-    tables["d"] = alloc.take(-(-60 // bs))
+    groups = len(runner.cache.groups)  # a hybrid model's other KV groups: a table each, shared alike
+    tables = {"a": [alloc.take(-(-(shared + 40) // bs)) for _ in range(groups)]}
+    tables["b"] = [t[:3] + alloc.take(-(-40 // bs)) for t in tables["a"]]
+    tables["c"] = [t[:3] + alloc.take(-(-40 // bs)) for t in tables["a"]]
+    tables["d"] = [alloc.take(-(-60 // bs)) for _ in range(groups)]
     pos = {"a": len(prompt_a)}
     outs: list[torch.Tensor] = []
 
     def step(chunks: list[tuple[str, list[int]]]) -> None:
-        logits = runner.execute([SeqChunk(ids, pos[name] - len(ids), tables[name]) for name, ids in chunks])
+        logits = runner.execute([SeqChunk(ids, pos[name] - len(ids), tables[name][0],
+                                          group_tables=tuple(tables[name][1:])) for name, ids in chunks])
         outs.append(logits)
         for (name, _), row in zip(chunks, logits):
             last[name] = int(row.argmax())
@@ -87,7 +89,7 @@ def _compare(load: Callable[[], Any], monkeypatch: pytest.MonkeyPatch, expect_na
     for on in (False, True):
         loaded = load()
         calls.clear()
-        r = ModelRunner(loaded, num_blocks=300 // runner["block_size"] + 16, native_layers=on, **runner)
+        r = ModelRunner(loaded, num_blocks=600 // runner["block_size"] + 32, native_layers=on, **runner)
         results[on] = _script(r, loaded.config.vocab_size)
         used = len(calls)
         if not on:
@@ -100,7 +102,8 @@ def _compare(load: Callable[[], Any], monkeypatch: pytest.MonkeyPatch, expect_na
 
 
 @pytest.mark.parametrize("case", ["llama-bs16", "llama-no-head-pack-bs1", "qwen2-bias-bs4", "qwen3-qk-norm-bs4",
-                                  "mistral-window-bs2", "llama-q8_0-bs4", "llama-int8-kv-bs4", "llama-d24-fp8-kv-bs3"])
+                                  "mistral-window-bs2", "llama-q8_0-bs4", "llama-int8-kv-bs4", "llama-d24-fp8-kv-bs3",
+                                  "gemma3-bs4", "gemma2-softcap-bs2"])
 def test_native_layers_equal_the_modules_on_hf_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                            case: str) -> None:
     model_type = case.split("-")[0]
@@ -141,12 +144,13 @@ def test_native_layers_equal_the_modules_on_packed_gguf_weights(tmp_path: Path, 
 
 
 def test_layers_the_op_does_not_cover_run_as_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Gemma's layers (a norm after each sublayer, GeGLU) are not packed; a float16 KV pool under
-    float32 weights is not a step the op takes: both run as modules, with the same results as with
-    native layers off."""
-    gemma = make_hf_checkpoint(tmp_path / "gemma3", "gemma3", seed=1)
-    assert ModelRunner(load_model(str(gemma)), num_blocks=8).model.native_layers == [None, None]
-    _compare(lambda: load_model(str(gemma)), monkeypatch, expect_native=False, block_size=4)
+    """Mixture-of-experts layers are not packed; a float16 KV pool under float32 weights is not a
+    step the op takes: both run as modules, with the same results as with native layers off."""
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+    moe = tmp_path / "mixtral.gguf"
+    write_gguf(moe, {}, experts=4)  # Mixtral's layout: a router and four experts a layer
+    assert ModelRunner(load_model(str(moe)), num_blocks=8).model.native_layers == [None, None]
+    _compare(lambda: load_model(str(moe)), monkeypatch, expect_native=False, block_size=4)
     llama = make_hf_checkpoint(tmp_path / "llama", "llama", seed=2)
     _compare(lambda: load_model(str(llama)), monkeypatch, expect_native=False, block_size=4,
              kv_cache_dtype="float16")

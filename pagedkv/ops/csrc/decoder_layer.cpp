@@ -17,7 +17,9 @@
 //   2 Q8_0:         a = qweight, c = scales, d = offsets       (pagedkv::q8_0_linear, + bias)
 //   3 low-bit:      a = qweight, b = planes, c = scales, d = offsets, e = lut (pagedkv::lowbit_linear)
 // w[0], w[1]: the two RMSNorm weights; w[26], w[27]: the q and k heads' RMSNorm weights (qwen3's
-// q/k norms, before RoPE) or both None.
+// q/k norms, before RoPE) or both None; w[28], w[29]: Gemma's pre- and post-feed-forward norms.
+// kinds[8]: the layer's form, 0 Llama's (pre-norm, SwiGLU), 1 Gemma's (every sublayer's output
+// normed before the residual add, w[1] the post-attention norm; GeGLU with tanh GELU).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -34,6 +36,8 @@ using OptT = std::optional<at::Tensor>;
 constexpr int64_t LINEARS = 4;  // q/k/v, o, gate/up, down
 constexpr int64_t SLOTS = 6;    // tensors per linear in w
 constexpr int64_t QK_NORMS = 2 + SLOTS * LINEARS;  // w[QK_NORMS], w[QK_NORMS + 1]: q/k norm weights or None
+constexpr int64_t FF_NORMS = QK_NORMS + 2;         // Gemma's pre/post feed-forward norms
+constexpr int64_t ENTRIES = FF_NORMS + 2;
 
 enum Kind : int64_t { FLOAT = 0, INPUT_MAJOR = 1, Q8_0 = 2, LOWBIT = 3 };
 
@@ -123,6 +127,23 @@ at::Tensor linear(const c10::List<OptT>& w, const std::vector<int64_t>& kinds, i
   }
 }
 
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {  // RMSNorm.forward's native path
+  at::Tensor out = at::empty_like(x);
+  ops().rms_norm.call(out, x, weight, eps);
+  return out;
+}
+
+// Gemma's layer after o_proj's output o: x + norm(o), then that + norm(down(gelu(gate) * up)) of
+// its pre-feed-forward norm (GemmaDecoderLayer.forward, LlamaMLP.forward with gelu).
+at::Tensor gemma_mlp(const c10::List<OptT>& w, const std::vector<int64_t>& kinds, const at::Tensor& x,
+                     const at::Tensor& o, double eps) {
+  at::Tensor x1 = rms_norm(o, need(w, 1, "post-attention norm"), eps).add_(x);
+  at::Tensor gate_up = linear(w, kinds, 2, rms_norm(x1, need(w, FF_NORMS, "pre-feed-forward norm"), eps));
+  const int64_t inter = gate_up.size(1) / 2;
+  at::Tensor act = at::gelu(gate_up.narrow(1, 0, inter), "tanh").mul_(gate_up.narrow(1, inter, inter));
+  return rms_norm(linear(w, kinds, 3, act), need(w, FF_NORMS + 1, "post-feed-forward norm"), eps).add_(x1);
+}
+
 // x [T, hidden] float32 contiguous (the residual stream) -> the layer's output (a new tensor).
 // cos, sin [T, 1, rd]; k_cache, v_cache [num_blocks, block_size, kv_heads, d] (float32, or 8-bit
 // with k_scales, v_scales [num_blocks, kv_heads] and write_err [2, 2] float64 as write_kv_scaled);
@@ -138,10 +159,10 @@ at::Tensor decoder_layer(const at::Tensor& x, const c10::List<OptT>& w, at::IntA
                          const OptT& rotation) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "decoder_layer: x must be [T, hidden] float32 contiguous");
-  TORCH_CHECK(static_cast<int64_t>(w.size()) == QK_NORMS + 2, "decoder_layer: w must hold ", QK_NORMS + 2,
+  TORCH_CHECK(static_cast<int64_t>(w.size()) == ENTRIES, "decoder_layer: w must hold ", ENTRIES,
               " entries, got ", w.size());
-  TORCH_CHECK(static_cast<int64_t>(kinds_ref.size()) == 2 * LINEARS, "decoder_layer: kinds must hold ",
-              2 * LINEARS, " entries");
+  TORCH_CHECK(static_cast<int64_t>(kinds_ref.size()) == 2 * LINEARS + 1, "decoder_layer: kinds must hold ",
+              2 * LINEARS + 1, " entries");
   TORCH_CHECK(plan.empty() || plan.size() == 6, "decoder_layer: plan must be empty or hold 6 tensors");
   TORCH_CHECK(k_cache.dim() == 4 && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                   slots.numel() == x.size(0),
@@ -205,6 +226,7 @@ at::Tensor decoder_layer(const at::Tensor& x, const c10::List<OptT>& w, at::IntA
   if (rotation.has_value()) att = at::matmul(att, *rotation);  // H H = I: back from the rotated V basis
   at::Tensor o = linear(w, kinds, 1, att.reshape({T, heads * d}));
 
+  if (kinds[2 * LINEARS] == 1) return gemma_mlp(w, kinds, x, o, eps);
   // MLP sublayer: o += x is the new residual stream, h its norm
   h = op.add_rms_norm.call(o, x, need(w, 1, "post-attention norm"), eps);
   at::Tensor act = op.silu_mul.call(linear(w, kinds, 2, h));
