@@ -141,6 +141,7 @@ at::Tensor gemma_mlp(const c10::List<OptT>& w, const std::vector<int64_t>& kinds
   at::Tensor gate_up = linear(w, kinds, 2, rms_norm(x1, need(w, FF_NORMS, "pre-feed-forward norm"), eps));
   const int64_t inter = gate_up.size(1) / 2;
   at::Tensor act = at::gelu(gate_up.narrow(1, 0, inter), "tanh").mul_(gate_up.narrow(1, inter, inter));
+  gate_up.reset();
   return rms_norm(linear(w, kinds, 3, act), need(w, FF_NORMS + 1, "post-feed-forward norm"), eps).add_(x1);
 }
 
@@ -176,6 +177,8 @@ at::Tensor decoder_layer(const at::Tensor& x, const c10::List<OptT>& w, at::IntA
   at::Tensor h = at::empty_like(x);
   op.rms_norm.call(h, x, need(w, 0, "input norm"), eps);
   at::Tensor qkv = linear(w, kinds, 0, h).view({T, heads + 2 * kv_heads, d});
+  h.reset();  // each temporary is released as soon as it is used, as Python's refcounts do on the module
+              // path: a long extend chunk's peak stays the module path's
   const OptT q_norm = w.get(QK_NORMS), k_norm = w.get(QK_NORMS + 1);
   if (q_norm.has_value()) {  // each q and k head RMS-normed (the module path's F.rms_norm over 3-d views)
     TORCH_CHECK(k_norm.has_value(), "decoder_layer: a q norm needs a k norm");
@@ -224,12 +227,18 @@ at::Tensor decoder_layer(const at::Tensor& x, const c10::List<OptT>& w, at::IntA
                               std::nullopt, std::nullopt, 0);
   }
   if (rotation.has_value()) att = at::matmul(att, *rotation);  // H H = I: back from the rotated V basis
+  q.reset();
+  k.reset();
+  v.reset();
+  qkv.reset();
   at::Tensor o = linear(w, kinds, 1, att.reshape({T, heads * d}));
+  att.reset();
 
   if (kinds[2 * LINEARS] == 1) return gemma_mlp(w, kinds, x, o, eps);
   // MLP sublayer: o += x is the new residual stream, h its norm
   h = op.add_rms_norm.call(o, x, need(w, 1, "post-attention norm"), eps);
   at::Tensor act = op.silu_mul.call(linear(w, kinds, 2, h));
+  h.reset();
   return linear(w, kinds, 3, act).add_(o);
 }
 
