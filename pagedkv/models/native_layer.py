@@ -12,9 +12,9 @@ Two sides decide whether a layer takes it, each about what it owns:
 
 - the model: :func:`pack_linear` says whether each of a layer's linears is one the op knows (float
   ``nn.Linear``, the runner's input-major ``InputMajorLinear``, Q8_0 or low-bit ``QuantLinear``;
-  not a LoRA wrapper, not a tensor-parallel shard), and each layer's ``native_layer`` (``models/llama.py``) whether
-  the layer is a pre-norm SwiGLU one or Gemma's (q/k norms or not; no mixture of experts, no
-  latent attention) on the native fused ops;
+  not a LoRA wrapper, not a tensor-parallel shard), and each layer's ``native_layer``
+  (``models/llama.py``) whether the layer is a pre-norm SwiGLU one or Gemma's (q/k norms or not;
+  no mixture of experts, no latent attention) on the native fused ops;
 - the step: the runner's attention function offers ``native_layer_args(layer_idx)``: the layer's
   cache and the step's indices when every row of the step attends through the native paged kernel
   over float32 or 8-bit blocks (not a mixed pool, not the Triton backend), else None.

@@ -46,47 +46,33 @@ c10::TypedOperatorHandle<Fn> handle(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
 }
 
+// The ops' signatures, as their schemas in the other sources declare them.
+using In = const at::Tensor&;
+using Opt = const OptT&;
+using RmsNormFn = void(In, In, In, double);
+using AddRmsNormFn = at::Tensor(In, In, In, double);
+using RopeQkFn = at::Tensor(In, In, In, int64_t, int64_t);
+using SiluMulFn = at::Tensor(In);
+using Q8LinearFn = void(In, In, In, In, Opt);
+using LowbitLinearFn = void(In, In, In, Opt, In, Opt, Opt, int64_t);
+using PagedAttentionFn = void(In, In, In, In, In, In, In, double, int64_t, Opt, Opt, double);
+using CascadeAttentionFn = void(In, In, In, In, In, In, In, double, int64_t, Opt, Opt, double, In, In, In, In, In,
+                                In, Opt, Opt, int64_t);
+using WriteKvScaledFn = void(In, In, In, In, In);
+
 // The ops of the module path, looked up once (the other sources of this extension register them).
 struct Ops {
-  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)> rms_norm =
-      handle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>("pagedkv::rms_norm");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>
-      add_rms_norm = handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
-          "pagedkv::add_rms_norm");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>
-      rope_qk = handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>(
-          "pagedkv::rope_qk");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul =
-      handle<at::Tensor(const at::Tensor&)>("pagedkv::silu_mul");
-  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const OptT&)>
-      q8_0_linear = handle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const OptT&)>("pagedkv::q8_0_linear");
-  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&,
-                                const at::Tensor&, const OptT&, const OptT&, int64_t)>
-      lowbit_linear = handle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&,
-                                  const at::Tensor&, const OptT&, const OptT&, int64_t)>("pagedkv::lowbit_linear");
-  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
-                                const OptT&, const OptT&, double)>
-      paged_attention = handle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                    const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
-                                    const OptT&, const OptT&, double)>("pagedkv::paged_attention");
-  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
-                                const OptT&, const OptT&, double, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const OptT&, const OptT&, int64_t)>
-      cascade_attention =
-          handle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                      const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t, const OptT&,
-                      const OptT&, double, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                      const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, const OptT&,
-                      int64_t)>("pagedkv::cascade_attention");
-  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&)>
-      write_kv_scaled = handle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                    const at::Tensor&)>("pagedkv::write_kv_scaled");
+  c10::TypedOperatorHandle<RmsNormFn> rms_norm = handle<RmsNormFn>("pagedkv::rms_norm");
+  c10::TypedOperatorHandle<AddRmsNormFn> add_rms_norm = handle<AddRmsNormFn>("pagedkv::add_rms_norm");
+  c10::TypedOperatorHandle<RopeQkFn> rope_qk = handle<RopeQkFn>("pagedkv::rope_qk");
+  c10::TypedOperatorHandle<SiluMulFn> silu_mul = handle<SiluMulFn>("pagedkv::silu_mul");
+  c10::TypedOperatorHandle<Q8LinearFn> q8_0_linear = handle<Q8LinearFn>("pagedkv::q8_0_linear");
+  c10::TypedOperatorHandle<LowbitLinearFn> lowbit_linear = handle<LowbitLinearFn>("pagedkv::lowbit_linear");
+  c10::TypedOperatorHandle<PagedAttentionFn> paged_attention =
+      handle<PagedAttentionFn>("pagedkv::paged_attention");
+  c10::TypedOperatorHandle<CascadeAttentionFn> cascade_attention =
+      handle<CascadeAttentionFn>("pagedkv::cascade_attention");
+  c10::TypedOperatorHandle<WriteKvScaledFn> write_kv_scaled = handle<WriteKvScaledFn>("pagedkv::write_kv_scaled");
 };
 
 const Ops& ops() {
@@ -173,12 +159,10 @@ at::Tensor decoder_layer(const at::Tensor& x, const c10::List<OptT>& w, at::IntA
   const int64_t T = x.size(0), d = k_cache.size(3);
   const bool scaled = k_scales.has_value();
 
-  // attention sublayer
-  at::Tensor h = at::empty_like(x);
-  op.rms_norm.call(h, x, need(w, 0, "input norm"), eps);
-  at::Tensor qkv = linear(w, kinds, 0, h).view({T, heads + 2 * kv_heads, d});
-  h.reset();  // each temporary is released as soon as it is used, as Python's refcounts do on the module
-              // path: a long extend chunk's peak stays the module path's
+  // attention sublayer (each temporary is released as soon as it is used, as Python's refcounts do on
+  // the module path: a long extend chunk's peak stays the module path's)
+  at::Tensor qkv = linear(w, kinds, 0, rms_norm(x, need(w, 0, "input norm"), eps));
+  qkv = qkv.view({T, heads + 2 * kv_heads, d});
   const OptT q_norm = w.get(QK_NORMS), k_norm = w.get(QK_NORMS + 1);
   if (q_norm.has_value()) {  // each q and k head RMS-normed (the module path's F.rms_norm over 3-d views)
     TORCH_CHECK(k_norm.has_value(), "decoder_layer: a q norm needs a k norm");
@@ -235,10 +219,8 @@ at::Tensor decoder_layer(const at::Tensor& x, const c10::List<OptT>& w, at::IntA
   att.reset();
 
   if (kinds[2 * LINEARS] == 1) return gemma_mlp(w, kinds, x, o, eps);
-  // MLP sublayer: o += x is the new residual stream, h its norm
-  h = op.add_rms_norm.call(o, x, need(w, 1, "post-attention norm"), eps);
-  at::Tensor act = op.silu_mul.call(linear(w, kinds, 2, h));
-  h.reset();
+  // MLP sublayer: add_rms_norm makes o += x the new residual stream and returns its norm
+  at::Tensor act = op.silu_mul.call(linear(w, kinds, 2, op.add_rms_norm.call(o, x, need(w, 1, "post-attn norm"), eps)));
   return linear(w, kinds, 3, act).add_(o);
 }
 
